@@ -1,0 +1,39 @@
+"""Checkpoint saving and loading flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where checkpoints go, how often, and what a load restores."""
+
+    save: str | None = None
+    """Directory to save checkpoints to."""
+    save_interval: int | None = None
+    """Save a checkpoint every this many iterations."""
+    no_save_optim: bool | None = None
+    """Do not save the optimizer state."""
+    no_save_rng: bool | None = None
+    """Do not save the RNG states."""
+    load: str | None = None
+    """Directory to load a checkpoint from."""
+    no_load_optim: bool | None = None
+    """Do not load the optimizer state."""
+    no_load_rng: bool | None = None
+    """Do not load the RNG states."""
+    finetune: bool = False
+    """Load the model weights only: iteration, optimizer, scheduler and RNG start afresh."""
+    perform_initialization: bool = dataclasses.field(
+        default=True, metadata={"flag": "--no-initialization"})
+    """Skip weight initialization (the weights come from a checkpoint)."""
+    use_checkpoint_args: bool = False
+    """Take the model architecture flags from the checkpoint."""
+    exit_on_missing_checkpoint: bool = False
+    """Exit if --load is given but holds no checkpoint."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the latest."""
+    ckpt_format: Literal["torch"] = "torch"
+    """Checkpoint format: torch (Megatron-LM's legacy per-rank model_optim_rng.pt)."""

@@ -1,0 +1,77 @@
+"""Dataset and tokenizer flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron.config.base import spec
+
+TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from and how they are shaped."""
+
+    data_path: list[str] | None = spec(None, nargs="*")
+    """Dataset prefix, or weighted prefixes "w1 prefix1 w2 prefix2 ...", split by --split."""
+    split: str = "969, 30, 1"
+    """Train/validation/test proportions of --data-path, e.g. "969,30,1"."""
+    train_data_path: list[str] | None = spec(None, nargs="*")
+    """Dataset prefix(es) for training only (instead of --data-path and --split)."""
+    valid_data_path: list[str] | None = spec(None, nargs="*")
+    """Dataset prefix(es) for validation only."""
+    test_data_path: list[str] | None = spec(None, nargs="*")
+    """Dataset prefix(es) for testing only."""
+    data_cache_path: str | None = None
+    """Directory for the cached document/sample/shuffle index files."""
+    mock_data: bool = False
+    """Train on synthetic token samples instead of a dataset (smoke tests, benchmarks)."""
+    seq_length: int | None = None
+    """Tokens per sample."""
+    encoder_seq_length: int | None = None
+    """Encoder tokens per sample (same as --seq-length for GPT/BERT)."""
+    decoder_seq_length: int | None = None
+    """Decoder tokens per sample (encoder-decoder models)."""
+    sample_rate: float = 1.0
+    """Fraction of the samples to use (task datasets)."""
+    mask_prob: float = 0.15
+    """Probability of masking a token (BERT)."""
+    short_seq_prob: float = 0.1
+    """Probability of a shorter-than-maximum sample (BERT)."""
+    mmap_warmup: bool = False
+    """Read the whole mmap file once at start (accepted; the OS page cache does this lazily)."""
+    num_workers: int = 2
+    """Data-loader worker processes."""
+    data_impl: Literal["mmap", "infer"] = "infer"
+    """Indexed-dataset implementation (only mmap exists; infer reads the magic)."""
+    dataloader_type: Literal["single", "cyclic"] | None = None
+    """Sampler: single (one pass in order, resumable) or cyclic (random, reshuffled each epoch);
+    defaults to single."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
+    eod_mask_loss: bool = False
+    """Do not compute the loss on end-of-document tokens."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TokenizerConfig:
+    """Which tokenizer turns text into ids, and its files."""
+
+    tokenizer_type: str | None = spec(None, choices=TOKENIZER_TYPES)
+    """Tokenizer kind."""
+    vocab_file: str | None = None
+    """Vocabulary file (GPT-2 vocab.json, BERT vocab.txt)."""
+    merge_file: str | None = None
+    """BPE merges file (GPT-2 merges.txt)."""
+    vocab_size: int | None = None
+    """Vocabulary size of the NullTokenizer."""
+    vocab_extra_ids: int = 0
+    """Extra sentinel tokens added to the vocabulary (T5)."""
+    tokenizer_model: str | None = None
+    """SentencePiece model file, or a HuggingFace tokenizer.json / directory."""

@@ -1,0 +1,95 @@
+"""Model architecture, dropout and initialization flags (Megatron's network size,
+regularization-dropout and initialization groups)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron.config.base import spec
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Transformer shape, dropout, initialization and attention numerics."""
+
+    num_layers: int | None = None
+    """Number of transformer layers."""
+    encoder_num_layers: int | None = None
+    """Number of encoder layers (encoder-decoder models; alternative to --num-layers)."""
+    decoder_num_layers: int | None = None
+    """Number of decoder layers (encoder-decoder models)."""
+    hidden_size: int | None = None
+    """Transformer hidden size."""
+    ffn_hidden_size: int | None = None
+    """Hidden size of the MLP; defaults to 4 x --hidden-size."""
+    num_attention_heads: int | None = None
+    """Number of attention heads."""
+    kv_channels: int | None = None
+    """Projection size per attention head; defaults to --hidden-size / --num-attention-heads."""
+    max_position_embeddings: int | None = None
+    """Maximum sequence length the learned position embedding supports."""
+    use_rotary_position_embeddings: bool = False
+    """Use rotary position embeddings instead of learned absolute ones."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that rotary embeddings rotate."""
+    add_position_embedding: bool = spec(True, flag="--no-position-embedding")
+    """Disable the learned position embedding."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this value x TP size, for efficient GEMMs."""
+    layernorm_epsilon: float = spec(1e-5, aliases=("--norm-epsilon",))
+    """Epsilon of every LayerNorm."""
+    apply_layernorm_1p: bool = False
+    """LayerNorm weights are stored as (gamma - 1), centring them at zero."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual after the LayerNorm (original BERT) instead of before it."""
+    openai_gelu: bool = False
+    """Use OpenAI's tanh approximation of GeLU (as GPT-2 did)."""
+    squared_relu: bool = False
+    """Use squared ReLU instead of GeLU."""
+    swiglu: bool = False
+    """Use a gated SwiGLU MLP instead of GeLU."""
+    onnx_safe: bool | None = spec(None, argtype=lambda s: s.lower() in ("1", "true", "yes"))
+    """Use workarounds for known problems with the Torch ONNX exporter."""
+    bert_binary_head: bool = spec(True, flag="--bert-no-binary-head")
+    """Disable BERT's binary (sentence-order) head."""
+    num_experts: int | None = None
+    """Number of experts in a mixture-of-experts MLP."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weights instead of tying it to the word embeddings."""
+    embedding_weights_in_fp32: bool = False
+    """Keep the word embedding in fp32 with fp16/bf16 training."""
+    add_bias_linear: bool = spec(True, flag="--disable-bias-linear")
+    """Disable biases in the linear layers."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability of the attention probabilities."""
+    hidden_dropout: float = 0.1
+    """Dropout probability of the embedding and of each residual branch."""
+
+    seed: int = 1234
+    """Random seed for python, numpy, torch and the model-parallel streams."""
+    data_parallel_random_init: bool = False
+    """Initialize each data-parallel replica with a different seed."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
+    init_method_xavier_uniform: bool = False
+    """Use Xavier-uniform initialization instead of the normal distribution."""
+
+    apply_query_key_layer_scaling: bool = spec(
+        False, flag="--apply-query-key-layer-scaling")
+    """Scale Q.K^T by 1/layer-number (and the softmax input back up), for fp16 stability.
+    Megatron-LM 23.06's inverse switch --no-query-key-layer-scaling is accepted too."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Attention implementation: auto/flash/fused use torch's scaled_dot_product_attention;
+    unfused/local use the explicit scale-mask-softmax reference path."""
+    masked_softmax_fusion: bool = spec(True, flag="--no-masked-softmax-fusion")
+    """Disable the fused scale-mask-softmax kernel (unfused attention path only)."""
+    bias_gelu_fusion: bool = spec(True, flag="--no-bias-gelu-fusion")
+    """Disable the fused bias + GeLU kernel."""
+    bias_dropout_fusion: bool = spec(True, flag="--no-bias-dropout-fusion")
+    """Disable the fused bias + dropout + add kernel."""
+    use_flash_attn: bool = False
+    """Use FlashAttention (here: torch's SDPA, which dispatches to flash kernels on GPUs)."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Transformer implementation: local (this library's layers)."""

@@ -1,0 +1,252 @@
+"""The one place where flag combinations are checked and derived values are set.
+
+Runs before any process group starts. Every error is a ``ValueError`` whose message names the
+flags involved and what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import device
+
+# Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
+# Setting one to a non-default value is an error rather than a silent no-op.
+NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
+    ("model", "use_rotary_position_embeddings"): "--use-rotary-position-embeddings",
+    ("model", "squared_relu"): "--squared-relu",
+    ("model", "swiglu"): "--swiglu",
+    ("model", "num_experts"): "--num-experts",
+    ("model", "encoder_num_layers"): "--encoder-num-layers",
+    ("model", "decoder_num_layers"): "--decoder-num-layers",
+    ("model", "embedding_weights_in_fp32"): "--embedding-weights-in-fp32",
+    ("model", "init_method_xavier_uniform"): "--init-method-xavier-uniform",
+    ("parallel", "sequence_parallel"): "--sequence-parallel",
+    ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
+    ("parallel", "standalone_embedding_stage"): "--standalone-embedding-stage",
+    ("parallel", "pipeline_model_parallel_split_rank"): "--pipeline-model-parallel-split-rank",
+}
+
+_DEPRECATED = {
+    ("training", "batch_size"): ("--batch-size", "--micro-batch-size"),
+    ("optimizer", "warmup"): ("--warmup", "--lr-warmup-fraction"),
+    ("parallel", "model_parallel_size"): ("--model-parallel-size", "--tensor-model-parallel-size"),
+    ("training", "checkpoint_activations"): (
+        "--checkpoint-activations", "--recompute-activations or --recompute-granularity"),
+}
+
+
+def validate(cfg, world_size: int, require_model: bool = True) -> None:
+    """Check ``cfg`` for a run of ``world_size`` ranks and fill in its derived values.
+
+    Args:
+        cfg: the :class:`~megatron.config.cli.MegatronConfig` to check (modified in place).
+        world_size: number of ranks of the run.
+        require_model: the architecture flags must be present (training, evaluation).
+
+    Raises:
+        ValueError: an impossible or unsupported combination, naming the flags.
+    """
+    _check_deprecated(cfg)
+    _derive_parallel_sizes(cfg, world_size)
+    if require_model:
+        _check_model_shape(cfg)
+        _check_pipeline_layers(cfg)
+    _check_batch(cfg)
+    _check_precision(cfg)
+    _check_schedule(cfg)
+    _check_recompute(cfg)
+    _check_misc(cfg)
+    _check_not_implemented(cfg)
+
+
+def _check_deprecated(cfg) -> None:
+    for (section, name), (old, new) in _DEPRECATED.items():
+        value = getattr(getattr(cfg, section), name)
+        if value not in (None, False):
+            raise ValueError(f"{old} is no longer supported; use {new}")
+
+
+def _derive_parallel_sizes(cfg, world_size: int) -> None:
+    par = cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) and "
+                         f"--pipeline-model-parallel-size ({pp}) must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of "
+            f"{tp * pp} processes or change the parallel sizes")
+    cfg.world_size = world_size
+    cfg.data_parallel_size = world_size // (tp * pp)
+    if par.distributed_backend == "nccl" and not device.accelerator_available():
+        raise ValueError("--distributed-backend nccl needs CUDA, which this machine lacks; "
+                         "use --distributed-backend gloo")
+
+
+def _check_model_shape(cfg) -> None:
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    missing = [flag for flag, value in (
+        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--max-position-embeddings", m.max_position_embeddings)) if value is None]
+    if missing:
+        raise ValueError(f"missing required flag(s): {', '.join(missing)}")
+    if m.num_attention_heads % tp != 0:
+        raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    if m.ffn_hidden_size % tp != 0:
+        raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if m.kv_channels is None:
+        if m.hidden_size % m.num_attention_heads != 0:
+            raise ValueError(f"--hidden-size ({m.hidden_size}) is not divisible by "
+                             f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels")
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    d = cfg.data
+    if d.seq_length is None:
+        d.seq_length = d.encoder_seq_length
+    elif d.encoder_seq_length is None:
+        d.encoder_seq_length = d.seq_length
+    elif d.encoder_seq_length != d.seq_length:
+        raise ValueError(f"--seq-length ({d.seq_length}) and --encoder-seq-length "
+                         f"({d.encoder_seq_length}) differ")
+    if d.seq_length is not None and d.seq_length > m.max_position_embeddings:
+        raise ValueError(f"--seq-length ({d.seq_length}) is larger than "
+                         f"--max-position-embeddings ({m.max_position_embeddings})")
+    for flag, p in (("--attention-dropout", m.attention_dropout),
+                    ("--hidden-dropout", m.hidden_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{flag} ({p}) must be in [0, 1)")
+
+
+def _check_pipeline_layers(cfg) -> None:
+    par, layers = cfg.parallel, cfg.model.num_layers
+    pp = par.pipeline_model_parallel_size
+    if layers % pp != 0:
+        raise ValueError(f"--num-layers ({layers}) is not divisible by "
+                         f"--pipeline-model-parallel-size ({pp})")
+    per_virtual = par.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None:
+        if pp < 2:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs "
+                             f"--pipeline-model-parallel-size >= 2, got {pp}")
+        if per_virtual < 1 or (layers // pp) % per_virtual != 0:
+            raise ValueError(
+                f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size "
+                f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
+        cfg.virtual_pipeline_model_parallel_size = (layers // pp) // per_virtual
+
+
+def _check_batch(cfg) -> None:
+    t, dp = cfg.training, cfg.data_parallel_size
+    if t.micro_batch_size is None:
+        t.micro_batch_size = 1 if t.global_batch_size is None else None
+    if t.micro_batch_size is None or t.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be a positive integer, got {t.micro_batch_size}")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise ValueError(
+            f"--global-batch-size ({t.global_batch_size}) is not divisible by "
+            f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
+            f"{t.micro_batch_size * dp}")
+    if t.rampup_batch_size is not None and len(t.rampup_batch_size) != 3:
+        raise ValueError("--rampup-batch-size takes 3 values: <start batch size> "
+                         f"<batch size increment> <ramp-up samples>, got {t.rampup_batch_size}")
+    if t.train_iters is not None and t.train_samples is not None:
+        raise ValueError("--train-iters and --train-samples are mutually exclusive")
+
+
+def _check_precision(cfg) -> None:
+    p = cfg.precision
+    if p.fp16 and p.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive: pick one")
+    cfg.params_dtype = torch.half if p.fp16 else torch.bfloat16 if p.bf16 else torch.float32
+    if p.bf16:
+        # bf16 gradients lose too much precision when summed: Megatron forces fp32 accumulation.
+        p.accumulate_allreduce_grads_in_fp32 = True
+    if p.fp16_lm_cross_entropy and not p.fp16:
+        raise ValueError("--fp16-lm-cross-entropy needs --fp16")
+    if p.fp32_residual_connection and not (p.fp16 or p.bf16):
+        raise ValueError("--fp32-residual-connection needs --fp16 or --bf16")
+    if p.loss_scale is not None and p.loss_scale <= 0:
+        raise ValueError(f"--loss-scale ({p.loss_scale}) must be positive")
+    if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
+            and cfg.parallel.ddp_impl != "local":
+        raise ValueError("--accumulate-allreduce-grads-in-fp32, --bf16 and "
+                         "--use-distributed-optimizer need --DDP-impl local")
+
+
+def _check_schedule(cfg) -> None:
+    t, o = cfg.training, cfg.optimizer
+    if t.train_iters is not None:
+        if o.lr_decay_samples is not None or o.lr_warmup_samples:
+            raise ValueError("iteration-based training (--train-iters) needs iteration-based "
+                             "--lr-decay-iters / --lr-warmup-iters (or --lr-warmup-fraction), not "
+                             "--lr-decay-samples / --lr-warmup-samples")
+        if t.rampup_batch_size is not None:
+            raise ValueError("--rampup-batch-size needs sample-based training (--train-samples)")
+    if t.train_samples is not None and (o.lr_decay_iters is not None or o.lr_warmup_iters):
+        raise ValueError("sample-based training (--train-samples) needs --lr-decay-samples / "
+                         "--lr-warmup-samples (or --lr-warmup-fraction), not the -iters flags")
+    if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
+        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are "
+                         "mutually exclusive")
+    if o.lr is not None and o.min_lr > o.lr:
+        raise ValueError(f"--min-lr ({o.min_lr}) is larger than --lr ({o.lr})")
+    if o.weight_decay_incr_style == "constant":
+        if o.start_weight_decay is not None or o.end_weight_decay is not None:
+            raise ValueError("--start-weight-decay/--end-weight-decay need "
+                             "--weight-decay-incr-style linear or cosine")
+        o.start_weight_decay = o.end_weight_decay = o.weight_decay
+    elif o.start_weight_decay is None or o.end_weight_decay is None:
+        raise ValueError(f"--weight-decay-incr-style {o.weight_decay_incr_style} needs "
+                         "--start-weight-decay and --end-weight-decay")
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler and "
+                         "--use-checkpoint-opt_param-scheduler are mutually exclusive")
+
+
+def _check_recompute(cfg) -> None:
+    t, tp = cfg.training, cfg.parallel.tensor_model_parallel_size
+    if t.recompute_activations:
+        t.recompute_granularity = "selective"
+    if t.recompute_granularity == "selective" and t.recompute_method is not None:
+        raise ValueError("--recompute-method applies to --recompute-granularity full only")
+    if t.recompute_granularity == "full" and t.recompute_method is None:
+        raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+    if t.distribute_saved_activations and (tp == 1 or t.recompute_granularity != "full"):
+        raise ValueError("--distribute-saved-activations needs --tensor-model-parallel-size > 1 "
+                         "and --recompute-granularity full")
+
+
+def _check_misc(cfg) -> None:
+    ck, d = cfg.checkpoint, cfg.data
+    if ck.save is not None and ck.save_interval is None:
+        raise ValueError("--save needs --save-interval")
+    if d.dataloader_type is None:
+        d.dataloader_type = "single"
+    for flag, value in (("--log-interval", cfg.logging.log_interval),
+                        ("--eval-interval", cfg.training.eval_interval),
+                        ("--tensorboard-log-interval", cfg.logging.tensorboard_log_interval)):
+        if value < 1:
+            raise ValueError(f"{flag} ({value}) must be >= 1")
+    if cfg.training.eval_iters < 0:
+        raise ValueError(f"--eval-iters ({cfg.training.eval_iters}) must be >= 0")
+
+
+def _check_not_implemented(cfg) -> None:
+    import dataclasses
+
+    for (section, name), flag in NOT_IMPLEMENTED.items():
+        sec = getattr(cfg, section)
+        default = {f.name: f.default for f in dataclasses.fields(sec)}[name]
+        if getattr(sec, name) != default:
+            raise ValueError(f"{flag} is a Megatron-LM flag this framework does not implement yet")
+    if cfg.model.transformer_impl != "local":
+        raise ValueError("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, "
+                         "which this framework does not use; use --transformer-impl local")

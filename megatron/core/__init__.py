@@ -1,0 +1,1 @@
+"""The model-parallel library: parallel state, tensor/pipeline parallelism, optimizers, models."""

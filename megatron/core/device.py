@@ -1,0 +1,89 @@
+"""The one place that decides where tensors live and which collective backend is used.
+
+CUDA is used when it is available (NCCL backend); otherwise everything runs on the CPU with
+gloo. Nothing else in the library calls ``torch.cuda`` directly, except ``tensor_parallel/random.py``
+(RNG state) and ``fused_kernels/``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def accelerator_available() -> bool:
+    """True when a CUDA device can be used."""
+    return torch.cuda.is_available()
+
+
+def get_device() -> torch.device:
+    """The device this process computes on: its local CUDA device, or the CPU."""
+    if accelerator_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def synchronize() -> None:
+    """Wait for queued device work (a no-op on the CPU); used by timers."""
+    if accelerator_available():
+        torch.cuda.synchronize()
+
+
+def memory_stats() -> dict[str, float]:
+    """Allocated / reserved / peak device memory in MiB (empty on the CPU)."""
+    if not accelerator_available():
+        return {}
+    mib = 1024.0 * 1024.0
+    return {
+        "mem-allocated-MiB": torch.cuda.memory_allocated() / mib,
+        "mem-reserved-MiB": torch.cuda.memory_reserved() / mib,
+        "mem-max-allocated-MiB": torch.cuda.max_memory_allocated() / mib,
+    }
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> None:
+    """Initialize torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_*).
+
+    A single process started without torchrun gets a world of one on 127.0.0.1, so scripts run
+    unchanged with ``python pretrain_gpt.py ...``.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; ``None`` picks by device (NCCL needs CUDA).
+        timeout_minutes: collective timeout.
+
+    Raises:
+        ValueError: NCCL asked for on a machine without CUDA.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "nccl" and not accelerator_available():
+        raise ValueError(
+            "--distributed-backend nccl needs CUDA, which this machine lacks; use "
+            "--distributed-backend gloo (the default on CPU)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,424 @@
+"""Model-parallel process groups: tensor (TP), pipeline (PP), data (DP), model and embedding groups.
+
+Ranks are laid out as Megatron-LM does: TP is the fastest-varying dimension, then DP, then PP.
+With 16 ranks, TP=2 and PP=4 (so DP=2)::
+
+    tensor    [0,1] [2,3] ... [14,15]
+    data      [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    pipeline  [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+    model     [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]
+    embedding [0,12] [1,13] [2,14] [3,15]   (first and last stage of each pipeline)
+
+The rank lists come from one pure function, :func:`rank_layout`, which the process groups, the CLI
+(``python -m megatron.core.parallel_state``) and the tests share. The live groups are held by one
+:class:`ParallelState` object, the only global of the library, built by
+:func:`initialize_model_parallel` and dropped by :func:`destroy_model_parallel`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch.distributed as dist
+
+Groups = list[list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """Every group of every kind, as lists of global ranks."""
+
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    pipeline_model_parallel_split_rank: int | None
+    tensor: Groups
+    pipeline: Groups
+    data: Groups
+    model: Groups
+    embedding: Groups
+    position_embedding: Groups
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The ``kind`` group (``"tensor"``, ``"data"``...) that contains global ``rank``."""
+        for ranks in getattr(self, kind):
+            if rank in ranks:
+                return ranks
+        return []
+
+
+def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
+                pipeline_model_parallel_size: int = 1,
+                virtual_pipeline_model_parallel_size: int | None = None,
+                pipeline_model_parallel_split_rank: int | None = None) -> RankLayout:
+    """Compute all rank groups for a world, without creating any process group.
+
+    Args:
+        world_size: total number of ranks.
+        tensor_model_parallel_size: ranks a layer is split over (fastest-varying).
+        pipeline_model_parallel_size: number of pipeline stages.
+        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved schedule).
+        pipeline_model_parallel_split_rank: stage where the decoder starts (encoder-decoder models);
+            that stage joins the embedding groups.
+
+    Raises:
+        ValueError: the sizes do not fit the world, naming the flags to change.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if world_size < 1 or tp < 1 or pp < 1:
+        raise ValueError(f"world size ({world_size}), --tensor-model-parallel-size ({tp}) and "
+                         f"--pipeline-model-parallel-size ({pp}) must be positive")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    if virtual_pipeline_model_parallel_size is not None:
+        if pp < 2:
+            raise ValueError("an interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
+                             f"needs --pipeline-model-parallel-size >= 2, got {pp}")
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError("virtual pipeline size must be positive, got "
+                             f"{virtual_pipeline_model_parallel_size}")
+    split = pipeline_model_parallel_split_rank
+    if split is not None and not 0 <= split < pp:
+        raise ValueError(f"--pipeline-model-parallel-split-rank ({split}) must be in "
+                         f"[0, --pipeline-model-parallel-size ({pp}))")
+    dp = world_size // (tp * pp)
+    ranks_per_stage = world_size // pp
+
+    data: Groups = []
+    for stage in range(pp):
+        start = stage * ranks_per_stage
+        for tp_rank in range(tp):
+            data.append(list(range(start + tp_rank, start + ranks_per_stage, tp)))
+    # A model-parallel group is one replica: every rank with the same DP index.
+    model = [[group[dp_rank] for group in data] for dp_rank in range(dp)]
+    tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
+    pipeline = [list(range(i, world_size, ranks_per_stage)) for i in range(ranks_per_stage)]
+
+    embedding: Groups = []
+    position_embedding: Groups = []
+    for ranks in pipeline:
+        emb = [ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]]
+        pos = [ranks[0]]
+        if split is not None and len(ranks) > 1:
+            if ranks[split] not in emb:
+                emb = sorted(emb + [ranks[split]])
+            if ranks[split] not in pos:
+                pos = [ranks[0], ranks[split]]
+        embedding.append(emb)
+        position_embedding.append(pos)
+
+    return RankLayout(world_size, tp, pp, dp, virtual_pipeline_model_parallel_size, split,
+                      tensor, pipeline, data, model, embedding, position_embedding)
+
+
+@dataclasses.dataclass
+class ParallelState:
+    """This rank's process groups and positions, built by :func:`initialize_model_parallel`."""
+
+    layout: RankLayout
+    rank: int
+    tensor_group: dist.ProcessGroup
+    pipeline_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    model_group: dist.ProcessGroup
+    embedding_group: dist.ProcessGroup | None
+    position_embedding_group: dist.ProcessGroup | None
+    virtual_pipeline_rank: int | None = None
+
+    def ranks(self, kind: str) -> list[int]:
+        return self.layout.group_of(kind, self.rank)
+
+
+_STATE: ParallelState | None = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              pipeline_model_parallel_split_rank: int | None = None) -> None:
+    """Create every process group of :func:`rank_layout` (collective: all ranks must call it).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: the sizes do not fit the world.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("initialize torch.distributed (megatron.core.device.init_distributed) "
+                           "before initialize_model_parallel")
+    layout = rank_layout(dist.get_world_size(), tensor_model_parallel_size,
+                         pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+                         pipeline_model_parallel_split_rank)
+    rank = dist.get_rank()
+
+    def build(kind: str) -> dist.ProcessGroup | None:
+        # new_group is collective over the whole world: every rank creates every group.
+        mine = None
+        for ranks in getattr(layout, kind):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine
+
+    groups = {kind: build(kind) for kind in
+              ("tensor", "pipeline", "data", "model", "embedding", "position_embedding")}
+    _STATE = ParallelState(
+        layout=layout, rank=rank,
+        tensor_group=groups["tensor"], pipeline_group=groups["pipeline"],
+        data_group=groups["data"], model_group=groups["model"],
+        embedding_group=groups["embedding"],
+        position_embedding_group=groups["position_embedding"],
+        virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Drop the groups (the default world group stays)."""
+    global _STATE
+    if _STATE is not None:
+        seen = set()
+        for group in (_STATE.tensor_group, _STATE.pipeline_group, _STATE.data_group,
+                      _STATE.model_group, _STATE.embedding_group,
+                      _STATE.position_embedding_group):
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):
+                    pass  # a group this rank is not part of
+    _STATE = None
+
+
+def get_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallel groups are not initialized: call "
+                           "initialize_model_parallel first")
+    return _STATE
+
+
+# Groups -------------------------------------------------------------------------------------
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_state().tensor_group
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return get_state().pipeline_group
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    return get_state().data_group
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return get_state().model_group
+
+
+def get_embedding_group() -> dist.ProcessGroup | None:
+    return get_state().embedding_group
+
+
+def get_position_embedding_group() -> dist.ProcessGroup | None:
+    return get_state().position_embedding_group
+
+
+# Sizes and ranks ----------------------------------------------------------------------------
+def _size_and_rank(kind: str) -> tuple[int, int]:
+    if _STATE is None:
+        return 1, 0
+    ranks = _STATE.ranks(kind)
+    return len(ranks), ranks.index(_STATE.rank)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _size_and_rank("tensor")[0]
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _size_and_rank("tensor")[1]
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _size_and_rank("pipeline")[0]
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _size_and_rank("pipeline")[1]
+
+
+def get_data_parallel_world_size() -> int:
+    return _size_and_rank("data")[0]
+
+
+def get_data_parallel_rank() -> int:
+    return _size_and_rank("data")[1]
+
+
+def get_model_parallel_world_size() -> int:
+    return _size_and_rank("model")[0]
+
+
+def get_model_parallel_rank() -> int:
+    return _size_and_rank("model")[1]
+
+
+def get_embedding_group_ranks() -> list[int]:
+    return get_state().ranks("embedding")
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """True on ranks that hold a copy of the tied word embedding."""
+    state = get_state()
+    ranks = state.ranks("embedding")
+    if state.rank not in ranks:
+        return False
+    if ignore_virtual:
+        return True
+    if state.rank == ranks[0]:
+        return is_pipeline_first_stage()
+    if state.rank == ranks[-1]:
+        return is_pipeline_last_stage()
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    state = get_state()
+    return state.rank in state.ranks("position_embedding")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's tensor group (broadcast source)."""
+    return get_state().ranks("tensor")[0]
+
+
+def get_data_parallel_src_rank() -> int:
+    return get_state().ranks("data")[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return get_state().ranks("pipeline")[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return get_state().ranks("pipeline")[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next pipeline stage (wraps around)."""
+    ranks = get_state().ranks("pipeline")
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous pipeline stage (wraps around)."""
+    ranks = get_state().ranks("pipeline")
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_split_rank() -> int | None:
+    return get_state().layout.pipeline_model_parallel_split_rank if _STATE else None
+
+
+# Virtual pipeline ---------------------------------------------------------------------------
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return get_state().layout.virtual_pipeline_model_parallel_size if _STATE else None
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    return get_state().virtual_pipeline_rank if _STATE else None
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    """Select the model chunk the interleaved schedule is running."""
+    get_state().virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first stage (and, with virtual stages, the first model chunk)."""
+    if not ignore_virtual and _STATE is not None and _STATE.virtual_pipeline_rank not in (None, 0):
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last stage (and, with virtual stages, the last model chunk)."""
+    if not ignore_virtual and _STATE is not None and _STATE.virtual_pipeline_rank is not None:
+        vpp = _STATE.layout.virtual_pipeline_model_parallel_size
+        if _STATE.virtual_pipeline_rank != vpp - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_pipeline_stage_before_split(rank: int | None = None) -> bool:
+    """True if the stage runs the encoder of an encoder-decoder model (always without a split)."""
+    split = get_pipeline_model_parallel_split_rank()
+    if split is None or get_pipeline_model_parallel_world_size() == 1:
+        return True
+    rank = get_pipeline_model_parallel_rank() if rank is None else rank
+    return rank < split
+
+
+def is_pipeline_stage_after_split(rank: int | None = None) -> bool:
+    split = get_pipeline_model_parallel_split_rank()
+    if split is None or get_pipeline_model_parallel_world_size() == 1:
+        return True
+    rank = get_pipeline_model_parallel_rank() if rank is None else rank
+    return rank >= split
+
+
+# CLI ----------------------------------------------------------------------------------------
+def format_layout(layout: RankLayout) -> str:
+    """Human-readable listing of every group kind."""
+
+    def fmt(groups: Groups) -> str:
+        return " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+
+    lines = [
+        f"world size {layout.world_size}: tensor-model-parallel {layout.tensor_model_parallel_size}"
+        f" x pipeline-model-parallel {layout.pipeline_model_parallel_size}"
+        f" x data-parallel {layout.data_parallel_size}"
+        + (f", virtual pipeline stages {layout.virtual_pipeline_model_parallel_size}"
+           if layout.virtual_pipeline_model_parallel_size else "")
+        + (f", pipeline split rank {layout.pipeline_model_parallel_split_rank}"
+           if layout.pipeline_model_parallel_split_rank is not None else ""),
+        f"tensor-model-parallel groups:   {fmt(layout.tensor)}",
+        f"pipeline-model-parallel groups: {fmt(layout.pipeline)}",
+        f"data-parallel groups:           {fmt(layout.data)}",
+        f"model-parallel groups:          {fmt(layout.model)}",
+        f"embedding groups:               {fmt(layout.embedding)}",
+        f"position-embedding groups:      {fmt(layout.position_embedding)}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.core.parallel_state", allow_abbrev=False,
+        description="Print how ranks are grouped, without launching anything.")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
+                             args.pipeline_model_parallel_size,
+                             args.virtual_pipeline_model_parallel_size,
+                             args.pipeline_model_parallel_split_rank)
+    except ValueError as err:
+        parser.error(str(err))
+    sys.stdout.write(format_layout(layout) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Rank layout (pure) and real process groups on 8 gloo ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.parallel_state import rank_layout
+from tests.multiprocess import run_distributed
+
+
+def test_sixteen_rank_example_matches_megatron():
+    layout = rank_layout(16, 2, 4)
+    assert layout.data == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert layout.tensor == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert layout.pipeline == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert layout.model == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert layout.embedding == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert layout.position_embedding == [[0], [1], [2], [3]]
+    assert layout.data_parallel_size == 2
+
+
+# (world, tp, pp, vpp, split) -> hand-checked groups
+HAND_CHECKED = {
+    (8, 2, 2, None, None): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        data=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        pipeline=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        model=[[0, 1, 4, 5], [2, 3, 6, 7]],
+        embedding=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (8, 1, 1, None, None): dict(
+        tensor=[[r] for r in range(8)], data=[list(range(8))], pipeline=[[r] for r in range(8)],
+        model=[[r] for r in range(8)], embedding=[[r] for r in range(8)]),
+    (8, 8, 1, None, None): dict(
+        tensor=[list(range(8))], data=[[r] for r in range(8)], pipeline=[[r] for r in range(8)],
+        model=[list(range(8))], embedding=[[r] for r in range(8)]),
+    (8, 1, 8, None, None): dict(
+        tensor=[[r] for r in range(8)], data=[[r] for r in range(8)], pipeline=[list(range(8))],
+        model=[list(range(8))], embedding=[[0, 7]]),
+    (4, 1, 2, None, None): dict(
+        tensor=[[0], [1], [2], [3]], data=[[0, 1], [2, 3]], pipeline=[[0, 2], [1, 3]],
+        model=[[0, 2], [1, 3]], embedding=[[0, 2], [1, 3]]),
+    (8, 2, 4, 2, None): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]], data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        pipeline=[[0, 2, 4, 6], [1, 3, 5, 7]], model=[list(range(8))],
+        embedding=[[0, 6], [1, 7]]),
+    (8, 1, 4, None, 2): dict(
+        tensor=[[r] for r in range(8)], data=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        pipeline=[[0, 2, 4, 6], [1, 3, 5, 7]], model=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        embedding=[[0, 4, 6], [1, 5, 7]], position_embedding=[[0, 4], [1, 5]]),
+    (12, 3, 2, None, None): dict(
+        tensor=[[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]],
+        data=[[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]],
+        pipeline=[[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]],
+        model=[[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]],
+        embedding=[[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]]),
+    (1, 1, 1, None, None): dict(tensor=[[0]], data=[[0]], pipeline=[[0]], model=[[0]],
+                                embedding=[[0]]),
+}
+
+
+@pytest.mark.parametrize("key", list(HAND_CHECKED), ids=str)
+def test_layout_hand_checked(key):
+    layout = rank_layout(*key)
+    for kind, groups in HAND_CHECKED[key].items():
+        assert getattr(layout, kind) == groups, kind
+
+
+@pytest.mark.parametrize("world,tp,pp", [(w, t, p) for w in (1, 2, 4, 6, 8, 12, 16, 24)
+                                         for t in (1, 2, 3, 4, 8) for p in (1, 2, 3, 4)
+                                         if w % (t * p) == 0])
+def test_layout_partitions(world, tp, pp):
+    """Every kind of group partitions the world, and the sizes multiply out."""
+    layout = rank_layout(world, tp, pp)
+    for kind, size in (("tensor", tp), ("pipeline", pp), ("data", world // (tp * pp)),
+                       ("model", tp * pp)):
+        groups = getattr(layout, kind)
+        assert sorted(r for g in groups for r in g) == list(range(world)), kind
+        assert all(len(g) == size for g in groups), kind
+    # A rank's TP group and DP group intersect only in the rank itself.
+    for rank in range(world):
+        assert set(layout.group_of("tensor", rank)) & set(layout.group_of("data", rank)) == {rank}
+
+
+@pytest.mark.parametrize("args,match", [
+    ((6, 4, 1), "not divisible"),
+    ((8, 2, 3), "not divisible"),
+    ((8, 1, 1, 2), "pipeline-model-parallel-size >= 2"),
+    ((8, 1, 4, None, 4), "split-rank"),
+])
+def test_layout_rejects_impossible_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        rank_layout(*args)
+
+
+def test_cli_prints_layout():
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.core.parallel_state", "--world-size", "16",
+         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+        capture_output=True, text=True, check=True).stdout
+    assert "data-parallel groups:           [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]" in out
+    assert "pipeline-model-parallel groups: [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]" in out
+    assert "model-parallel groups:          [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]" in out
+    assert "embedding groups:               [0,12] [1,13] [2,14] [3,15]" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron.core.parallel_state", "--world-size", "6",
+         "--tensor-model-parallel-size", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--tensor-model-parallel-size" in bad.stderr
+
+
+def _sum_in_each_group(rank, world_size):
+    ps.initialize_model_parallel(2, 2)
+    sums = {}
+    for kind, group in (("tensor", ps.get_tensor_model_parallel_group()),
+                        ("pipeline", ps.get_pipeline_model_parallel_group()),
+                        ("data", ps.get_data_parallel_group()),
+                        ("model", ps.get_model_parallel_group()),
+                        ("embedding", ps.get_embedding_group())):
+        value = torch.tensor([float(2 ** rank)])
+        torch.distributed.all_reduce(value, group=group)
+        sums[kind] = int(value.item())
+    info = dict(
+        tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        pp=(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        dp=(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+        first=ps.is_pipeline_first_stage(), last=ps.is_pipeline_last_stage(),
+        next=ps.get_pipeline_model_parallel_next_rank(),
+        prev=ps.get_pipeline_model_parallel_prev_rank(),
+        in_embedding=ps.is_rank_in_embedding_group())
+    return sums, info
+
+
+def test_real_groups_on_eight_ranks():
+    layout = rank_layout(8, 2, 2)
+    results = run_distributed(8, _sum_in_each_group)
+    for rank, (sums, info) in enumerate(results):
+        for kind in ("tensor", "pipeline", "data", "model", "embedding"):
+            expected = sum(2 ** r for r in layout.group_of(kind, rank))
+            assert sums[kind] == expected, (rank, kind)
+        assert info["tp"] == (rank % 2, 2)
+        assert info["pp"] == (rank // 4, 2)
+        assert info["dp"] == ((rank // 2) % 2, 2)
+        assert info["first"] == (rank < 4) and info["last"] == (rank >= 4)
+        assert info["next"] == (rank + 4) % 8 and info["prev"] == (rank - 4) % 8
+        assert info["in_embedding"]
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    torch.distributed.barrier()  # rank 0 hangs here: the harness must notice
+
+
+def test_harness_reports_failing_rank():
+    with pytest.raises(RuntimeError, match="boom on rank one"):
+        run_distributed(2, _raise_on_rank_one, timeout=30)
+    # The next call gets a fresh, working world.
+    assert run_distributed(2, _sum_world) == [3, 3]
+
+
+def _sum_world(rank, world_size):
+    value = torch.tensor([rank + 1])
+    torch.distributed.all_reduce(value)
+    return int(value.item())

@@ -1,0 +1,179 @@
+"""Run a test function on N gloo ranks on this machine.
+
+    from tests.multiprocess import run_distributed
+
+    def _check_all_reduce(rank, world_size, value):   # module level: pickled by reference
+        ...
+        return something_picklable
+
+    def test_all_reduce():
+        results = run_distributed(4, _check_all_reduce, 3.0)   # one result per rank
+
+Worlds are pooled: the first test asking for N ranks spawns N processes (``spawn``, never
+``fork``: fork deadlocks in long gloo sessions), which initialize gloo on 127.0.0.1 and then
+serve test functions until the session ends; spawning costs 7-10 s, a pooled call 0.05-0.3 s.
+After every call each rank destroys its model-parallel groups and meets the others at a barrier,
+so the next test starts clean. If any rank raises, or a call exceeds its timeout (a hang), the
+whole world is killed and the error shows every failing rank's traceback; the next test gets a
+fresh world with a fresh rendezvous port. Each rank runs with ``OMP_NUM_THREADS=1``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 180.0
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron.core import comm, device, parallel_state
+
+    try:
+        device.init_distributed(backend="gloo", timeout_minutes=5)
+        results.put((rank, "ready", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+            status = "ok"
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            out, status = traceback.format_exc(), "error"
+        finally:
+            parallel_state.destroy_model_parallel()
+        if status == "ok":
+            try:
+                comm.barrier()
+            except BaseException:  # noqa: BLE001
+                out, status = traceback.format_exc(), "error"
+        results.put((rank, status, out))
+    torch.distributed.destroy_process_group()
+
+
+class DistributedWorld:
+    """N spawned gloo ranks that run test functions on request."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads
+        try:
+            self.procs = [ctx.Process(target=_worker, daemon=True,
+                                      args=(r, world_size, port, self.tasks[r], self.results))
+                          for r in range(world_size)]
+            for proc in self.procs:
+                proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        self._collect("ready", _STARTUP_TIMEOUT_S, what="start-up")
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        return self._collect("ok", timeout, what=f"{fn.__module__}.{fn.__qualname__}")
+
+    def _collect(self, expected: str, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        outputs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(outputs) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:
+                # Ranks that did not fail are probably stuck in a collective with a failed one.
+                remaining = min(remaining, 5.0)
+            if remaining <= 0 or not self.alive() and self.results.empty():
+                break
+            try:
+                rank, status, out = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if status == "error":
+                errors[rank] = out
+            else:
+                outputs[rank] = out
+        if errors or len(outputs) < self.world_size:
+            self.close(force=True)
+            missing = sorted(set(range(self.world_size)) - set(outputs) - set(errors))
+            report = [f"{what} failed on a world of {self.world_size} gloo ranks"]
+            report += [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                report.append(f"--- ranks {missing} did not finish within {timeout:.0f} s "
+                              "(hung in a collective, or crashed)")
+            raise RuntimeError("\n".join(report))
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for proc in self.procs:
+                proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_WORLDS: dict[int, DistributedWorld] = {}
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any,
+                    timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a gloo world.
+
+    ``fn`` must be defined at module level. Returns each rank's return value, by rank.
+
+    Raises:
+        RuntimeError: a rank raised or did not finish within ``timeout`` seconds; the message
+            holds every failing rank's traceback.
+    """
+    world = _WORLDS.get(world_size)
+    if world is None or not world.alive():
+        world = _WORLDS[world_size] = DistributedWorld(world_size)
+    try:
+        return world.run(fn, args, kwargs, timeout)
+    except RuntimeError:
+        _WORLDS.pop(world_size, None)
+        raise
+
+
+@atexit.register
+def _close_worlds() -> None:
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()
