@@ -1,0 +1,1 @@
+"""The training loop: pretrain(), schedules of learning rate and batch size, logging, checkpoints."""

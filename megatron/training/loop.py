@@ -1,0 +1,263 @@
+"""The training loop: one step, evaluation, and the iteration loop with logging and exits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megatron.core import comm, parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.log import log_rank_0, log_rank_last
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.training import log_line
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.microbatches import NumMicroBatchesCalculator
+from megatron.training.timers import Timers
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What advances as training runs (and is restored from checkpoints)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+    last_saved_iteration: int | None = None
+
+
+@dataclasses.dataclass
+class _LogAccumulator:
+    losses: dict[str, float] = dataclasses.field(default_factory=dict)
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    skipped_total: int = 0
+
+    def add(self, losses: dict[str, float], skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+            self.skipped_total += 1
+        else:
+            self.advanced += 1
+            for key, value in losses.items():
+                self.losses[key] = self.losses.get(key, 0.0) + value
+        if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+            self.nan += 1
+
+    def averages(self) -> dict[str, float]:
+        return {k: v / max(1, self.advanced) for k, v in self.losses.items()}
+
+    def reset(self) -> None:
+        self.losses, self.advanced, self.skipped, self.nan = {}, 0, 0, 0
+
+
+def _average_reduced_losses(losses_reduced: list[dict]) -> dict[str, float]:
+    if not losses_reduced:
+        return {}
+    return {key: float(sum(float(d[key]) for d in losses_reduced) / len(losses_reduced))
+            for key in losses_reduced[0]}
+
+
+def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
+               scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers
+               ) -> tuple[dict[str, float], bool, float | None, int | None]:
+    """One optimizer step over a global batch.
+
+    Returns:
+        (mean loss dict over micro-batches, skipped, grad norm, number of zeros in grad)
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    timers("forward-backward", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=microbatches.get(), seq_length=cfg.data.seq_length,
+        micro_batch_size=cfg.training.micro_batch_size, forward_only=False,
+        grad_scale_func=optimizer.scale_loss)
+    timers("forward-backward").stop()
+    timers("grads-all-reduce", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
+    finalize_model_grads(model)
+    timers("grads-all-reduce").stop()
+    timers("optimizer", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
+    if update_successful:
+        increment = microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
+        scheduler.step(increment=increment)
+    if cfg.parallel.empty_unused_memory_level >= 1:
+        _empty_cache()
+    return _average_reduced_losses(losses_reduced), not update_successful, grad_norm, num_zeros
+
+
+def _empty_cache() -> None:
+    from megatron.core import device
+
+    if device.accelerator_available():
+        torch.cuda.empty_cache()  # cuda-only
+
+
+def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, cfg,
+             microbatches: NumMicroBatchesCalculator, eval_iters: int) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` global batches, without gradients."""
+    for chunk in model:
+        chunk.eval()
+    totals: dict[str, float] = {}
+    for _ in range(eval_iters):
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=microbatches.get(), seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
+        for key, value in _average_reduced_losses(reduced).items():
+            totals[key] = totals.get(key, 0.0) + value
+    for chunk in model:
+        chunk.train()
+    return {k: v / max(1, eval_iters) for k, v in totals.items()}
+
+
+def evaluate_and_print(prefix: str, forward_step_func, data_iterator, model, cfg, microbatches,
+                       writer, state: TrainState, eval_iters: int) -> dict[str, float]:
+    losses = evaluate(forward_step_func, data_iterator, model, cfg, microbatches, eval_iters)
+    log_line.log_validation(prefix, losses, writer, state.iteration, state.consumed_train_samples,
+                            cfg.logging.log_validation_ppl_to_tensorboard)
+    return losses
+
+
+class Trainer:
+    """Runs the iteration loop: steps, logging, evaluation, checkpoints and exits."""
+
+    def __init__(self, cfg, forward_step_func: Callable, model: list, optimizer, scheduler,
+                 microbatches: NumMicroBatchesCalculator, timers: Timers, state: TrainState,
+                 flops_per_sample: Callable[[int], float] | None = None, writer=None) -> None:
+        self.cfg = cfg
+        self.forward_step_func = forward_step_func
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.microbatches = microbatches
+        self.timers = timers
+        self.state = state
+        self.flops_per_batch = flops_per_sample
+        self.writer = writer
+        self.acc = _LogAccumulator()
+        self.start_time = time.time()
+
+    def save(self) -> None:
+        s = self.state
+        if self.cfg.checkpoint.save is None or s.last_saved_iteration == s.iteration:
+            return
+        self.timers("save-checkpoint", log_level=0).start(barrier=True)
+        save_checkpoint(s.iteration, self.model, self.optimizer, self.scheduler, self.cfg,
+                        s.consumed_train_samples, s.consumed_valid_samples,
+                        s.floating_point_operations_so_far)
+        self.timers("save-checkpoint").stop(barrier=True)
+        s.last_saved_iteration = s.iteration
+
+    def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None) -> bool:
+        """Train until ``train_iters``; returns True if an exit condition stopped it early."""
+        cfg, s = self.cfg, self.state
+        for chunk in self.model:
+            chunk.train()
+        self.timers("interval-time", log_level=0).start(barrier=True)
+        while s.iteration < train_iters:
+            self.microbatches.update(s.consumed_train_samples)
+            losses, skipped, grad_norm, num_zeros = train_step(
+                self.forward_step_func, train_iterator, self.model, self.optimizer,
+                self.scheduler, cfg, self.microbatches, self.timers)
+            s.iteration += 1
+            batch = self.microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
+            s.consumed_train_samples += batch
+            if self.flops_per_batch is not None:
+                s.floating_point_operations_so_far += self.flops_per_batch(batch)
+            self.acc.add(losses, skipped)
+            self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
+            if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
+                    and valid_iterator is not None and cfg.training.eval_iters > 0:
+                evaluate_and_print(f"iteration {s.iteration}", self.forward_step_func,
+                                   valid_iterator, self.model, cfg, self.microbatches,
+                                   self.writer, s, cfg.training.eval_iters)
+                s.consumed_valid_samples += cfg.training.eval_iters * batch
+            if self._should_exit(signal_handler):
+                return True
+            if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
+                    s.iteration % cfg.checkpoint.save_interval == 0:
+                self.save()
+        return False
+
+    def _should_exit(self, signal_handler) -> bool:
+        cfg, s = self.cfg, self.state
+        reason = None
+        if signal_handler is not None and signal_handler.signals_received():
+            reason = "exiting program after receiving SIGTERM"
+        elif cfg.training.exit_duration_in_mins:
+            minutes = torch.tensor([(time.time() - self.start_time) / 60.0])
+            comm.all_reduce(minutes, None, op="max")
+            if minutes.item() > cfg.training.exit_duration_in_mins:
+                reason = f"exiting program after {minutes.item():.1f} minutes"
+        elif cfg.training.exit_interval and s.iteration % cfg.training.exit_interval == 0:
+            reason = f"exiting program at iteration {s.iteration}"
+        if reason is None:
+            return False
+        self.save()
+        comm.barrier()
+        log_rank_0(reason)
+        return True
+
+    def _maybe_log(self, losses, grad_norm, num_zeros, batch, train_iters) -> None:
+        cfg, s = self.cfg, self.state
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        loss_scale = float(self.optimizer.get_loss_scale())
+        params_norm = _params_norm(self.model) if cfg.logging.log_params_norm else None
+        if self.writer is not None and s.iteration % cfg.logging.tensorboard_log_interval == 0:
+            log_line.write_training_scalars(
+                self.writer, cfg, iteration=s.iteration, consumed_samples=s.consumed_train_samples,
+                learning_rate=lr, batch_size=batch, losses=losses, loss_scale=loss_scale,
+                grad_norm=grad_norm, num_zeros=num_zeros, params_norm=params_norm,
+                tokens_per_sec=None, tflops=None, world_size=cfg.world_size)
+        if s.iteration % cfg.logging.log_interval != 0:
+            return
+        elapsed = self.timers("interval-time").elapsed(reset=True) / cfg.logging.log_interval
+        tokens_per_sec = batch * cfg.data.seq_length / elapsed if elapsed > 0 else 0.0
+        tflops = None
+        if self.flops_per_batch is not None and elapsed > 0:
+            tflops = self.flops_per_batch(batch) / elapsed / cfg.world_size / 1e12
+        line = log_line.training_log_string(
+            iteration=s.iteration, train_iters=train_iters,
+            consumed_samples=s.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
+            learning_rate=lr, batch_size=batch, losses=self.acc.averages(),
+            loss_scale=loss_scale, grad_norm=grad_norm, num_zeros=num_zeros,
+            params_norm=params_norm, skipped=self.acc.skipped, nan=self.acc.nan,
+            tokens_per_sec=tokens_per_sec, tflops=tflops)
+        log_rank_last(line)
+        if self.writer is not None:
+            self.writer.add_scalar("iteration-time", elapsed, s.iteration)
+            self.writer.add_scalar("tokens-per-second", tokens_per_sec, s.iteration)
+            if tflops is not None:
+                self.writer.add_scalar("throughput", tflops, s.iteration)
+            if cfg.logging.log_timers_to_tensorboard:
+                self.timers.write(["forward-backward", "grads-all-reduce", "optimizer"],
+                                  self.writer, s.iteration, normalizer=cfg.logging.log_interval)
+        timer_line = self.timers.log_string(["forward-backward", "grads-all-reduce", "optimizer"],
+                                            normalizer=cfg.logging.log_interval)
+        if timer_line:
+            log_rank_0(timer_line)
+        self.acc.reset()
+
+
+def _params_norm(model: list) -> float:
+    """L2 norm of the parameters, TP-split ones summed over the model-parallel group once."""
+    total = torch.zeros(1, dtype=torch.float64)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for chunk in model:
+        for param in chunk.parameters():
+            duplicated = not getattr(param, "tensor_model_parallel", False)
+            if duplicated and tp_rank != 0:
+                continue
+            total += param.detach().double().norm() ** 2
+    comm.all_reduce(total, parallel_state.get_model_parallel_group())
+    return float(total.sqrt())

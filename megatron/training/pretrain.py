@@ -1,0 +1,192 @@
+"""``pretrain()``: the entry point scripts build on, in the shape Megatron-LM users know.
+
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func)
+
+* ``model_provider(cfg, pre_process=True, post_process=True) -> torch.nn.Module``
+* ``train_valid_test_datasets_provider(cfg, tokenizer, [train, valid, test] num samples)
+  -> (train_ds, valid_ds, test_ds)`` (any may be None)
+* ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron.config import MegatronConfig
+from megatron.config.cli import ExtraArgsProvider
+from megatron.core import device, parallel_state
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.log import log_rank_0
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.data.samplers import build_pretraining_data_loader
+from megatron.training import log_line
+from megatron.training.checkpointing import load_checkpoint
+from megatron.training.initialize import initialize_megatron
+from megatron.training.loop import Trainer, TrainState, evaluate_and_print
+from megatron.training.lr_schedule import OptimizerParamScheduler
+from megatron.training.microbatches import NumMicroBatchesCalculator
+from megatron.training.signals import DistributedSignalHandler
+from megatron.training.timers import Timers
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+             forward_step_func: Callable, *, argv: Sequence[str] | None = None,
+             extra_args_provider: ExtraArgsProvider | None = None,
+             flops_per_sample: Callable[[MegatronConfig], float] | None = None,
+             tokenizer_builder: Callable | None = None) -> TrainState:
+    """Initialize, build model/optimizer/data, train, evaluate; returns the final state.
+
+    ``forward_step_func`` is called as ``forward_step_func(data_iterator, model)``; scripts that
+    need the config bind it with ``functools.partial``-style closures over the returned config
+    (``forward_step_func`` may also accept ``cfg`` as keyword: see pretrain_gpt.py).
+    """
+    cfg = initialize_megatron(argv, extra_args_provider)
+    timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
+    tokenizer = tokenizer_builder(cfg) if tokenizer_builder is not None else None
+    model = build_model(cfg, model_provider)
+    optimizer = get_megatron_optimizer(
+        cfg.optimizer, cfg.precision, model,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        params_dtype=cfg.params_dtype,
+        data_parallel_group=parallel_state.get_data_parallel_group(),
+        model_parallel_group=parallel_state.get_model_parallel_group())
+    train_iters = compute_train_iters(cfg)
+    scheduler = build_scheduler(cfg, optimizer, train_iters)
+    state = TrainState()
+    if cfg.checkpoint.load is not None:
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
+            load_checkpoint(model, optimizer, scheduler, cfg)
+        timers("load-checkpoint").stop(barrier=True)
+        state.last_saved_iteration = state.iteration
+    microbatches = NumMicroBatchesCalculator(
+        cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.data_parallel_size,
+        cfg.training.rampup_batch_size)
+    train_it, valid_it, test_it = build_data_iterators(
+        cfg, tokenizer, train_valid_test_datasets_provider, train_iters, state)
+    flops = None
+    if flops_per_sample is not None:
+        per_sample = flops_per_sample(cfg)
+        flops = lambda batch: per_sample * batch  # noqa: E731 - tiny closure
+    writer = log_line.make_tensorboard_writer(cfg)
+    trainer = Trainer(cfg, forward_step_func, model, optimizer, scheduler, microbatches, timers,
+                      state, flops, writer)
+    exited = False
+    if not cfg.training.skip_train and train_it is not None and state.iteration < train_iters:
+        log_rank_0(f"training for {train_iters} iterations (starting at {state.iteration})")
+        if cfg.training.exit_signal_handler:
+            with DistributedSignalHandler() as handler:
+                exited = trainer.train(train_it, valid_it, train_iters, handler)
+        else:
+            exited = trainer.train(train_it, valid_it, train_iters)
+        trainer.save()
+    if not exited and cfg.training.eval_iters > 0:
+        if valid_it is not None:
+            evaluate_and_print("the end of training for val data", forward_step_func, valid_it,
+                               model, cfg, microbatches, writer, state, cfg.training.eval_iters)
+        if test_it is not None:
+            evaluate_and_print("the end of training for test data", forward_step_func, test_it,
+                               model, cfg, microbatches, writer, state, cfg.training.eval_iters)
+    if writer is not None:
+        writer.flush()
+        writer.close()
+    return state
+
+
+def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.Module]:
+    """The model chunk(s) of this rank on the compute device, wrapped for data parallelism."""
+    module = model_provider(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    module.to(device.get_device())
+    num_params = sum(p.numel() for p in module.parameters())
+    log_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
+               f"({parallel_state.get_tensor_model_parallel_rank()}, "
+               f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
+    wrapped = DistributedDataParallel(
+        module, data_parallel_group=parallel_state.get_data_parallel_group(),
+        accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        ddp_impl=cfg.parallel.ddp_impl)
+    return [wrapped]
+
+
+def compute_train_iters(cfg: MegatronConfig) -> int:
+    """--train-iters, or the iterations --train-samples needs (with batch-size ramp-up)."""
+    t = cfg.training
+    if t.train_iters is not None:
+        return t.train_iters
+    if t.train_samples is None:
+        return 0
+    if t.rampup_batch_size is None:
+        return t.train_samples // t.global_batch_size
+    calc = NumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size,
+                                     cfg.data_parallel_size, t.rampup_batch_size)
+    iterations, consumed = 0, 0
+    while consumed < t.train_samples:
+        calc.update(consumed)
+        consumed += calc.current_global_batch_size
+        iterations += 1
+    return iterations
+
+
+def build_scheduler(cfg: MegatronConfig, optimizer, train_iters: int) -> OptimizerParamScheduler:
+    """Megatron's schedule lengths, counted in samples."""
+    t, o = cfg.training, cfg.optimizer
+    if o.lr is None:
+        raise ValueError("--lr is required for training")
+    gbs = t.global_batch_size
+    if t.train_samples is None:
+        decay_steps = (o.lr_decay_iters if o.lr_decay_iters is not None else train_iters) * gbs
+        wd_incr_steps = train_iters * gbs
+        warmup_steps = o.lr_warmup_fraction * decay_steps if o.lr_warmup_fraction is not None \
+            else o.lr_warmup_iters * gbs
+    else:
+        decay_steps = o.lr_decay_samples if o.lr_decay_samples is not None else t.train_samples
+        wd_incr_steps = t.train_samples
+        warmup_steps = o.lr_warmup_fraction * decay_steps if o.lr_warmup_fraction is not None \
+            else o.lr_warmup_samples
+    return OptimizerParamScheduler(
+        optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(decay_steps, 1), lr_decay_style=o.lr_decay_style,
+        start_wd=o.start_weight_decay, end_wd=o.end_weight_decay,
+        wd_incr_steps=max(wd_incr_steps, 1), wd_incr_style=o.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=o.override_opt_param_scheduler)
+
+
+def build_data_iterators(cfg: MegatronConfig, tokenizer, provider: Callable, train_iters: int,
+                         state: TrainState):
+    """Datasets sized as Megatron does, then resumable loaders and iterators."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 1
+    num_samples = [t.train_samples if t.train_samples is not None else train_iters * gbs,
+                   eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    train_ds, valid_ds, test_ds = provider(cfg, tokenizer, num_samples)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    def loader(ds, consumed):
+        if ds is None or len(ds) == 0:
+            return None
+        return build_pretraining_data_loader(
+            ds, consumed, cfg.data.dataloader_type, t.micro_batch_size, dp_rank, dp_size,
+            cfg.data.num_workers)
+
+    train_loader = loader(train_ds, state.consumed_train_samples)
+    valid_loader = loader(valid_ds, state.consumed_valid_samples)
+    test_loader = loader(test_ds, 0)
+    train_it = iter(train_loader) if train_loader is not None else None
+    # Evaluation may need more batches than one pass holds: cycle over the loader.
+    valid_it = _cycle(valid_loader) if valid_loader is not None else None
+    test_it = _cycle(test_loader) if test_loader is not None else None
+    return train_it, valid_it, test_it
+
+
+def _cycle(loader):
+    for _ in itertools.count():
+        yield from loader

@@ -1,0 +1,126 @@
+"""Named wall-clock timers with log levels, reduced over ranks for logging (Megatron's Timers).
+
+``timers("forward-backward", log_level=1).start()`` ... ``.stop()``; a timer whose level is above
+``--timing-log-level`` is a no-op. Device work is synchronized before reading the clock so GPU
+timings are real.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device
+
+
+class Timer:
+    """One named timer accumulating elapsed seconds between start() and stop()."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._elapsed = 0.0
+        self._started = False
+        self._start_time = 0.0
+
+    def start(self, barrier: bool = False) -> None:
+        if self._started:
+            raise RuntimeError(f"timer {self.name!r} has already been started")
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        device.synchronize()
+        self._start_time = time.perf_counter()
+        self._started = True
+
+    def stop(self, barrier: bool = False) -> None:
+        if not self._started:
+            raise RuntimeError(f"timer {self.name!r} is not started")
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        device.synchronize()
+        self._elapsed += time.perf_counter() - self._start_time
+        self._started = False
+
+    def reset(self) -> None:
+        self._elapsed = 0.0
+        self._started = False
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Seconds accumulated so far (a running timer is included up to now)."""
+        running = self._started
+        if running:
+            self.stop()
+        value = self._elapsed
+        if reset:
+            self.reset()
+        if running:
+            self.start()
+        return value
+
+
+class _NullTimer(Timer):
+    def start(self, barrier: bool = False) -> None:
+        pass
+
+    def stop(self, barrier: bool = False) -> None:
+        pass
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+class Timers:
+    """A registry of timers filtered by ``log_level``; ``log_option`` is max, minmax or all."""
+
+    def __init__(self, log_level: int = 0, log_option: str = "minmax") -> None:
+        self.log_level = log_level
+        self.log_option = log_option
+        self._timers: dict[str, Timer] = {}
+        self._levels: dict[str, int] = {}
+        self._null = _NullTimer("null")
+
+    def __call__(self, name: str, log_level: int | None = None) -> Timer:
+        if name in self._timers:
+            return self._timers[name]
+        level = 0 if log_level is None else log_level
+        if level > self.log_level:
+            return self._null
+        self._timers[name] = Timer(name)
+        self._levels[name] = level
+        return self._timers[name]
+
+    def names(self) -> list[str]:
+        return list(self._timers)
+
+    def elapsed_ms(self, names: list[str], normalizer: float = 1.0,
+                   reset: bool = True) -> dict[str, tuple[float, float]]:
+        """Per timer (min over ranks, max over ranks) in milliseconds."""
+        names = [n for n in names if n in self._timers]
+        if not names:
+            return {}
+        local = torch.tensor([self._timers[n].elapsed(reset) * 1000.0 / normalizer
+                              for n in names], dtype=torch.float64)
+        high, low = local.clone(), local.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)}
+
+    def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True) -> str:
+        """Megatron's timer line: ``(min, max) time across ranks (ms):`` then one row per timer."""
+        values = self.elapsed_ms(names, normalizer, reset)
+        if not values:
+            return ""
+        if self.log_option == "max":
+            rows = [f"    {n} {'.' * max(1, 40 - len(n))}: {hi:.2f}" for n, (lo, hi) in values.items()]
+            return "max time across ranks (ms):\n" + "\n".join(rows)
+        rows = [f"    {n} {'.' * max(1, 40 - len(n))}: ({lo:.2f}, {hi:.2f})"
+                for n, (lo, hi) in values.items()]
+        return "(min, max) time across ranks (ms):\n" + "\n".join(rows)
+
+    def write(self, names: list[str], writer, iteration: int, normalizer: float = 1.0,
+              reset: bool = False) -> None:
+        """Write each timer's max-over-ranks value to TensorBoard as ``{name}-time``."""
+        for name, (_, high) in self.elapsed_ms(names, normalizer, reset).items():
+            writer.add_scalar(f"{name}-time", high, iteration)
