@@ -108,8 +108,6 @@ def parse_args(argv: Sequence[str] | None = None,
     Raises:
         SystemExit: unknown flags, bad values or an impossible combination (exit code 2).
     """
-    from megatron.config.validate import validate
-
     parser = build_parser(extra_args_provider, prog=prog)
     namespace = parser.parse_args(argv)
     values = vars(namespace)
@@ -117,15 +115,25 @@ def parse_args(argv: Sequence[str] | None = None,
     owned = {f.name for _, cls, _ in SECTIONS for f in dataclasses.fields(cls)}
     cfg.extra = argparse.Namespace(**{k: v for k, v in values.items() if k not in owned})
     _fill_extra_defaults(parser, cfg.extra)
+    cfg._parser = parser
     if validate_config:
-        if world_size is None:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        try:
-            validate(cfg, world_size, require_model=require_model)
-        except ValueError as err:
-            parser.print_usage(sys.stderr)
-            parser.exit(2, f"{parser.prog}: error: {err}\n")
+        validate_or_exit(cfg, world_size, require_model)
     return cfg
+
+
+def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
+                     require_model: bool = True) -> None:
+    """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2."""
+    from megatron.config.validate import validate
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    parser = getattr(cfg, "_parser", None) or build_parser()
+    try:
+        validate(cfg, world_size, require_model=require_model)
+    except ValueError as err:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
 def _fill_extra_defaults(parser: argparse.ArgumentParser, extra: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from megatron.config import MegatronConfig, parse_args
-from megatron.config.cli import ExtraArgsProvider
+from megatron.config.cli import ExtraArgsProvider, validate_or_exit
 from megatron.core import device, parallel_state
 from megatron.core.log import log_rank_0
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
@@ -23,7 +23,10 @@ def initialize_megatron(argv: Sequence[str] | None = None,
     Returns:
         The validated configuration.
     """
-    cfg = parse_args(argv, extra_args_provider=extra_args_provider, require_model=require_model)
+    cfg = parse_args(argv, extra_args_provider=extra_args_provider, validate_config=False)
+    if cfg.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(cfg)
+    validate_or_exit(cfg, require_model=require_model)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg
@@ -59,3 +62,53 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
+
+
+# Flags --use-checkpoint-args copies from the checkpoint's saved args.
+_CHECKPOINT_ARCH_FIELDS = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+              "max_position_embeddings", "add_position_embedding", "make_vocab_size_divisible_by",
+              "layernorm_epsilon", "apply_residual_connection_post_layernorm", "openai_gelu",
+              "untie_embeddings_and_output_weights", "add_bias_linear",
+              "apply_query_key_layer_scaling"),
+    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+    "data": ("seq_length",),
+    "tokenizer": ("tokenizer_type", "vocab_file", "merge_file", "vocab_size", "tokenizer_model"),
+}
+
+
+def apply_checkpoint_args(cfg: MegatronConfig) -> None:
+    """--use-checkpoint-args: take the architecture (and tokenizer, where the flags give none)
+    from the ``args`` saved in the ``--load`` checkpoint."""
+    from megatron.training.checkpointing import CheckpointError, read_checkpoint_args
+
+    if cfg.checkpoint.load is None:
+        raise ValueError("--use-checkpoint-args needs --load")
+    saved = read_checkpoint_args(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
+    if saved is None:
+        raise CheckpointError(f"--use-checkpoint-args: no checkpoint found in "
+                              f"{cfg.checkpoint.load}")
+    for section, names in _CHECKPOINT_ARCH_FIELDS.items():
+        sec = getattr(cfg, section)
+        for name in names:
+            value = getattr(saved, name, None)
+            if value is None:
+                continue
+            if section == "tokenizer" and getattr(sec, name) is not None:
+                continue  # flags given on the command line win for file paths
+            setattr(sec, name, value)
+
+
+def build_tokenizer_from_config(cfg: MegatronConfig):
+    """The tokenizer of ``--tokenizer-type`` (a NullTokenizer of ``--vocab-size``, default GPT-2's
+    50257, for ``--mock-data``); records the padded vocabulary size the model is built with."""
+    from megatron.tokenizer import build_tokenizer
+
+    tok_cfg = cfg.tokenizer
+    if tok_cfg.tokenizer_type is None and cfg.data.mock_data:
+        tok_cfg.tokenizer_type = "NullTokenizer"
+        tok_cfg.vocab_size = tok_cfg.vocab_size or 50257
+    tokenizer = build_tokenizer(tok_cfg, cfg.parallel.tensor_model_parallel_size,
+                                cfg.model.make_vocab_size_divisible_by)
+    cfg.padded_vocab_size = tokenizer.padded_vocab_size
+    return tokenizer

@@ -1,0 +1,63 @@
+"""Generate continuations with a GPT model whose logits may be split over TP ranks.
+
+The full forward pass is recomputed for every new token (no KV cache): simple and exact, and
+fast enough for the small models this is used with on CPUs. Every TP rank gathers the full
+logits and samples with the same seeded generator, so all ranks pick the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import device, parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.text_generation.sampling import sample
+
+
+@torch.no_grad()
+def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_generate: int,
+                    *, eod: int | None = None, vocab_size: int | None = None,
+                    max_sequence_length: int, greedy: bool = False, top_k: int = 0,
+                    top_p: float = 0.0, temperature: float = 1.0, seed: int = 1234,
+                    stop_on_eod: bool = True) -> list[list[int]]:
+    """Extend each prompt by up to ``tokens_to_generate`` tokens.
+
+    Returns:
+        The prompt plus generated ids, per prompt (stopped after the end-of-document token).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    model.eval()
+    dev = device.get_device()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    group = parallel_state.get_tensor_model_parallel_group() \
+        if parallel_state.model_parallel_is_initialized() else None
+    outputs = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        for _ in range(tokens_to_generate):
+            context = tokens[-max_sequence_length:]
+            ids = torch.tensor([context], dtype=torch.long, device=dev)  # [1, s]
+            positions = torch.arange(len(context), device=dev).unsqueeze(0)  # [1, s]
+            logits = model(ids, positions, None)  # [1, s, V/p]
+            last = logits[:, -1, :]  # [1, V/p]
+            if group is not None:
+                last = gather_from_tensor_model_parallel_region(last, group)  # [1, V]
+            nxt = int(sample(last.cpu(), greedy=greedy, top_k=top_k, top_p=top_p,
+                             temperature=temperature, vocab_size=vocab_size,
+                             generator=generator)[0])
+            tokens.append(nxt)
+            if stop_on_eod and eod is not None and nxt == eod:
+                break
+        outputs.append(tokens)
+    return outputs
+
+
+def generate_text(model: torch.nn.Module, tokenizer, prompts: list[str], tokens_to_generate: int,
+                  *, max_sequence_length: int, **sampling) -> list[str]:
+    """Tokenize, generate, detokenize (prompt included)."""
+    encoded = [tokenizer.tokenize(p) for p in prompts]
+    out = generate_tokens(model, encoded, tokens_to_generate, eod=tokenizer.eod,
+                          vocab_size=tokenizer.vocab_size, max_sequence_length=max_sequence_length,
+                          **sampling)
+    return [tokenizer.detokenize(ids) for ids in out]

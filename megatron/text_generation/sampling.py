@@ -1,0 +1,57 @@
+"""Greedy, top-k, top-p (nucleus) and temperature sampling (Megatron's sampling.py semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative > top_p
+    # Keep the first token that crosses the threshold (shift the mask right by one).
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = False
+    mask = torch.zeros_like(remove).scatter(-1, order, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, *, greedy: bool = False, top_k: int = 0, top_p: float = 0.0,
+           temperature: float = 1.0, vocab_size: int | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token from ``logits`` ``[b, V]``.
+
+    Args:
+        greedy: argmax (top_k == 1 means the same).
+        top_k: keep the k most likely tokens (0 = off). top_p: nucleus threshold (0 = off);
+            top_k and top_p are exclusive, as in Megatron-LM.
+        temperature: divide logits by this before sampling.
+        vocab_size: real vocabulary size; padded entries beyond it are never sampled.
+        generator: RNG (the same seed on every TP rank gives the same tokens everywhere).
+
+    Returns:
+        ``[b]`` token ids.
+    """
+    if top_k > 0 and top_p > 0.0:
+        raise ValueError("top-k and top-p sampling are mutually exclusive")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"top_p ({top_p}) must be in [0, 1]")
+    if temperature <= 0.0:
+        raise ValueError(f"temperature ({temperature}) must be positive")
+    logits = logits.float()
+    if vocab_size is not None and vocab_size < logits.size(-1):
+        logits[..., vocab_size:] = float("-inf")
+    if greedy or top_k == 1:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k > 1:
+        logits = _mask_top_k(logits, min(top_k, logits.size(-1)))
+    elif top_p > 0.0:
+        logits = _mask_top_p(logits, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).view(-1)

@@ -1,0 +1,71 @@
+"""Pretrain a GPT model (Megatron-LM's pretrain_gpt.py, same flags).
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
+        --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 16 \
+        --lr 3e-4 --train-iters 100 --tokenizer-type GPT2BPETokenizer \
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
+        --data-path my-gpt2_text_document --split 949,50,1 ...
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.core import comm, device, parallel_state
+from megatron.core.flops import num_floating_point_operations
+from megatron.core.models.gpt import gpt_model_from
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.training.initialize import build_tokenizer_from_config
+from megatron.training.pretrain import pretrain
+
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def model_provider(cfg, pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
+    """This rank's GPT stage, in the run's parameter dtype."""
+    return gpt_model_from(cfg, pre_process=pre_process, post_process=post_process)
+
+
+def datasets_provider(cfg, tokenizer, num_samples: list[int]):
+    """GPT train/valid/test datasets (Megatron-Core GPTDataset indices)."""
+    return build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, cfg.model.seed)
+
+
+def get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
+    """Next micro-batch on the compute device; a plain causal mask is left implicit."""
+    batch = next(data_iterator)
+    dev = device.get_device()
+    out = {key: batch[key].to(dev, non_blocking=True) if batch.get(key) is not None else None
+           for key in _BATCH_KEYS}
+    return out
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean loss over unmasked tokens; the logged value is averaged over data-parallel ranks."""
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+    reported = loss.detach().clone().view(1)
+    comm.all_reduce(reported, parallel_state.get_data_parallel_group(), op="avg")
+    return loss, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's contract: returns the model output and the function that reduces it."""
+    batch = get_batch(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def flops_per_sample(cfg) -> float:
+    """Training FLOPs of one sample (forward + backward, recomputation included)."""
+    return num_floating_point_operations(cfg, batch_size=1)
+
+
+if __name__ == "__main__":
+    pretrain(datasets_provider, model_provider, forward_step, flops_per_sample=flops_per_sample,
+             tokenizer_builder=build_tokenizer_from_config)
