@@ -57,6 +57,12 @@ class DataConfig:
     """Stop attention across end-of-document tokens."""
     eod_mask_loss: bool = False
     """Do not compute the loss on end-of-document tokens."""
+    create_attention_mask_in_dataloader: bool = spec(
+        True, flag="--no-create-attention-mask-in-dataloader")
+    """Do not build the [s, s] attention mask per sample (the model then uses a plain causal
+    mask; only valid without --reset-attention-mask)."""
+    mmap_bin_files: bool = spec(True, flag="--no-mmap-bin-files")
+    """Read the .bin files with plain file reads instead of mmap."""
 
 
 @dataclasses.dataclass(kw_only=True)

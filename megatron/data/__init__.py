@@ -1,0 +1,1 @@
+"""Data pipeline: indexed datasets, GPT sample indices, blending, samplers."""

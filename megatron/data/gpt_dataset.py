@@ -1,0 +1,431 @@
+"""GPT pretraining samples with Megatron-Core's GPTDataset index semantics.
+
+For the same prefix, split, sequence length, seed and sample count the document index, sample
+index and shuffle index equal Megatron-Core's (``../shared/FORMATS.md`` section 2b), so a run can
+move between the two frameworks without changing its data order.
+
+Legend: ``s`` = sequence length, ``E`` = epochs, ``T`` = tokens per epoch of the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron.core.log import log_rank_0
+from megatron.data import helpers
+from megatron.data.index_cache import cached_arrays
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.utils import Split, parse_and_normalize_split, split_indices, split_matrix
+
+_PAD_TOKEN_ID = -1  # marks padding inside a sample; mapped to token 0 with loss_mask 0
+_SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+@dataclasses.dataclass(kw_only=True)
+class GPTDatasetConfig:
+    """What the GPT dataset builders need (Megatron-Core ``GPTDatasetConfig`` fields)."""
+
+    random_seed: int
+    sequence_length: int
+    tokenizer: Any = None
+    blend: tuple[list[str], list[float] | None] | None = None
+    blend_per_split: list[tuple[list[str], list[float] | None] | None] | None = None
+    split: str | None = None
+    path_to_cache: str | None = None
+    mmap_bin_files: bool = True
+    mock: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
+    mid_level_dataset_surplus: float = 0.005
+    split_matrix: list[tuple[float, float] | None] | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.sequence_length is None or self.sequence_length < 2:
+            raise ValueError(f"--seq-length must be >= 2, got {self.sequence_length}")
+        if self.blend_per_split is not None and any(self.blend_per_split):
+            if self.blend is not None:
+                raise ValueError("--data-path cannot be combined with --train/valid/test-data-path")
+            self.split = None
+            return
+        if self.blend is None:
+            self.mock = True
+            self.split = "1,1,1"  # Megatron-Core's arbitrary even split for mock data
+        if self.split is None:
+            raise ValueError("--split is required with --data-path")
+        self.split_matrix = split_matrix(parse_and_normalize_split(self.split))
+
+
+# ---------------------------------------------------------------------------------------------
+# Index building (pure functions; tests compare them with an independent reference)
+# ---------------------------------------------------------------------------------------------
+
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int | None, seq_length: int,
+                      extra: int = 1) -> int:
+    """Smallest E with ``E * T >= num_samples * s + extra`` (1 when num_samples is None)."""
+    if num_samples is None:
+        return 1
+    if tokens_per_epoch <= extra:
+        raise ValueError(f"the split holds {tokens_per_epoch} tokens: too few for any sample")
+    needed = num_samples * seq_length + extra
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def separate_final_epoch(num_epochs: int, tokens_per_epoch: int, num_samples: int,
+                         seq_length: int, extra: int = 1) -> tuple[bool, int]:
+    """Whether the last epoch is shuffled apart, and the samples before it.
+
+    The last epoch is kept separate when less than 80% of it is used, so the samples of the
+    partly used epoch do not crowd the shuffled order (Megatron-Core's rule). Unlike
+    Megatron-Core, no assertion on the final-epoch sample count: many epochs work.
+    """
+    if num_epochs == 1:
+        return False, 0
+    sans_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    from_final = num_samples - sans_final
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    return from_final < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch), sans_final
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final: bool) -> np.ndarray:
+    """int32 ``[E * len(documents)]``: the split's documents tiled E times, shuffled."""
+    if separate_final and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, rng, False)
+        last = build_document_index(documents, 1, rng, False)
+        return np.concatenate((first, last))
+    document_index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+    rng.shuffle(document_index)
+    return document_index
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """``arange(num_samples)`` shuffled, then ``arange(num_samples, total_size)`` shuffled apart."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None,
+                      seq_length: int, seed: int, drop_last_partial_sequence: bool = True,
+                      add_extra_token: bool = True, use_cpp: bool | None = None,
+                      name: str = "") -> dict[str, np.ndarray]:
+    """Document, sample and shuffle indices of one split (Megatron-Core order of RNG use).
+
+    Args:
+        sequence_lengths: int32 ``[S]`` of the low-level dataset.
+        documents: int32 ids of the split's sequences.
+        num_samples: samples requested (None: one epoch).
+        seq_length: tokens per sample.
+        seed: the seed of the one RandomState used for document then shuffle index.
+        drop_last_partial_sequence: drop the final partial sample.
+        add_extra_token: samples hold ``seq_length + 1`` tokens.
+        use_cpp: see :func:`megatron.data.helpers.build_sample_idx`.
+        name: for log lines.
+
+    Returns:
+        ``{"document_index", "sample_index", "shuffle_index"}``.
+    """
+    extra = int(add_extra_token)
+    tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
+    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length, extra)
+    separate, sans_final = (separate_final_epoch(num_epochs, tokens_per_epoch, num_samples,
+                                                 seq_length, extra)
+                            if num_samples is not None else (False, 0))
+    log_rank_0(f"> {name}: {num_samples} samples of {seq_length}+{extra} tokens need "
+               f"{num_epochs} epoch(s) over {tokens_per_epoch} tokens "
+               f"({len(documents)} documents); separate final epoch: {separate}")
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate)
+    sample_index = helpers.build_sample_idx(sequence_lengths, document_index, seq_length, num_epochs,
+                                            tokens_per_epoch, drop_last_partial_sequence, extra,
+                                            use_cpp=use_cpp)
+    total = sample_index.shape[0] - 1
+    shuffle_index = build_shuffle_index(sans_final if separate else total, total, rng)
+    return {"document_index": document_index, "sample_index": sample_index,
+            "shuffle_index": shuffle_index}
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+
+def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_position_ids: bool,
+                                    reset_attention_mask: bool, eod_mask_loss: bool,
+                                    create_attention_mask: bool = True
+                                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Causal mask ``[1, s, s]`` (bool, True = masked), loss mask ``[s]`` and position ids ``[s]``.
+
+    With resets, a position after an EOD token starts a new document: its position id restarts
+    at 0 and (reset_attention_mask) it cannot attend to tokens at or before that EOD.
+    """
+    s = tokens.numel()
+    is_eod = tokens == eod
+    loss_mask = torch.ones(s, dtype=torch.float)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    # [s] document number of each position: EODs strictly before it.
+    segment = torch.cumsum(is_eod.long(), 0) - is_eod.long()
+    position_ids = torch.arange(s, dtype=torch.long)
+    if reset_position_ids:
+        starts = torch.zeros(s, dtype=torch.long)
+        starts[1:] = torch.where(is_eod[:-1], position_ids[1:], torch.zeros_like(position_ids[1:]))
+        position_ids = position_ids - torch.cummax(starts, 0).values
+    attention_mask = None
+    if create_attention_mask:
+        allowed = torch.ones(s, s, dtype=torch.bool).tril_()  # [s_q, s_k]
+        if reset_attention_mask:
+            allowed &= segment[:, None] == segment[None, :]
+        attention_mask = (~allowed).unsqueeze(0)  # [1, s, s]
+    return attention_mask, loss_mask, position_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------
+
+def _describe(obj: Any) -> Any:
+    return getattr(obj, "unique_identifiers", {"class": type(obj).__name__})
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of ``seq_length + 1`` tokens drawn across documents of one split.
+
+    Args:
+        indexed_dataset: the low-level dataset (IndexedDataset or mock).
+        dataset_path: its prefix (bookkeeping, cache location), None for mock data.
+        indices: int32 sequence ids of this split.
+        num_samples: samples requested (None: one epoch).
+        index_split: which split.
+        config: the GPT dataset config.
+    """
+
+    def __init__(self, indexed_dataset: Any, dataset_path: str | None, indices: np.ndarray,
+                 num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path
+        self.indices = indices
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.config = config
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("dataset_path", dataset_path),
+             ("num_samples", num_samples), ("index_split", index_split.name)]
+            + [(k, getattr(config, k)) for k in
+               ("random_seed", "sequence_length", "split", "split_matrix", "tokenizer")])
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4, default=_describe)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self._pad = _PAD_TOKEN_ID
+        self._cached_masks: tuple | None = None
+        indices_ = self._build_indices()
+        # Keep the np.memmap objects alive (file mapping) but index through plain ndarray
+        # views of the same pages: np.memmap indexing is ~10x slower per element.
+        self._mapped = indices_
+        self.document_index = np.asarray(indices_["document_index"])
+        self.sample_index = np.asarray(indices_["sample_index"])
+        self.shuffle_index = np.asarray(indices_["shuffle_index"])
+
+    def _cache_dir(self) -> str | None:
+        if self.config.path_to_cache:
+            return self.config.path_to_cache
+        if self.config.mock or self.dataset_path is None:
+            return None
+        import os
+
+        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        drop_last = (self.config.drop_last_partial_validation_sequence
+                     if self.index_split == Split.valid else True)
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+
+        def build() -> dict[str, np.ndarray]:
+            return build_gpt_indices(
+                np.asarray(self.dataset.sequence_lengths, dtype=np.int32), self.indices,
+                self.num_samples, self.config.sequence_length, self.config.random_seed, drop_last,
+                self.config.add_extra_token_to_sequence,
+                name=f"{type(self).__name__} {self.index_split.name} ({self.dataset_path})")
+
+        return cached_arrays(self._cache_dir(), base, self.unique_description,
+                             ["document_index", "sample_index", "shuffle_index"], build)
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def _tokens_of_sample(self, idx: int) -> np.ndarray:
+        """int64 ``[s + 1]`` tokens of shuffled sample ``idx``, padded with -1 if short."""
+        extra = int(self.config.add_extra_token_to_sequence)
+        j = int(self.shuffle_index[idx])
+        doc_beg, off_beg = (int(v) for v in self.sample_index[j])
+        doc_end, off_end = (int(v) for v in self.sample_index[j + 1])
+        if doc_beg == doc_end:
+            parts = [self.dataset.get(int(self.document_index[doc_beg]), offset=off_beg,
+                                      length=off_end - off_beg + extra)]
+        else:
+            parts = []
+            for i in range(doc_beg, doc_end + 1):
+                offset = off_beg if i == doc_beg else 0
+                length = off_end + extra if i == doc_end else None
+                parts.append(self.dataset.get(int(self.document_index[i]), offset=offset,
+                                              length=length))
+        want = self.config.sequence_length + extra
+        have = sum(len(p) for p in parts)
+        if have < want:
+            parts.append(np.full(want - have, self._pad, dtype=np.int64))
+        return np.concatenate(parts).astype(np.int64, copy=False)
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        text = torch.from_numpy(self._tokens_of_sample(0 if idx is None else int(idx)))
+        if self.config.add_extra_token_to_sequence:
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        else:
+            tokens = text
+            labels = torch.roll(text, shifts=-1, dims=0)
+            labels[-1] = self._pad
+        attention_mask, loss_mask, position_ids = self._masks(tokens)
+        padded = labels == self._pad
+        if padded.any() or idx is None:
+            loss_mask = loss_mask.clone()  # the cached mask is shared between samples
+            loss_mask[padded] = 0.0
+            if idx is None:  # batch padding: no loss at all
+                loss_mask.zero_()
+        tokens = tokens.masked_fill(tokens == self._pad, 0)
+        labels = labels.masked_fill(padded, 0)
+        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                  "position_ids": position_ids}
+        if attention_mask is not None:
+            sample["attention_mask"] = attention_mask
+        return sample
+
+    def _masks(self, tokens: torch.Tensor) -> tuple:
+        cfg = self.config
+        cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        if cacheable and self._cached_masks is not None:
+            return self._cached_masks
+        masks = get_ltor_masks_and_position_ids(tokens, cfg.tokenizer.eod, cfg.reset_position_ids,
+                                                cfg.reset_attention_mask, cfg.eod_mask_loss,
+                                                cfg.create_attention_mask)
+        if cacheable:
+            self._cached_masks = masks
+        return masks
+
+    @staticmethod
+    def numel_low_level_dataset(low_level: Any) -> int:
+        """GPT splits by sequence."""
+        return len(low_level.sequence_lengths)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        return IndexedDataset(dataset_path, mmap=config.mmap_bin_files)
+
+
+class MockGPTLowLevelDataset:
+    """Synthetic documents as Megatron-Core's: 100000 documents of lengths drawn from
+    ``default_rng(0).integers(1, 4096)``, tokens ``1, 2, ..., len-1, eod``."""
+
+    seed: int = 0
+    size: int = 100000
+    max_sequence_length: int = 4096
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        rng = np.random.default_rng(seed=self.seed)
+        self.sequence_lengths = rng.integers(low=1, high=self.max_sequence_length, size=self.size,
+                                             dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        length = int(self.sequence_lengths[idx])
+        return np.concatenate([np.arange(1, length, dtype=np.int64),
+                               np.array([self.tokenizer.eod], dtype=np.int64)])
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if length is None:
+            length = int(self.sequence_lengths[idx]) - offset
+        return self[idx][offset : offset + length]
+
+
+class MockGPTDataset(GPTDataset):
+    """GPTDataset over :class:`MockGPTLowLevelDataset` (``--mock-data``), never cached."""
+
+    def _cache_dir(self) -> str | None:
+        return None
+
+    @staticmethod
+    def numel_low_level_dataset(low_level: Any) -> int:
+        return len(low_level)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str | None, config: GPTDatasetConfig) -> Any:
+        return MockGPTLowLevelDataset(config.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def gpt_dataset_config_from_data_config(data_config: Any, tokenizer: Any, seed: int) -> GPTDatasetConfig:
+    """Map the ``--data-*`` flags (megatron/config/data.py ``DataConfig``) to a GPTDatasetConfig."""
+    from megatron.data.utils import get_blend_from_list
+
+    per_split = [get_blend_from_list(getattr(data_config, f"{name}_data_path"), f"--{name}-data-path")
+                 for name in ("train", "valid", "test")]
+    blend = get_blend_from_list(data_config.data_path)
+    if data_config.mock_data:
+        blend, per_split = None, None
+    elif blend is None and not any(per_split):
+        raise ValueError("no data: pass --data-path, --train-data-path/--valid-data-path/"
+                         "--test-data-path, or --mock-data")
+    return GPTDatasetConfig(
+        random_seed=seed, sequence_length=data_config.seq_length, tokenizer=tokenizer,
+        blend=blend, blend_per_split=per_split if per_split and any(per_split) else None,
+        split=data_config.split, path_to_cache=data_config.data_cache_path,
+        reset_position_ids=data_config.reset_position_ids,
+        reset_attention_mask=data_config.reset_attention_mask,
+        eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=getattr(data_config, "create_attention_mask_in_dataloader", True),
+        mmap_bin_files=getattr(data_config, "mmap_bin_files", True))
+
+
+def build_train_valid_test_datasets(data_config: Any, tokenizer: Any,
+                                    train_valid_test_num_samples: list[int | None], seed: int
+                                    ) -> list[torch.utils.data.Dataset | None]:
+    """Train, valid and test datasets (GPTDataset, BlendedDataset or MockGPTDataset, or None).
+
+    Args:
+        data_config: the ``DataConfig`` section (--data-path, --split, --seq-length, ...).
+        tokenizer: provides ``.eod`` and ``.vocab_size``.
+        train_valid_test_num_samples: samples the schedule needs per split.
+        seed: --seed.
+
+    Raises:
+        ValueError: missing/invalid data flags or files.
+    """
+    from megatron.data.blended_dataset import build_dataset_splits
+
+    config = gpt_dataset_config_from_data_config(data_config, tokenizer, seed)
+    cls = MockGPTDataset if config.mock else GPTDataset
+    return build_dataset_splits(cls, list(train_valid_test_num_samples), config)
+
+
+def samples_for_blend(target: int, weight: float, surplus: float) -> int:
+    """Samples built per blended component: ``ceil(ceil(target * w) * (1 + surplus))``."""
+    return int(math.ceil(math.ceil(target * weight) * (1 + surplus)))

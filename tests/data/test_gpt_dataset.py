@@ -1,0 +1,245 @@
+"""GPTDataset / BlendedDataset index properties on real text, and a reference rebuild of
+Megatron-Core's index algorithm written independently from FORMATS.md 2b."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.config import DataConfig
+from megatron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, build_gpt_indices,
+                                       build_train_valid_test_datasets)
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.data.utils import Split
+
+EOD = 256
+TOKENIZER = types.SimpleNamespace(eod=EOD, vocab_size=257)
+
+
+def _make_dataset(prefix, docs: list[bytes]) -> None:
+    """Bytes-as-tokens preprocessing (+EOD per document) through our builder."""
+    b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for d in docs:
+        tokens = np.append(np.frombuffer(d, np.uint8).astype(np.uint16), EOD)
+        b.add_document(tokens, [len(tokens)])
+    b.finalize(f"{prefix}.idx")
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    text = (shared_data / "corpus" / "tinyshakespeare.txt").read_bytes()[:200_000]
+    docs = [d for d in text.split(b"\n\n")]
+    _make_dataset(root / "shakes", docs)
+    _make_dataset(root / "small", docs[:7])  # tiny: needs many epochs
+    _make_dataset(root / "other", docs[1::3])
+    return root
+
+
+# --------------------------------------------------------------------------------------------
+# Independent reference (FORMATS.md 2b), plain Python loops
+# --------------------------------------------------------------------------------------------
+
+def reference_indices(lengths, docs, num_samples, seq, seed):
+    tokens = sum(int(lengths[d]) for d in docs)
+    epochs = 1
+    while epochs * tokens < num_samples * seq + 1:
+        epochs += 1
+    separate = False
+    sans = 0
+    if epochs > 1:
+        sans = ((epochs - 1) * tokens - 1) // seq
+        per_epoch = (tokens - 1) // seq
+        separate = (num_samples - sans) < int(0.80 * per_epoch)
+    rs = np.random.RandomState(seed)
+    if separate:
+        first = np.array(list(docs) * (epochs - 1), dtype=np.int32)
+        rs.shuffle(first)
+        last = np.array(list(docs), dtype=np.int32)
+        rs.shuffle(last)
+        doc_index = np.concatenate([first, last])
+    else:
+        doc_index = np.array(list(docs) * epochs, dtype=np.int32)
+        rs.shuffle(doc_index)
+    n = (epochs * tokens - 1) // seq
+    rows = [(0, 0)]
+    d, off = 0, 0
+    for _ in range(n):
+        remaining = seq + 1
+        while True:
+            left = int(lengths[doc_index[d]]) - off
+            if left >= remaining:
+                off += remaining - 1
+                break
+            remaining -= left
+            d, off = d + 1, 0
+        rows.append((d, off))
+    sample = np.array(rows, dtype=np.int32)
+    shuffle_first = np.arange(sans if separate else n, dtype=np.uint32)
+    rs.shuffle(shuffle_first)
+    shuffle = shuffle_first
+    if separate:
+        rest = np.arange(sans, n, dtype=np.uint32)
+        rs.shuffle(rest)
+        shuffle = np.concatenate([shuffle_first, rest])
+    return doc_index, sample, shuffle, epochs
+
+
+@pytest.mark.parametrize("prefix,num_samples,seq", [
+    ("shakes", 500, 64), ("shakes", 2500, 100), ("shakes", 6000, 64), ("small", 300, 32),
+    ("small", 1, 128), ("shakes", 1, 33)])
+def test_matches_reference(corpus, prefix, num_samples, seq):
+    ds = IndexedDataset(corpus / prefix)
+    docs = np.arange(3, len(ds) - 2, dtype=np.int32)
+    ref = reference_indices(ds.sizes, docs, num_samples, seq, 1234)
+    for use_cpp in (None, False):
+        got = build_gpt_indices(ds.sizes, docs, num_samples, seq, 1234, use_cpp=use_cpp)
+        np.testing.assert_array_equal(got["document_index"], ref[0])
+        assert got["document_index"].dtype == np.int32
+        np.testing.assert_array_equal(got["sample_index"], ref[1])
+        assert got["shuffle_index"].dtype == np.uint32
+        np.testing.assert_array_equal(got["shuffle_index"], ref[2])
+
+
+def _config(tmp_path, **kw):
+    base = dict(random_seed=1234, sequence_length=64, tokenizer=TOKENIZER, split="90,8,2",
+                path_to_cache=str(tmp_path / "cache"))
+    base.update(kw)
+    prefix = base.pop("prefix")
+    return GPTDatasetConfig(blend=([str(prefix)], None), **base)
+
+
+def _gpt(corpus, tmp_path, prefix="shakes", num_samples=1000, which=Split.train, **kw):
+    cfg = _config(tmp_path, prefix=corpus / prefix, **kw)
+    low = IndexedDataset(corpus / prefix)
+    from megatron.data.utils import split_indices
+
+    idx = split_indices(cfg.split_matrix[which.value], len(low))
+    return GPTDataset(low, str(corpus / prefix), idx, num_samples, which, cfg), low, idx
+
+
+def test_tokens_used_once_per_epoch_and_contiguous(corpus, tmp_path):
+    ds, low, idx = _gpt(corpus, tmp_path, num_samples=200)
+    # one epoch: each split document exactly once in the document index
+    assert sorted(ds.document_index.tolist()) == idx.tolist()
+    stream = np.concatenate([low[int(d)] for d in ds.document_index]).astype(np.int64)
+    seq = 64
+    n = len(ds)
+    assert n == (len(stream) - 1) // seq  # every token (bar the remainder) used
+    order = np.argsort(ds.shuffle_index)  # unshuffle: sample j is at order[j]
+    for j in range(0, n, 7):
+        s = ds[int(order[j])]
+        text = torch.cat([s["tokens"], s["labels"][-1:]]).numpy()
+        np.testing.assert_array_equal(text, stream[j * seq : j * seq + seq + 1])
+    assert sorted(ds.shuffle_index.tolist()) == list(range(n))
+
+
+def test_seed_determinism(corpus, tmp_path):
+    a = _gpt(corpus, tmp_path / "a", num_samples=3000)[0]
+    b = _gpt(corpus, tmp_path / "b", num_samples=3000)[0]
+    c = _gpt(corpus, tmp_path / "c", num_samples=3000, random_seed=99)[0]
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.shuffle_index, c.shuffle_index)
+    assert not np.array_equal(a.document_index, c.document_index)
+
+
+def test_many_epochs_small_dataset(corpus, tmp_path):
+    ds, low, idx = _gpt(corpus, tmp_path, prefix="small", num_samples=5000, split="1,0,0")
+    tokens = int(low.sizes[idx].sum())
+    epochs = -(-(5000 * 64 + 1) // tokens)
+    assert epochs > 50 and len(ds) >= 5000
+    assert len(ds.document_index) == epochs * len(idx)
+    assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
+    assert ds[4999]["tokens"].shape == (64,)
+
+
+def test_cache_reused(corpus, tmp_path):
+    t0 = time.perf_counter()
+    a = _gpt(corpus, tmp_path, num_samples=20000)[0]
+    t1 = time.perf_counter()
+    b = _gpt(corpus, tmp_path, num_samples=20000)[0]
+    t2 = time.perf_counter()
+    assert isinstance(b._mapped["sample_index"], np.memmap)  # loaded with mmap_mode='r'
+    assert not b.sample_index.flags.owndata
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(files) == 4 and all(f.startswith(a.unique_description_hash + "-GPTDataset-train-")
+                                   for f in files)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert t2 - t1 < max(t1 - t0, 0.05)
+
+
+def test_default_cache_dir_and_builder(corpus, tmp_path):
+    cfg = DataConfig(data_path=[str(corpus / "shakes")], seq_length=32, split="90,8,2")
+    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [100, 20, 5], 1)
+    assert len(train) >= 100 and len(valid) >= 20 and len(test) >= 5
+    assert (corpus / "shakes" / "cache" / "GPTDataset_indices").is_dir()
+
+
+def test_masks(corpus, tmp_path):
+    ds = _gpt(corpus, tmp_path, num_samples=50, eod_mask_loss=True, reset_position_ids=True,
+              reset_attention_mask=True)[0]
+    for i in range(20):
+        s = ds[i]
+        tokens = s["tokens"]
+        eods = (tokens == EOD).nonzero().flatten().tolist()
+        # reference: Megatron's loop
+        mask = torch.tril(torch.ones(64, 64))
+        pos = torch.arange(64)
+        prev = 0
+        for e in eods:
+            mask[e + 1 :, : e + 1] = 0
+            pos[e + 1 :] -= e + 1 - prev
+            prev = e + 1
+        assert torch.equal(s["attention_mask"][0], mask < 0.5)
+        assert torch.equal(s["position_ids"], pos)
+        assert torch.equal(s["loss_mask"], (tokens != EOD).float())
+    plain = _gpt(corpus, tmp_path / "p", num_samples=50)[0][3]
+    assert plain["loss_mask"].sum() == 64 and torch.equal(plain["position_ids"], torch.arange(64))
+
+
+def test_blending_follows_weights(corpus, tmp_path):
+    cfg = DataConfig(data_path=["0.3", str(corpus / "shakes"), "0.7", str(corpus / "other")],
+                     seq_length=64, split="98,2,0", data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [3000, 100, 0], 7)
+    assert test is None
+    for ds, size in ((train, 3000), (valid, 100)):
+        di = np.asarray(ds.dataset_index)
+        assert di.dtype == np.int16 and ds.dataset_sample_index.dtype == np.int64
+        counts = np.cumsum(np.eye(2, dtype=np.int64)[di], axis=0)  # [k, 2] counts after k+1
+        k = np.arange(1, len(di) + 1)[:, None]
+        assert np.abs(counts - np.array([0.3, 0.7]) * k).max() <= 1.0
+        assert len(ds) == int(np.ceil(size * 0.3)) + int(np.ceil(size * 0.7))
+        # each component sample used at most once, in order
+        for i in range(2):
+            assert ds.dataset_sample_index[di == i].tolist() == list(range((di == i).sum()))
+    s = train[5]
+    assert s["dataset_id"] in (0, 1) and s["tokens"].shape == (64,)
+    again = build_train_valid_test_datasets(cfg, TOKENIZER, [3000, 100, 0], 7)[0]
+    assert isinstance(again.dataset_index, np.memmap)
+    np.testing.assert_array_equal(again.dataset_index, train.dataset_index)
+
+
+def test_per_split_paths_and_mock(corpus, tmp_path):
+    cfg = DataConfig(train_data_path=[str(corpus / "shakes")],
+                     valid_data_path=[str(corpus / "small"), str(corpus / "other")],
+                     seq_length=64, data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [100, 10, 10], 1)
+    assert len(train) >= 100 and len(valid) == 10 and test is None
+    mock = DataConfig(mock_data=True, seq_length=64)
+    train, valid, test = build_train_valid_test_datasets(mock, TOKENIZER, [10, 5, 5], 1)
+    s = train[0]
+    assert s["tokens"].shape == (64,) and len(train) >= 10
+
+
+def test_missing_prefix_errors(tmp_path):
+    cfg = DataConfig(data_path=[str(tmp_path / "nothing")], seq_length=64)
+    with pytest.raises(ValueError, match="nothing"):
+        build_train_valid_test_datasets(cfg, TOKENIZER, [10, 1, 1], 1)
+    with pytest.raises(ValueError, match="--split"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="1,2,3,4")
