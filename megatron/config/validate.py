@@ -230,6 +230,9 @@ def _check_misc(cfg) -> None:
         raise ValueError("--save needs --save-interval")
     if d.dataloader_type is None:
         d.dataloader_type = "single"
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        raise ValueError("--reset-attention-mask needs the per-sample attention mask: drop "
+                         "--no-create-attention-mask-in-dataloader")
     for flag, value in (("--log-interval", cfg.logging.log_interval),
                         ("--eval-interval", cfg.training.eval_interval),
                         ("--tensorboard-log-interval", cfg.logging.tensorboard_log_interval)):

@@ -101,3 +101,100 @@ def model_parallel_manual_seed(seed: int, tensor_model_parallel_rank: int) -> No
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG_TRACKER_NAME,
                  seed + _MODEL_PARALLEL_SEED_OFFSET + tensor_model_parallel_rank)
+
+
+# Activation checkpointing --------------------------------------------------------------------
+def _get_all_rng_states() -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    cuda_state = _get_device_rng_state() if device.accelerator_available() else None
+    return torch.get_rng_state(), cuda_state, _TRACKER.get_states()
+
+
+def _set_all_rng_states(states) -> None:
+    cpu_state, cuda_state, tracker_states = states
+    torch.set_rng_state(cpu_state)
+    if cuda_state is not None:
+        _set_device_rng_state(cuda_state)
+    _TRACKER.set_states(tracker_states)
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Run ``function`` without saving activations; rerun it in backward under the RNG states of
+    the forward, so dropout masks are the same on recompute (Megatron's ``CheckpointFunction``)."""
+
+    @staticmethod
+    def forward(ctx, function, distribute_saved_activations, tp_group, *args):
+        ctx.function = function
+        ctx.distribute = distribute_saved_activations
+        ctx.tp_group = tp_group
+        ctx.rng_states = _get_all_rng_states()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.tensor_index = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        tensors = [args[i] for i in ctx.tensor_index]
+        ctx.needs_grad = [t.requires_grad for t in tensors]
+        if distribute_saved_activations and tensors:
+            # Keep only this TP rank's 1/p of the first input (replicated on all TP ranks).
+            ctx.first_shape = tensors[0].shape
+            tensors[0] = _chunk_for_rank(tensors[0], tp_group)
+        ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors = list(ctx.saved_tensors)
+        if ctx.distribute and tensors:
+            tensors[0] = _gather_chunks(tensors[0], ctx.first_shape, ctx.tp_group)
+        args = list(ctx.others)
+        for i, t, needs_grad in zip(ctx.tensor_index, tensors, ctx.needs_grad):
+            args[i] = t.detach().requires_grad_(needs_grad)
+        saved = _get_all_rng_states()
+        _set_all_rng_states(ctx.rng_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*args)
+        finally:
+            _set_all_rng_states(saved)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)
+        return (None, None, None) + input_grads
+
+
+def _chunk_for_rank(tensor: torch.Tensor, group) -> torch.Tensor:
+    from megatron.core.tensor_parallel.utils import divide, tp_rank, tp_world_size
+
+    size = tp_world_size(group)
+    flat = tensor.detach().reshape(-1)
+    per_rank = divide(flat.numel(), size)
+    start = tp_rank(group) * per_rank
+    return flat[start:start + per_rank].clone()
+
+
+def _gather_chunks(chunk: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
+    from megatron.core import comm
+    from megatron.core.tensor_parallel.utils import tp_world_size
+
+    full = torch.empty(chunk.numel() * tp_world_size(group), dtype=chunk.dtype,
+                       device=chunk.device)
+    comm.all_gather_into(full, chunk, group)
+    return full.view(shape)
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=None):
+    """Activation checkpointing that restores the RNG states (CPU, device and tracker) on
+    recompute, so dropout draws the same masks twice.
+
+    Args:
+        function: the region to recompute; called as ``function(*args)``.
+        distribute_saved_activations: keep only a 1/TP slice of the first tensor argument
+            between forward and backward (it is all-gathered again for the recompute).
+        *args: the region's inputs (tensors, or other values passed through unchanged).
+        tp_group: the TP group used by ``distribute_saved_activations``.
+
+    Returns:
+        ``function(*args)``.
+    """
+    return _CheckpointFunction.apply(function, distribute_saved_activations, tp_group, *args)
