@@ -1,0 +1,13 @@
+"""Data parallelism: Megatron's local DDP with contiguous gradient buffers, and its helpers.
+
+Public API: :class:`DistributedDataParallel` (``--DDP-impl local``),
+:class:`TorchDistributedDataParallel` (``--DDP-impl torch``), :func:`finalize_model_grads`.
+"""
+
+from megatron.core.distributed.ddp import (DEFAULT_BUCKET_SIZE, DistributedDataParallel,
+                                           TorchDistributedDataParallel)
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.distributed.grad_buffer import GradBuffer
+
+__all__ = ["DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "TorchDistributedDataParallel",
+           "GradBuffer", "finalize_model_grads"]

@@ -1,0 +1,203 @@
+"""Data-parallel wrappers: Megatron's local DDP (``--DDP-impl local``) and PyTorch's (``torch``).
+
+The training loop uses either wrapper through the same methods::
+
+    model = DistributedDataParallel(module, data_parallel_group=dp_group,
+                                    accumulate_allreduce_grads_in_fp32=False,
+                                    overlap_grad_reduce=False, use_distributed_optimizer=False)
+    model.zero_grad_buffer()                 # start of every iteration
+    with model.no_sync():                    # micro-batches before the last
+        loss(model(batch)).backward()
+    loss(model(last_batch)).backward()      # with --overlap-grad-reduce buckets launch here
+    model.finish_grad_sync()                 # (finalize_model_grads calls this)
+    # every param.main_grad now holds the DP-averaged gradient (or, with the distributed
+    # optimizer, this rank's shard of it does)
+
+Local DDP: one contiguous gradient buffer per gradient dtype (fp32 for every parameter with
+``accumulate_allreduce_grads_in_fp32``, else the parameter's dtype), ``param.main_grad`` a view into
+it (:mod:`megatron.core.distributed.grad_buffer`). A hook after each parameter's gradient
+accumulation adds ``param.grad`` into ``main_grad`` and frees ``param.grad``, so micro-batches
+accumulate in the buffer. ``start_grad_sync``/``finish_grad_sync`` average the buffer over the
+data-parallel group: all-reduce, or reduce-scatter with the distributed optimizer. With
+``overlap_grad_reduce`` a bucket's collective is launched asynchronously as soon as all its
+gradients of the last micro-batch are in, and ``finish_grad_sync`` waits for them.
+
+After a distributed-optimizer step the buffer's memory is reused to all-gather the parameters, so
+``zero_grad_buffer()`` must run before the next backward (the training loop does it every
+iteration, as Megatron-LM's does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron.core import comm
+from megatron.core.distributed.grad_buffer import GradBuffer
+
+# 4M elements: 16 MB fp32 / 8 MB bf16 buckets, the size range gloo reduces fastest
+# (PERF_NOTES.md); Megatron-LM's NCCL default is 40M.
+DEFAULT_BUCKET_SIZE = 4_000_000
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Megatron's local data-parallel wrapper with contiguous, bucketed gradient buffers.
+
+    Args:
+        module: the model (chunk) to wrap.
+        data_parallel_group: the group gradients are averaged over.
+        accumulate_allreduce_grads_in_fp32: keep gradients in fp32 whatever the param dtype.
+        overlap_grad_reduce: reduce bucket by bucket during the backward of the last
+            micro-batch.
+        use_distributed_optimizer: pad buffers to a multiple of the DP size and reduce-scatter.
+        bucket_size: elements per bucket when overlapping (None: one bucket per buffer);
+            without overlap each buffer is one bucket, as in Megatron-LM.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
+                 accumulate_allreduce_grads_in_fp32: bool, overlap_grad_reduce: bool,
+                 use_distributed_optimizer: bool,
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
+        super().__init__()
+        self.module = module
+        self.data_parallel_group = data_parallel_group
+        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.bucket_size = bucket_size if overlap_grad_reduce else None
+        self._is_last_microbatch = True
+
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in self.module.parameters():
+            if param.requires_grad:
+                by_dtype.setdefault(self._grad_dtype(param), []).append(param)
+        self.grad_buffers: dict[torch.dtype, GradBuffer] = {
+            dtype: GradBuffer(params, dtype, data_parallel_group, self.bucket_size,
+                              use_distributed_optimizer)
+            for dtype, params in by_dtype.items()}
+        self.param_to_grad_buffer = {p: buf for buf in self.grad_buffers.values()
+                                     for p in buf.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
+                       for p in self.param_to_grad_buffer]
+
+    def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        return torch.float32 if self.accumulate_allreduce_grads_in_fp32 else param.dtype
+
+    def _grad_hook(self, param: torch.nn.Parameter) -> None:
+        # Runs once per backward after autograd summed every use of the param (tied weights too).
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None  # the buffer is the only copy that survives the micro-batch
+        if self.overlap_grad_reduce and self._is_last_microbatch:
+            bucket = self.param_to_grad_buffer[param].param_to_bucket[param]
+            if bucket.register_grad_ready(param):
+                bucket.start_grad_sync(async_op=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches run inside do not launch gradient reductions (only accumulate)."""
+        self._is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._is_last_microbatch = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every gradient buffer and reset the buckets (start of an iteration)."""
+        for param in self.param_to_grad_buffer:
+            param.grad = None
+        for buffer in self.grad_buffers.values():
+            buffer.reset()
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not launched yet (asynchronously if overlapping)."""
+        for buffer in self.grad_buffers.values():
+            for bucket in buffer.buckets:
+                if not bucket.started:
+                    bucket.start_grad_sync(async_op=self.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        """Complete the DP reduction: afterwards ``main_grad`` holds the averaged gradients."""
+        for buffer in self.grad_buffers.values():
+            for bucket in buffer.buckets:
+                bucket.finish_grad_sync()
+
+    def grad_sync_started(self) -> bool:
+        """True once any bucket's reduction has been launched this iteration."""
+        return any(b.started for buf in self.grad_buffers.values() for b in buf.buckets)
+
+    # State dict: a passthrough, so checkpoints hold the bare module's keys.
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def state_dict_for_save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's ``state_dict_for_save_checkpoint`` (Megatron's nested keys) if any."""
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        return inner(*args, **kwargs) if inner else self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+class TorchDistributedDataParallel(torch.nn.Module):
+    """``--DDP-impl torch``: PyTorch's DDP behind the local wrapper's methods.
+
+    PyTorch reduces during backward, so ``finish_grad_sync`` only exposes ``param.grad`` as
+    ``param.main_grad``. The distributed optimizer and fp32 grad accumulation need the local DDP.
+
+    Args:
+        module: the model (chunk) to wrap.
+        data_parallel_group: the group gradients are averaged over.
+        bucket_size: elements per bucket (converted to PyTorch's ``bucket_cap_mb``).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
+        super().__init__()
+        kwargs = {}
+        if bucket_size is not None:
+            kwargs["bucket_cap_mb"] = bucket_size * 4 / 2**20
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            module, process_group=data_parallel_group, **kwargs)
+        self.module = module
+        self.use_distributed_optimizer = False
+        self.overlap_grad_reduce = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.ddp.no_sync()
+
+    def zero_grad_buffer(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+            param.main_grad = None
+
+    def start_grad_sync(self) -> None:
+        """Nothing to do: PyTorch's DDP reduces during backward."""
+
+    def finish_grad_sync(self) -> None:
+        """Expose the reduced ``param.grad`` as ``param.main_grad``."""
+        for param in self.module.parameters():
+            param.main_grad = param.grad
+
+    def grad_sync_started(self) -> bool:
+        return True
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def state_dict_for_save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        return inner(*args, **kwargs) if inner else self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)

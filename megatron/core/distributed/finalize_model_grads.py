@@ -1,0 +1,84 @@
+"""``finalize_model_grads``: everything between the last backward and the optimizer step.
+
+1. With pipeline parallelism and tied input/output embeddings, the first and last stages each
+   hold a copy of the word embedding; their gradients are summed over the embedding group
+   (``parallel_state.get_embedding_group()``) so both copies take the same step.
+2. The data-parallel reduction of every model chunk is completed (``finish_grad_sync``).
+
+The embedding sum runs *before* the DP reduction whenever that reduction has not started yet:
+with the distributed optimizer a rank only holds the reduced values of its own shard, and the two
+stages shard differently, so summing afterwards would mix reduced and unreduced values. (Both
+sums commute, so for the all-reduce path the order does not matter.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import comm, parallel_state
+
+
+def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
+    """Complete the gradient reductions of ``model_chunks`` (DP, and tied embeddings with PP).
+
+    Args:
+        model_chunks: the DDP-wrapped model chunks of this rank (one without virtual pipeline).
+
+    Raises:
+        NotImplementedError: tied embeddings with PP > 1 whose DP reduction already started
+            (``--overlap-grad-reduce``) under the distributed optimizer: the shard-wise result
+            could not be summed correctly.
+    """
+    started = any(chunk.grad_sync_started() for chunk in model_chunks)
+    if not started:
+        _allreduce_embedding_grads(model_chunks)
+    for chunk in model_chunks:
+        chunk.finish_grad_sync()
+    if started:
+        if _needs_embedding_allreduce(model_chunks) and any(
+                getattr(c, "use_distributed_optimizer", False) for c in model_chunks):
+            raise NotImplementedError(
+                "tied embeddings with --pipeline-model-parallel-size > 1, "
+                "--overlap-grad-reduce and --use-distributed-optimizer are not supported together "
+                "yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights")
+        _allreduce_embedding_grads(model_chunks)
+
+
+def _needs_embedding_allreduce(model_chunks: list[torch.nn.Module]) -> bool:
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return False
+    return parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
+
+
+def _shared_embedding_weight(model_chunks: list[torch.nn.Module]) -> torch.nn.Parameter | None:
+    """The tied word-embedding weight on this stage (first chunk on the first stage, else last)."""
+    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        chunk = model_chunks[0]
+    elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        chunk = model_chunks[-1]
+    else:
+        return None
+    module = getattr(chunk, "module", chunk)
+    for name in ("shared_embedding_or_output_weight", "word_embeddings_weight"):
+        getter = getattr(module, name, None)
+        if getter is not None:
+            return getter()
+    return None
+
+
+def _allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
+    if not _needs_embedding_allreduce(model_chunks):
+        return
+    chunk = model_chunks[0] if parallel_state.is_pipeline_first_stage(True) else model_chunks[-1]
+    if not getattr(getattr(chunk, "module", chunk), "share_embeddings_and_output_weights", True):
+        return  # --untie-embeddings-and-output-weights: two independent weights
+    weight = _shared_embedding_weight(model_chunks)
+    if weight is None:
+        return
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        grad = weight.grad
+    if grad is not None:
+        comm.all_reduce(grad, parallel_state.get_embedding_group(), "sum")

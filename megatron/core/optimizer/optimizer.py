@@ -1,0 +1,181 @@
+"""The optimizer interface the training loop calls, and the fp32 optimizer.
+
+Every Megatron optimizer wraps a torch optimizer (AdamW or SGD) and offers::
+
+    optimizer.zero_grad()
+    loss = optimizer.scale_loss(loss); loss.backward()    # x loss scale (1 without fp16)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    optimizer.param_groups          # 'lr', 'weight_decay', 'lr_mult', 'wd_mult' per group
+    optimizer.get_loss_scale()      # a 1-element fp32 tensor
+    optimizer.state_dict() / optimizer.load_state_dict(sd)
+
+``step()`` = copy the model gradients (``param.main_grad`` from the DDP buffers, else
+``param.grad``) to the main gradients; with a loss scaler, unscale them, find inf/nan (MAX over the
+model-parallel ranks so every rank agrees), update the scaler and skip the step on overflow; clip
+by the global norm; count zeros if asked; step; copy the main params back into the model.
+
+:class:`FP32Optimizer` is the fp32 case: no copies, the torch optimizer steps the model parameters
+with ``param.grad`` pointed at ``param.main_grad``; its state dict is the torch optimizer's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.core import comm
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+
+StepResult = tuple[bool, float | None, int | None]
+
+# Attributes the norm filter reads; main params inherit them from their model params.
+_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy Megatron's parallelism attributes from a model param to its main param."""
+    for name in _PARAM_ATTRS:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+
+
+def model_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the DDP wrapper produced: ``main_grad`` if set, else ``grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+class MegatronOptimizer:
+    """Base of the Megatron optimizers: loss scaling, inf check, clipping, zero counting.
+
+    Args:
+        optimizer: the torch optimizer over the main params.
+        clip_grad: clip to this global norm; 0 disables.
+        log_num_zeros_in_grad: count zero gradient elements at every step.
+        grad_scaler: the fp16 loss scaler, or None.
+        model_parallel_group: group the norm / inf flag are reduced over.
+        tensor_model_parallel_rank: this rank's TP rank (TP duplicates count on rank 0 only).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float,
+                 log_num_zeros_in_grad: bool, grad_scaler: ConstantGradScaler | None,
+                 model_parallel_group: comm.ProcessGroup | None,
+                 tensor_model_parallel_rank: int) -> None:
+        self.optimizer = optimizer
+        self.clip_grad = clip_grad
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.grad_scaler = grad_scaler
+        self.model_parallel_group = model_parallel_group
+        self.tp_rank = tensor_model_parallel_rank
+        self._unit_scale = torch.tensor([1.0], dtype=torch.float32)
+
+    # Hooks the subclasses fill in ---------------------------------------------------------
+    def main_params(self) -> list[torch.Tensor]:
+        """The tensors the torch optimizer steps."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def reduction_groups(self) -> list[comm.ProcessGroup | None]:
+        """Groups over which per-rank norms and inf flags are combined."""
+        return [self.model_parallel_group]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self) -> None:
+        raise NotImplementedError
+
+    # The step ------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's param groups (the LR scheduler writes 'lr'/'weight_decay')."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale as a 1-element fp32 tensor (1 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._unit_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (what backward should run on)."""
+        scale = self.get_loss_scale().to(device=loss.device, dtype=loss.dtype).reshape(())
+        return loss * scale
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.main_params() if p.grad is not None]
+
+    def _grads_for_norm(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.main_params()
+                if p.grad is not None and clip_grads.param_is_not_shared(p)
+                and clip_grads.param_is_not_tensor_parallel_duplicate(p, self.tp_rank)]
+
+    def _unscale_and_check_for_nan(self) -> bool:
+        """Divide the main grads by the loss scale; True if any rank saw an inf/nan."""
+        found_inf = torch.zeros(1, dtype=torch.float32)
+        grads = self._main_grads()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found_inf, self.grad_scaler.inv_scale)
+        for group in self.reduction_groups():
+            comm.all_reduce(found_inf, group, "max")
+        return bool(found_inf.item() > 0)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Global gradient norm (before clipping); clips the main grads to ``clip_grad``."""
+        norm = clip_grads.get_grad_norm_fp32(self._grads_for_norm(), self.reduction_groups())
+        clip_grads.clip_grads_by_total_norm(self._main_grads(), clip_grad, norm)
+        return norm
+
+    def count_zeros(self) -> int:
+        """Zero elements of the gradients counted by the norm, over all ranks."""
+        return clip_grads.count_zeros_fp32(self._grads_for_norm(), self.reduction_groups())
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One optimizer step.
+
+        Returns:
+            (update_successful, grad_norm or None when not clipping / skipped,
+            num_zeros_in_grad or None when not counting / skipped).
+        """
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0 else None
+        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 training: the torch optimizer steps the model params themselves.
+
+    Args:
+        optimizer: torch optimizer built over the model params.
+        **kwargs: see :class:`MegatronOptimizer`.
+    """
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the ``.grad`` aliases (the DDP buffer is zeroed by ``zero_grad_buffer``)."""
+        for param in self.main_params():
+            param.grad = None
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for param in self.main_params():
+            param.grad = model_grad(param)  # an alias of the DDP buffer, no copy
+
+    def _copy_main_params_to_model_params(self) -> None:
+        # The params were stepped in place. Drop the aliases, so the next backward's
+        # AccumulateGrad does not add into the DDP buffer behind the hooks' back.
+        self.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's state dict (Megatron's FP32Optimizer layout)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
