@@ -62,7 +62,7 @@ def forward_step(data_iterator, model):
 
 
 def flops_per_sample(cfg) -> float:
-    """Training FLOPs of one sample (forward + backward, recomputation included)."""
+    """Model FLOPs of one training sample (forward + backward; recomputation not counted)."""
     return num_floating_point_operations(cfg, batch_size=1)
 
 

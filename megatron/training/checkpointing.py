@@ -324,9 +324,10 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                                   "--no-save-optim?): pass --no-load-optim or --finetune")
         optimizer.load_state_dict(sd["optimizer"])
         if cfg.parallel.use_distributed_optimizer:
+            # Every rank reads the gathered state and keeps its own shard (re-sharding when the
+            # data-parallel size differs from the one that saved it).
             optimizer.load_parameter_state(
-                load_checkpoint_file(name.with_name(DISTRIB_OPTIM_FILENAME))
-                if parallel_state.get_data_parallel_rank() == 0 else None)
+                load_checkpoint_file(name.with_name(DISTRIB_OPTIM_FILENAME)))
         if scheduler is not None:
             key = "opt_param_scheduler" if "opt_param_scheduler" in sd else "lr_scheduler"
             if key in sd:

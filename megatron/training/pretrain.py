@@ -18,7 +18,7 @@ import torch
 from megatron.config import MegatronConfig
 from megatron.config.cli import ExtraArgsProvider
 from megatron.core import device, parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.log import log_rank_0
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.data.samplers import build_pretraining_data_loader
@@ -52,7 +52,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         params_dtype=cfg.params_dtype,
         data_parallel_group=parallel_state.get_data_parallel_group(),
-        model_parallel_group=parallel_state.get_model_parallel_group())
+        model_parallel_group=parallel_state.get_model_parallel_group(),
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad)
     train_iters = compute_train_iters(cfg)
     scheduler = build_scheduler(cfg, optimizer, train_iters)
     state = TrainState()
@@ -105,13 +106,14 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
     log_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({parallel_state.get_tensor_model_parallel_rank()}, "
                f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
-    wrapped = DistributedDataParallel(
-        module, data_parallel_group=parallel_state.get_data_parallel_group(),
+    group = parallel_state.get_data_parallel_group()
+    if cfg.parallel.ddp_impl == "torch":
+        return [TorchDistributedDataParallel(module, data_parallel_group=group)]
+    return [DistributedDataParallel(
+        module, data_parallel_group=group,
         accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        ddp_impl=cfg.parallel.ddp_impl)
-    return [wrapped]
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)]
 
 
 def compute_train_iters(cfg: MegatronConfig) -> int:

@@ -1,0 +1,83 @@
+"""Parameter count and training FLOPs of the GPT model, for logging model TFLOP/s.
+
+FLOPs follow Megatron-LM's ``num_floating_point_operations`` (training.py; the paper's
+section 5.1 formula): per iteration, forward (1x) + backward (2x) of every GEMM, a multiply-add
+counted as 2 FLOPs, causal attention counted as full (as Megatron does):
+
+    12 B s L h^2 [ (2 + s/h) (hp/h) + f/h + V / (2 L h) ]
+
+(hp = heads x kv_channels, f = ffn size, V = padded vocabulary). With ``f = 4h`` and
+``hp = h`` this is the paper's ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``. Recomputation adds
+a second forward: full recompute multiplies the transformer part by 4/3 (the paper's 96 B s L h^2
+form), selective recompute adds the attention core's forward (``4 B s^2 L hp``).
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.config import TransformerConfig, transformer_config_from
+
+
+def _as_transformer_config(cfg) -> TransformerConfig:
+    return cfg if isinstance(cfg, TransformerConfig) else transformer_config_from(cfg)
+
+
+def num_parameters(cfg, exclude_embeddings: bool = False) -> int:
+    """Exact parameter count of the full (unsplit) GPT model, biases and LayerNorms included.
+
+    Args:
+        cfg: a validated ``MegatronConfig`` (``padded_vocab_size`` set) or a TransformerConfig.
+        exclude_embeddings: leave out word, position and token-type embeddings and the untied
+            output layer (the usual "non-embedding parameters").
+    """
+    c = _as_transformer_config(cfg)
+    h, f = c.hidden_size, c.ffn_hidden_size
+    proj = c.kv_channels * c.num_attention_heads
+    bias = 1 if c.add_bias_linear else 0
+    per_layer = (4 * h                               # two LayerNorms
+                 + 3 * proj * h + bias * 3 * proj    # query_key_value
+                 + proj * h + bias * h               # dense
+                 + 2 * f * h + bias * (f + h))       # dense_h_to_4h, dense_4h_to_h
+    total = c.num_layers * per_layer + 2 * h         # + final LayerNorm
+    if exclude_embeddings:
+        return total
+    if c.padded_vocab_size is None:
+        raise ValueError("padded_vocab_size is unset: build the tokenizer first")
+    total += c.padded_vocab_size * h
+    if c.add_position_embedding:
+        total += c.max_position_embeddings * h
+    total += c.num_tokentypes * h
+    if c.untie_embeddings_and_output_weights:
+        total += c.padded_vocab_size * h
+    return total
+
+
+def num_floating_point_operations(cfg, batch_size: int, seq_length: int | None = None,
+                                  include_recompute: bool = False) -> float:
+    """Training FLOPs of one iteration (forward + backward) over ``batch_size`` sequences.
+
+    Args:
+        cfg: a validated ``MegatronConfig`` or a TransformerConfig (then pass ``seq_length``).
+        batch_size: sequences per iteration (the global batch size for a whole step).
+        seq_length: tokens per sequence (default ``cfg.data.seq_length``).
+        include_recompute: count the extra forward of activation recomputation (hardware
+            FLOPs) as configured by ``recompute_granularity``; False gives model FLOPs, the
+            figure Megatron-LM logs.
+    """
+    c = _as_transformer_config(cfg)
+    if seq_length is None:
+        if isinstance(cfg, TransformerConfig):
+            raise ValueError("pass seq_length with a TransformerConfig")
+        seq_length = cfg.data.seq_length
+    if c.padded_vocab_size is None:
+        raise ValueError("padded_vocab_size is unset: build the tokenizer first")
+    b, s, layers, h = batch_size, seq_length, c.num_layers, c.hidden_size
+    proj = c.kv_channels * c.num_attention_heads
+    layer_flops = 12 * b * s * layers * h * h * ((2 + s / h) * (proj / h)
+                                                 + c.ffn_hidden_size / h)
+    logits_flops = 6 * b * s * c.padded_vocab_size * h
+    extra = 0.0
+    if include_recompute and c.recompute_granularity == "full":
+        extra = layer_flops / 3
+    elif include_recompute and c.recompute_granularity == "selective":
+        extra = 4 * b * s * s * layers * proj
+    return float(layer_flops + logits_flops + extra)

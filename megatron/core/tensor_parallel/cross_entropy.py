@@ -1,0 +1,85 @@
+"""Cross entropy over vocabulary-split logits, without gathering them (paper, section 3).
+
+Each TP rank holds logits ``[..., V/p]``. Only three ``[...]``-sized all-reduces are needed
+(the max, the sum of exponentials and the target logit), so the communication is
+batch x sequence, not batch x sequence x vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import comm
+from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size, vocab_range
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    if tp_world_size(group) > 1:
+        comm.all_reduce(x, group=group, op=op)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, label_smoothing):
+        # Subtract the global max for a stable exp (a new tensor: the caller's logits stay).
+        logits_max = _all_reduce(logits.max(dim=-1)[0], group, op="max")
+        logits = logits - logits_max.unsqueeze(-1)  # [..., V/p]
+
+        part = logits.size(-1)
+        start, end = vocab_range(part, tp_rank(group))
+        outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(outside, 0)
+        # Target logit: only the rank holding the id contributes, the others add 0.
+        predicted = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1)
+        predicted = _all_reduce(predicted.masked_fill(outside, 0.0), group)
+
+        exp_logits = torch.exp(logits)
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        loss = torch.log(sum_exp) - predicted  # [...]
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+
+        vocab_size = part * tp_world_size(group)
+        smoothing = 0.0
+        if label_smoothing > 0:
+            # Megatron's form: (1 - e) on the target, e / (V - 1) spread over the other ids.
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            # The mean log-prob runs over the full vocabulary (Megatron-LM averages over the
+            # local partition only, which changes the loss with the TP size).
+            sum_log_probs = _all_reduce(
+                (logits - torch.log(sum_exp).unsqueeze(-1)).sum(dim=-1), group)
+            loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab_size
+
+        ctx.save_for_backward(softmax, outside, local_target)
+        ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, outside, local_target = ctx.saved_tensors
+        # d loss / d logits = softmax - (1 - s) onehot(target) - s / V
+        grad = softmax.clone()
+        update = (1.0 - ctx.smoothing) * (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -update.unsqueeze(-1))
+        if ctx.smoothing > 0:
+            grad.sub_(ctx.smoothing / ctx.vocab_size)
+        grad.mul_(grad_output.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 group: ProcessGroup | None,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-split logits.
+
+    Args:
+        vocab_parallel_logits: ``[..., V/p]``, this rank's slice of the vocabulary.
+        target: ``[...]`` int64 ids in ``[0, V)``.
+        group: the TP process group (``None`` = no tensor parallelism).
+        label_smoothing: Megatron-style smoothing (0 = off).
+
+    Returns:
+        The unreduced loss ``[...]`` (same on every TP rank).
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
+                                            label_smoothing)

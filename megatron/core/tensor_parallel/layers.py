@@ -1,0 +1,209 @@
+"""Tensor-parallel building blocks: column- and row-parallel linear layers and the
+vocabulary-parallel embedding (Megatron-LM paper, section 3).
+
+Shapes: ``p`` TP size; inputs are ``[..., in]`` (the transformer passes ``[s, b, h]``).
+Every layer takes its TP ``group`` explicitly (``None`` = no tensor parallelism).
+
+Initialization is TP-invariant: the full weight is drawn on the CPU from torch's default
+generator (seeded identically on all TP ranks by the training code) and each rank keeps its
+slice, so TP = 1, 2, 4 build the same full model (Megatron's ``--use-cpu-initialization``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import device as device_mod
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    scatter_to_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
+                                                 set_tensor_model_parallel_attributes,
+                                                 split_master_weight, tp_rank, tp_world_size,
+                                                 vocab_range)
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """In-place N(0, std) initializer."""
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, std / sqrt(2 num_layers)) for the output projections (paper, section 4.2)."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def master_dtype(params_dtype: torch.dtype) -> torch.dtype:
+    # Megatron draws fp32 master weights, then casts; float64 (tests) keeps its precision.
+    return torch.float64 if params_dtype == torch.float64 else torch.float32
+
+
+def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride: int,
+                         init_method: InitMethod, group: ProcessGroup | None,
+                         params_dtype: torch.dtype, device: torch.device | None,
+                         ) -> torch.nn.Parameter:
+    """Draw the full weight on the CPU, keep this rank's slice; mark the TP attributes."""
+    master = torch.empty(full_shape, dtype=master_dtype(params_dtype))
+    init_method(master)
+    shard = split_master_weight(master.to(params_dtype), partition_dim, tp_world_size(group),
+                                tp_rank(group), stride)
+    weight = torch.nn.Parameter(shard.to(device or device_mod.get_device()))
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    return weight
+
+
+def _zero_bias(size: int, params_dtype: torch.dtype,
+               device: torch.device | None) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(size, dtype=params_dtype,
+                                          device=device or device_mod.get_device()))
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split along its output dimension: ``A = [A_1, ..., A_p]``.
+
+    Args:
+        input_size: ``in`` of the full layer.
+        output_size: ``out`` of the full layer (divisible by the TP size).
+        group: the TP process group (``None`` = no tensor parallelism).
+        init_method: in-place initializer of the full ``[out, in]`` weight.
+        bias: add a bias (split with the output, zero-initialized).
+        gather_output: all-gather the output so every rank holds ``[..., out]``; otherwise each
+            rank returns its ``[..., out/p]`` slice.
+        stride: interleaving of the output split (fused weights; 1 = contiguous blocks).
+        skip_bias_add: return the bias instead of adding it, for a later fused bias op.
+        params_dtype: dtype of the parameters.
+        device: where parameters live (default: :func:`megatron.core.device.get_device`).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group: ProcessGroup | None,
+                 init_method: InitMethod, bias: bool = True, gather_output: bool = False,
+                 stride: int = 1, skip_bias_add: bool = False,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, tp_world_size(group))
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.weight = _init_sharded_weight((output_size, input_size), 0, stride, init_method,
+                                           group, params_dtype, device)
+        self.bias = None
+        if bias:
+            self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [..., in]`` -> (``[..., out/p]`` or gathered ``[..., out]``, skipped bias)."""
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)  # [..., out/p]
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
+        return out, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, "
+                f"out_per_partition={self.output_size_per_partition}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split along its input dimension and ``X`` along its last.
+
+    The partial products are all-reduced (*g*), then the (replicated) bias is added once.
+
+    Args:
+        input_size: ``in`` of the full layer (divisible by the TP size).
+        output_size: ``out`` of the full layer.
+        group: the TP process group (``None`` = no tensor parallelism).
+        init_method: in-place initializer of the full ``[out, in]`` weight.
+        bias: add a bias (replicated on all TP ranks, zero-initialized).
+        input_is_parallel: the input is already split (the output of a column-parallel layer);
+            otherwise it is scattered here.
+        stride: interleaving of the input split.
+        skip_bias_add: return the bias instead of adding it.
+        params_dtype: dtype of the parameters.
+        device: where parameters live.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group: ProcessGroup | None,
+                 init_method: InitMethod, bias: bool = True, input_is_parallel: bool = False,
+                 stride: int = 1, skip_bias_add: bool = False,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, tp_world_size(group))
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.weight = _init_sharded_weight((output_size, input_size), 1, stride, init_method,
+                                           group, params_dtype, device)
+        self.bias = None
+        if bias:
+            self.bias = _zero_bias(output_size, params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [..., in/p]`` (or ``[..., in]``) -> (``[..., out]``, skipped bias or None)."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)  # [..., in/p]
+        out = F.linear(x, self.weight)  # partial sums [..., out]
+        out = reduce_from_tensor_model_parallel_region(out, self.group)
+        if self.skip_bias_add or self.bias is None:
+            return out, self.bias
+        return out + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, "
+                f"in_per_partition={self.input_size_per_partition}")
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split along the vocabulary: rank r holds ids ``[r V/p, (r+1) V/p)``.
+
+    Ids outside this rank's range look up row 0 and are zeroed; the all-reduce then sums the one
+    rank that holds each id with zeros from the others.
+
+    Args:
+        num_embeddings: (padded) vocabulary size, divisible by the TP size.
+        embedding_dim: hidden size.
+        group: the TP process group.
+        init_method: in-place initializer of the full ``[V, h]`` table.
+        params_dtype: dtype of the table.
+        device: where it lives.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup | None,
+                 init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = divide(num_embeddings, tp_world_size(group))
+        self.vocab_start_index, self.vocab_end_index = vocab_range(
+            self.num_embeddings_per_partition, tp_rank(group))
+        self.weight = _init_sharded_weight((num_embeddings, embedding_dim), 0, 1, init_method,
+                                           group, params_dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` (int) -> ``[..., h]``."""
+        if tp_world_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)  # [..., h]
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"per_partition={self.num_embeddings_per_partition}")

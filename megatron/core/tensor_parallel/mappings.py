@@ -1,0 +1,117 @@
+"""The paper's communication operators as autograd functions (Megatron-LM, section 3, fig. 3).
+
+* :func:`copy_to_tensor_model_parallel_region` -- *f*: identity forward, all-reduce backward.
+* :func:`reduce_from_tensor_model_parallel_region` -- *g*: all-reduce forward, identity backward.
+* :func:`scatter_to_tensor_model_parallel_region` -- keep this rank's slice of the last dim;
+  backward all-gathers.
+* :func:`gather_from_tensor_model_parallel_region` -- all-gather along the last dim; backward
+  keeps this rank's slice.
+
+Every function takes the TP ``group`` explicitly; ``None`` (or a group of one) makes it a no-op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import comm
+from megatron.core.tensor_parallel.utils import (ProcessGroup, split_along_last_dim, tp_rank,
+                                                 tp_world_size)
+
+
+def _reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if tp_world_size(group) == 1:
+        return x
+    x = x.contiguous()  # in-place collective on a fresh buffer, not on a view of the input
+    comm.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(group)
+    if size == 1:
+        return x
+    return split_along_last_dim(x, size)[tp_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(group)
+    if size == 1:
+        return x
+    parts = comm.all_gather_list(x.contiguous(), group)
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor,
+                                         group: ProcessGroup | None) -> torch.Tensor:
+    """*f*: identity forward; the backward all-reduces the gradient over ``group``."""
+    if tp_world_size(group) == 1:
+        return x
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
+                                             group: ProcessGroup | None) -> torch.Tensor:
+    """*g*: all-reduce (sum) over ``group`` forward; identity backward."""
+    if tp_world_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor,
+                                            group: ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; backward all-gathers."""
+    if tp_world_size(group) == 1:
+        return x
+    return _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor,
+                                             group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather the last dimension over ``group``; backward keeps this rank's slice."""
+    if tp_world_size(group) == 1:
+        return x
+    return _GatherFromRegion.apply(x, group)

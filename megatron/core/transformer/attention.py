@@ -1,0 +1,164 @@
+"""Self-attention split over TP ranks by heads (paper, figure 3b).
+
+The fused QKV projection is one column-parallel linear (rank r computes heads
+``[r np/p, (r+1) np/p)``), attention runs locally on those heads, and the output projection is
+row-parallel (one all-reduce forward, one backward). Two attention implementations:
+
+* SDPA (default): ``torch.nn.functional.scaled_dot_product_attention``; ``is_causal`` when no
+  mask is given for causal attention, an additive mask otherwise.
+* unfused (``attention_backend`` ``unfused``/``local``): the explicit scale, mask, softmax,
+  dropout, matmul reference of Megatron-LM's ``CoreAttention``.
+
+Legend: s sequence, b batch, h hidden, np heads on this rank, hn head size, hp = np * hn.
+Masks are boolean ``[b or 1, 1, sq, sk]`` with True = masked out (Megatron's convention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
+from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+
+# Megatron fills masked scores with this value rather than -inf: fully masked rows (padding
+# queries) then get a uniform distribution instead of NaN.
+_MASK_VALUE = -10000.0
+
+
+def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[1, 1, s, s]`` mask, True above the diagonal (future positions)."""
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device),
+                      diagonal=1).view(1, 1, seq_length, seq_length)
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(Q K^T / sqrt(hn)) V on this rank's heads, with dropout under the TP RNG stream.
+
+    Args:
+        config: transformer settings.
+        layer_number: 1-based layer index (query-key layer scaling uses it).
+        attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType = "causal") -> None:
+        super().__init__()
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = max(1, layer_number)
+        self.softmax_in_fp32 = (config.attention_softmax_in_fp32
+                                or config.apply_query_key_layer_scaling)
+        # Query-key layer scaling: scores are divided by an extra `coeff` in the matmul (fp16
+        # range) and multiplied back before the softmax, so the math is unchanged.
+        self.coeff = self.layer_number if config.apply_query_key_layer_scaling else None
+        self.norm_factor = math.sqrt(config.kv_channels) * (self.coeff or 1)
+        self.dropout_p = config.attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """q, k, v ``[s, b, np, hn]`` -> context ``[s, b, hp]``."""
+        if self.config.use_sdpa:
+            return self._sdpa(query, key, value, attention_mask)
+        return self._unfused(query, key, value, attention_mask)
+
+    def _sdpa(self, query, key, value, attention_mask):
+        sq, b, np_, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        mask, is_causal = None, False
+        if attention_mask is not None:
+            mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(attention_mask, _MASK_VALUE)  # additive [b|1, 1, sq, sk]
+        elif self.attn_mask_type == "causal":
+            is_causal = True
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Heads are split over TP ranks, so their dropout must differ per rank: TP stream.
+        rng = get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
+        with rng:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=is_causal,
+                                                 scale=1.0 / math.sqrt(hn))
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, hp]
+
+    def _unfused(self, query, key, value, attention_mask):
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+        q = query.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
+        k = key.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+        v = value.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / self.norm_factor)
+        scores = scores.view(b, np_, sq, sk)  # [b, np, sq, sk]
+        probs = self._scale_mask_softmax(scores, attention_mask)
+        if self.training and self.dropout_p > 0:
+            with get_rng_tracker().fork():
+                probs = F.dropout(probs, p=self.dropout_p)
+        ctx = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
+        ctx = ctx.view(b, np_, sq, hn).permute(2, 0, 1, 3)  # [sq, b, np, hn]
+        return ctx.reshape(sq, b, np_ * hn)  # [sq, b, hp]
+
+    def _scale_mask_softmax(self, scores: torch.Tensor,
+                            attention_mask: torch.Tensor | None) -> torch.Tensor:
+        in_dtype = scores.dtype
+        if self.softmax_in_fp32:
+            scores = scores.float()
+        if self.coeff is not None:
+            scores = scores * self.coeff
+        if attention_mask is None and self.attn_mask_type == "causal":
+            attention_mask = causal_mask(scores.size(-1), scores.device)[..., -scores.size(-2):, :]
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, _MASK_VALUE)
+        return torch.softmax(scores, dim=-1).to(in_dtype)
+
+
+class SelfAttention(torch.nn.Module):
+    """Megatron-LM's ``ParallelAttention`` (self-attention): QKV column-parallel, dense
+    row-parallel. Parameter names: ``query_key_value``, ``dense``.
+
+    Args:
+        config: transformer settings.
+        layer_number: 1-based layer index.
+        group: the TP process group.
+        attn_mask_type: ``causal`` or ``padding``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
+        super().__init__()
+        self.config = config
+        tp = tp_world_size(group)
+        projection = config.kv_channels * config.num_attention_heads
+        self.heads_per_partition = divide(config.num_attention_heads, tp)
+        self.head_dim = config.kv_channels
+        # Full QKV weight rows are ordered [np, 3, hn] (checkpoint version >= 2.0), so a
+        # contiguous split over TP ranks hands each rank whole heads with their q, k and v.
+        self.query_key_value = tp_layers.ColumnParallelLinear(
+            config.hidden_size, 3 * projection, group=group,
+            init_method=tp_layers.init_method_normal(config.init_method_std),
+            bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype)
+        self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.dense = tp_layers.RowParallelLinear(
+            projection, config.hidden_size, group=group,
+            init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
+                                                            config.num_layers),
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            params_dtype=config.params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias)."""
+        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np*3*hn]
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.head_dim)  # [s, b, np, 3hn]
+        query, key, value = torch.split(mixed, self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
+        if self.checkpoint_core_attention and self.training:
+            # Selective recompute: the s^2 scores are the memory hog, cheap to recompute.
+            context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, hp]
+        return self.dense(context)

@@ -1,0 +1,95 @@
+"""A stack of transformer layers with the final LayerNorm (Megatron-LM's ``ParallelTransformer``,
+the ``encoder`` of the checkpoint), with full activation recomputation and pipeline hooks.
+
+Legend: s sequence, b batch, h hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.layer import TransformerLayer
+from megatron.core.transformer.layernorm import LayerNorm
+
+
+class TransformerBlock(torch.nn.Module):
+    """``num_layers`` layers (numbered ``layer_offset + 1 ...``) and, on the last pipeline stage,
+    ``final_layernorm``. State-dict names: ``layers.N.*`` (N local to the stage).
+
+    Args:
+        config: transformer settings.
+        group: the TP process group.
+        num_layers: layers on this pipeline stage (default: all ``config.num_layers``).
+        layer_offset: global index of this stage's first layer (pipeline parallelism).
+        pre_process: this stage receives the embedding output as ``hidden_states``; otherwise
+            the input comes from :meth:`set_input_tensor` (the previous pipeline stage).
+        post_process: this stage applies the final LayerNorm.
+        attn_mask_type: ``causal`` or ``padding``.
+    """
+
+    def __init__(self, config: TransformerConfig, group: ProcessGroup | None,
+                 num_layers: int | None = None, layer_offset: int = 0,
+                 pre_process: bool = True, post_process: bool = True,
+                 attn_mask_type: AttnMaskType = "causal") -> None:
+        super().__init__()
+        self.config, self.group = config, group
+        self.pre_process, self.post_process = pre_process, post_process
+        n = config.num_layers if num_layers is None else num_layers
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, layer_offset + i + 1, group, attn_mask_type)
+            for i in range(n))
+        self.final_layernorm = None
+        if post_process:
+            self.final_layernorm = LayerNorm(
+                config.hidden_size, eps=config.layernorm_epsilon,
+                apply_layernorm_1p=config.apply_layernorm_1p, params_dtype=config.params_dtype)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """The activation received from the previous pipeline stage (``[s, b, h]``)."""
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states: torch.Tensor | None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage)."""
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def _checkpointed_forward(self, hidden_states: torch.Tensor,
+                              attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Full recompute: ``uniform`` checkpoints chunks of ``recompute_num_layers`` layers;
+        ``block`` checkpoints only the first ``recompute_num_layers`` layers of the stage."""
+        cfg, n = self.config, len(self.layers)
+        step = cfg.recompute_num_layers
+
+        def run(start: int, end: int):
+            def chunk(x, mask):
+                for layer in self.layers[start:end]:
+                    x = layer(x, mask)
+                return x
+            return chunk
+
+        if cfg.recompute_method == "uniform":
+            for start in range(0, n, step):
+                hidden_states = checkpoint(run(start, min(start + step, n)),
+                                           cfg.distribute_saved_activations, hidden_states,
+                                           attention_mask, tp_group=self.group)
+            return hidden_states
+        for i in range(n):  # block
+            if i < step:
+                hidden_states = checkpoint(run(i, i + 1), cfg.distribute_saved_activations,
+                                           hidden_states, attention_mask, tp_group=self.group)
+            else:
+                hidden_states = self.layers[i](hidden_states, attention_mask)
+        return hidden_states

@@ -1,0 +1,216 @@
+"""The GPT model at TP = 1, 2, 4 from one seed (same loss, same re-assembled gradients),
+recomputation, checkpoint layout and round trip, parameter count and FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from megatron.config import parse_args
+from megatron.core import parallel_state as ps
+from megatron.core.flops import num_floating_point_operations, num_parameters
+from megatron.core.models.gpt import GPTModel, gpt_model_from
+from megatron.core.tensor_parallel import model_parallel_manual_seed
+from megatron.core.transformer.attention import causal_mask
+from megatron.core.transformer.config import TransformerConfig
+from tests.core.tp_helpers import assert_same_params_and_grads
+from tests.multiprocess import run_distributed
+
+DT = torch.float64
+VOCAB, SEQ, BATCH = 64, 8, 2
+CONFIG = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                           padded_vocab_size=VOCAB, max_position_embeddings=SEQ,
+                           hidden_dropout=0.0, attention_dropout=0.0, params_dtype=DT)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    tokens[0, :4] = torch.tensor([0, 15, 16, 63])  # ids at TP-4 partition borders
+    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
+    return tokens[:, :-1], position_ids, tokens[:, 1:]
+
+
+def _train_step(config, group, rank, mask=None, seed=1234):
+    torch.manual_seed(seed)
+    model = GPTModel(config, group)
+    ids, pos, labels = _batch()
+    model_parallel_manual_seed(seed, rank)
+    loss = model(ids, pos, mask, labels=labels)  # [b, s]
+    loss_mask = torch.ones_like(loss).index_fill_(1, torch.tensor([0]), 0.0)
+    (loss * loss_mask).sum().div(loss_mask.sum()).backward()
+    return model, loss.detach()
+
+
+def _check_model_equivalence(group, rank):
+    reset = causal_mask(SEQ, torch.device("cpu")).repeat(BATCH, 1, 1, 1)
+    reset[0, :, 4:, :4] = True
+    for kwargs, mask in ((dict(), None), (dict(attention_backend="unfused"), reset),
+                         (dict(untie_embeddings_and_output_weights=True), None),
+                         (dict(hidden_dropout=0.2), None)):
+        config = dataclasses.replace(CONFIG, **kwargs)
+        ref, ref_loss = _train_step(config, None, 0, mask)
+        par, loss = _train_step(config, group, rank, mask)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-7, atol=1e-9)
+        assert_same_params_and_grads(ref, par, group)
+    # Logits without labels: this rank's vocabulary slice, [b, s, V/p].
+    ids, pos, _ = _batch()
+    logits = par.eval()(ids, pos)
+    full = ref.eval()(ids, pos)
+    tp = ps.get_tensor_model_parallel_world_size()
+    torch.testing.assert_close(logits, full.chunk(tp, -1)[rank], rtol=1e-7, atol=1e-9)
+
+
+def _check_recompute(group, rank):
+    """Full (uniform, block, distributed input) and selective recompute, with dropout on,
+    give the same loss and gradients as no recompute."""
+    base = dataclasses.replace(CONFIG, hidden_dropout=0.2, attention_dropout=0.2,
+                               num_layers=3)
+    ref, ref_loss = _train_step(base, group, rank)
+    for kwargs in (dict(recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=2),
+                   dict(recompute_granularity="full", recompute_method="block",
+                        recompute_num_layers=2, distribute_saved_activations=True),
+                   dict(recompute_granularity="selective")):
+        model, loss = _train_step(dataclasses.replace(base, **kwargs), group, rank)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-7, atol=1e-9)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=name)
+
+
+def _check_checkpoint_shapes(group, rank):
+    torch.manual_seed(0)
+    model = GPTModel(dataclasses.replace(CONFIG, untie_embeddings_and_output_weights=True),
+                     group)
+    sd = model.state_dict_for_save_checkpoint()
+    lm = sd["language_model"]
+    shapes = {"word": tuple(lm["embedding"]["word_embeddings"]["weight"].shape),
+              "pos": tuple(lm["embedding"]["position_embeddings"]["weight"].shape),
+              "out": tuple(lm["output_layer"]["weight"].shape)}
+    shapes.update({k: tuple(v.shape) for k, v in lm["encoder"].items()})
+    return shapes
+
+
+def _gpt_checks(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    group = ps.get_tensor_model_parallel_group()
+    _check_model_equivalence(group, rank)
+    if world_size == 2:
+        _check_recompute(group, rank)
+    return _check_checkpoint_shapes(group, rank)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_matches_tp1(tp):
+    shapes = run_distributed(tp, _gpt_checks)[0]
+    h = 16
+    assert shapes["word"] == (VOCAB // tp, h)
+    assert shapes["pos"] == (SEQ, h)
+    assert shapes["out"] == (VOCAB // tp, h)
+    assert shapes["layers.1.self_attention.query_key_value.weight"] == (3 * h // tp, h)
+    assert shapes["layers.1.self_attention.query_key_value.bias"] == (3 * h // tp,)
+    assert shapes["layers.1.self_attention.dense.weight"] == (h, h // tp)
+    assert shapes["layers.1.self_attention.dense.bias"] == (h,)
+    assert shapes["layers.0.mlp.dense_h_to_4h.weight"] == (4 * h // tp, h)
+    assert shapes["layers.0.mlp.dense_4h_to_h.weight"] == (h, 4 * h // tp)
+    assert shapes["final_layernorm.weight"] == (h,)
+
+
+def test_checkpoint_layout_and_round_trip():
+    torch.manual_seed(0)
+    model = GPTModel(CONFIG, None)
+    sd = model.state_dict_for_save_checkpoint()
+    assert set(sd) == {"language_model"}
+    assert set(sd["language_model"]) == {"embedding", "encoder"}
+    assert set(sd["language_model"]["embedding"]) == {"word_embeddings", "position_embeddings"}
+    enc = sd["language_model"]["encoder"]
+    assert "layers.0.self_attention.query_key_value.weight" in enc
+    assert "final_layernorm.bias" in enc
+    per_layer = {k.split(".", 2)[2] for k in enc if k.startswith("layers.0.")}
+    assert per_layer == {f"{m}.{p}" for p in ("weight", "bias") for m in (
+        "input_layernorm", "self_attention.query_key_value", "self_attention.dense",
+        "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
+
+    buf = io.BytesIO()
+    torch.save({"model": sd, "checkpoint_version": 3.0}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["model"]
+    torch.manual_seed(1)
+    other = GPTModel(CONFIG, None)
+    other.load_state_dict(loaded)
+    ids, pos, labels = _batch()
+    torch.testing.assert_close(other(ids, pos, labels=labels), model(ids, pos, labels=labels))
+    # The tied output weight is the embedding Parameter itself.
+    assert other.shared_embedding_or_output_weight() is \
+        other.language_model.embedding.word_embeddings.weight
+    # One Parameter, not a duplicate: counted in the grad norm (not marked `shared`).
+    assert not getattr(other.shared_embedding_or_output_weight(), "shared", False)
+    assert [n for n, _ in other.named_parameters()].count(
+        "language_model.embedding.word_embeddings.weight") == 1
+
+
+def test_last_pipeline_stage_holds_shared_copy():
+    torch.manual_seed(0)
+    last = GPTModel(CONFIG, None, pre_process=False, post_process=True, num_layers=1,
+                    layer_offset=1)
+    weight = last.shared_embedding_or_output_weight()
+    assert weight.shared and weight is last.word_embeddings.weight
+    assert set(last.state_dict_for_save_checkpoint()) == {"language_model",
+                                                          "word_embeddings_for_head"}
+    last.set_input_tensor(torch.randn(SEQ, BATCH, 16, dtype=DT))
+    _, _, labels = _batch()
+    assert last(None, None, labels=labels).shape == (BATCH, SEQ)
+    first = GPTModel(CONFIG, None, pre_process=True, post_process=False, num_layers=1)
+    ids, pos, _ = _batch()
+    assert first(ids, pos).shape == (SEQ, BATCH, 16)
+
+
+def test_load_old_names_and_strict_errors():
+    torch.manual_seed(0)
+    model = GPTModel(CONFIG, None)
+    sd = model.state_dict_for_save_checkpoint()
+    lm = sd["language_model"]
+    old = {"language_model": {"embedding": lm["embedding"], "transformer": {
+        k.replace(".self_attention.", ".attention."): v for k, v in lm["encoder"].items()}}}
+    torch.manual_seed(1)
+    other = GPTModel(CONFIG, None)
+    other.load_state_dict(old)
+    for a, b in zip(other.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+    broken = {"language_model": {"embedding": lm["embedding"], "encoder": dict(lm["encoder"])}}
+    del broken["language_model"]["encoder"]["final_layernorm.bias"]
+    broken["language_model"]["encoder"]["layers.9.extra"] = torch.zeros(1)
+    broken["language_model"]["encoder"]["layers.0.mlp.dense_h_to_4h.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError) as err:
+        other.load_state_dict(broken)
+    msg = str(err.value)
+    assert "language_model.encoder.final_layernorm.bias" in msg
+    assert "language_model.encoder.layers.9.extra" in msg
+    assert "dense_h_to_4h.weight: checkpoint (3, 3) vs model (64, 16)" in msg
+
+
+def test_gpt_model_from_cli_and_param_count():
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+                      "--max-position-embeddings", "8", "--seq-length", "8",
+                      "--micro-batch-size", "2"], world_size=1)
+    cfg.padded_vocab_size = VOCAB
+    torch.manual_seed(0)
+    model = gpt_model_from(cfg)
+    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    untied = dataclasses.replace(CONFIG, untie_embeddings_and_output_weights=True)
+    assert num_parameters(untied) == sum(p.numel() for p in GPTModel(untied, None).parameters())
+    # GPT-2 small (vocab padded to 50304): 124.48 M; FLOPs = the paper's 72 B s l h^2 (...).
+    gpt2 = TransformerConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
+                             padded_vocab_size=50304, max_position_embeddings=1024)
+    assert num_parameters(gpt2) == 124_475_904
+    b, s, l, h, v = 8, 1024, 12, 768, 50304
+    paper = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert num_floating_point_operations(gpt2, b, s) == pytest.approx(paper)
+    full = dataclasses.replace(gpt2, recompute_granularity="full", recompute_method="uniform")
+    paper_recompute = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    assert num_floating_point_operations(full, b, s, include_recompute=True) == \
+        pytest.approx(paper_recompute)
