@@ -32,6 +32,7 @@ setup(
         "tiktoken>=0.5",
         "sentencepiece>=0.1.99",
         "regex>=2022.1",
+        "nltk>=3.8",
         "tensorboard>=2.12",
         "tqdm>=4.60",
     ],

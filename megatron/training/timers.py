@@ -79,12 +79,16 @@ class Timers:
         self._timers: dict[str, Timer] = {}
         self._levels: dict[str, int] = {}
         self._null = _NullTimer("null")
+        self._filtered: set[str] = set()  # names whose level is above --timing-log-level
 
     def __call__(self, name: str, log_level: int | None = None) -> Timer:
         if name in self._timers:
             return self._timers[name]
+        if name in self._filtered:
+            return self._null
         level = 0 if log_level is None else log_level
         if level > self.log_level:
+            self._filtered.add(name)
             return self._null
         self._timers[name] = Timer(name)
         self._levels[name] = level

@@ -1,0 +1,68 @@
+"""The interface every Megatron tokenizer offers (Megatron-LM's ``AbstractTokenizer``)."""
+
+from __future__ import annotations
+
+import abc
+
+
+class AbstractTokenizer(abc.ABC):
+    """Text <-> token ids, plus the special ids the datasets and models ask for.
+
+    Special ids a tokenizer does not have raise ``NotImplementedError`` naming the tokenizer, as
+    in Megatron-LM, so that a BERT dataset built on a GPT-2 tokenizer fails at the first use.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.padded_vocab_size: int | None = None
+        """Set by :func:`megatron.tokenizer.build_tokenizer`."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, before padding."""
+
+    @property
+    @abc.abstractmethod
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id."""
+
+    @property
+    @abc.abstractmethod
+    def inv_vocab(self) -> dict[int, str]:
+        """Id -> token string."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """The ids of ``text``."""
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text (subclasses override where the library batches faster)."""
+        return [self.tokenize(text) for text in texts]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``."""
+        raise NotImplementedError(f"detokenize is not implemented for the {self.name} tokenizer")
+
+    def _missing(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{what} is not provided for the {self.name} tokenizer")
+
+    @property
+    def cls(self) -> int:
+        raise self._missing("CLS")
+
+    @property
+    def sep(self) -> int:
+        raise self._missing("SEP")
+
+    @property
+    def pad(self) -> int:
+        raise self._missing("PAD")
+
+    @property
+    def eod(self) -> int:
+        raise self._missing("EOD")
+
+    @property
+    def mask(self) -> int:
+        raise self._missing("MASK")

@@ -1,0 +1,88 @@
+"""``build_tokenizer``: the tokenizer named by ``--tokenizer-type``, and the padded vocab size."""
+
+from __future__ import annotations
+
+from megatron.config.data import TokenizerConfig
+from megatron.core.log import log_rank_0
+from megatron.tokenizer.base import AbstractTokenizer
+
+_NEEDS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+
+def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                            tensor_model_parallel_size: int = 1) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by x TP``.
+
+    The padding keeps the embedding GEMMs aligned and lets every TP rank hold an equal slice.
+
+    Raises:
+        ValueError: a non-positive multiple.
+    """
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    if multiple <= 0:
+        raise ValueError(f"--make-vocab-size-divisible-by ({make_vocab_size_divisible_by}) x "
+                         f"tensor-model-parallel-size ({tensor_model_parallel_size}) must be > 0")
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+def create_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
+    """The tokenizer of ``cfg``, without logging or padding (for worker processes).
+
+    Raises:
+        ValueError: unknown type, or a file/size flag the type needs is missing.
+    """
+    kind = cfg.tokenizer_type
+    if kind not in _NEEDS:
+        raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {list(_NEEDS)}")
+    for field in _NEEDS[kind]:
+        if getattr(cfg, field) is None:
+            raise ValueError(f"--tokenizer-type {kind} needs --{field.replace('_', '-')}")
+    # Imported lazily: each backend library costs start-up time only when used.
+    if kind == "GPT2BPETokenizer":
+        from megatron.tokenizer.gpt2 import GPT2BPETokenizer
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron.tokenizer.bert import BertWordPieceTokenizer
+        return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind == "BertWordPieceLowerCase",
+                                      vocab_extra_ids=cfg.vocab_extra_ids)
+    if kind == "SentencePieceTokenizer":
+        from megatron.tokenizer.spm import SentencePieceTokenizer
+        return SentencePieceTokenizer(cfg.tokenizer_model, vocab_extra_ids=cfg.vocab_extra_ids)
+    if kind == "GPTSentencePieceTokenizer":
+        from megatron.tokenizer.spm import GPTSentencePieceTokenizer
+        return GPTSentencePieceTokenizer(cfg.tokenizer_model)
+    if kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+        return HuggingFaceTokenizer(cfg.tokenizer_model)
+    from megatron.tokenizer.null import NullTokenizer
+    return NullTokenizer(cfg.vocab_size)
+
+
+def build_tokenizer(tokenizer_config: TokenizerConfig, tensor_model_parallel_size: int = 1,
+                    make_vocab_size_divisible_by: int = 128) -> AbstractTokenizer:
+    """The tokenizer of ``--tokenizer-type``; sets its ``padded_vocab_size``.
+
+    Args:
+        tokenizer_config: the tokenizer flags.
+        tensor_model_parallel_size: TP size (the padding multiple grows with it).
+        make_vocab_size_divisible_by: ``--make-vocab-size-divisible-by``.
+
+    Raises:
+        ValueError: unknown type, or a file/size flag the type needs is missing.
+    """
+    log_rank_0(f"> building {tokenizer_config.tokenizer_type} tokenizer ...")
+    tokenizer = create_tokenizer(tokenizer_config)
+    padded = vocab_size_with_padding(tokenizer.vocab_size, make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size)
+    log_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
+               f"{padded - tokenizer.vocab_size} dummy tokens (new size: {padded})")
+    tokenizer.padded_vocab_size = padded
+    return tokenizer

@@ -1,0 +1,177 @@
+"""GPT-2 byte-level BPE (``--tokenizer-type GPT2BPETokenizer``) on top of tiktoken.
+
+The ids are those of OpenAI's ``encoder.py`` (and Megatron-LM's ``gpt2_tokenization.py``): text
+is split with the GPT-2 regex, each piece's UTF-8 bytes are mapped to printable characters
+(``bytes_to_unicode``) and merged by ``merges.txt`` priority. tiktoken runs the same algorithm
+in Rust, about 10x faster than the pure-Python loop (``../shared/PERF_NOTES.md``). It ranks a
+merge by the rank of the merged token; we give merge ``i`` the rank ``256 + i``, so priorities
+are exactly the merges order, and map ranks back to the ids of ``vocab.json`` (an identity
+for GPT-2's own files, whose ids follow that order).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import numpy as np
+import tiktoken
+
+from megatron.tokenizer.base import AbstractTokenizer
+
+# OpenAI's pattern, verbatim from encoder.py.
+GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+EOD_TOKEN = "<|endoftext|>"
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+    """OpenAI's reversible byte -> printable character table (the alphabet of vocab.json)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def token_to_bytes(token: str) -> bytes:
+    """The bytes a vocab.json token string stands for.
+
+    Raises:
+        ValueError: a character outside the byte alphabet.
+    """
+    # str.translate + latin-1 runs in C: 50k tokens in milliseconds, not a Python loop.
+    try:
+        return token.translate(_byte_translation()).encode("latin-1")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"token {token!r} has a character outside the GPT-2 byte alphabet") from err
+
+
+@functools.cache
+def _byte_translation() -> dict[int, int]:
+    """Alphabet character -> its byte; raw characters that are not in the alphabet -> an
+    unencodable code point, so that latin-1 encoding rejects them."""
+    table = {ord(ch): b for b, ch in bytes_to_unicode().items()}
+    for b in range(256):
+        table.setdefault(b, 0xFFFF)
+    return table
+
+
+def load_merges(merge_file: str | os.PathLike) -> list[tuple[str, str]]:
+    """The merge pairs of ``merges.txt``, in priority order.
+
+    Raises:
+        ValueError: a line that is not two space-separated tokens.
+    """
+    merges = []
+    with open(merge_file, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for lineno, line in enumerate(lines, 1):
+        # OpenAI skips the first line ("#version: ...") and the empty string after the final
+        # newline; we skip a '#version' header and blank lines: the same on well-formed files.
+        if not line or (lineno == 1 and line.startswith("#version")):
+            continue
+        pair = line.split()
+        if len(pair) != 2:
+            raise ValueError(f"{merge_file}:{lineno}: expected two tokens, got {line!r}")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
+class GPT2BPETokenizer(AbstractTokenizer):
+    """OpenAI GPT-2 BPE from ``vocab.json`` + ``merges.txt``; EOD is ``<|endoftext|>``.
+
+    Args:
+        vocab_file: GPT-2 ``vocab.json`` (token string -> id).
+        merge_file: GPT-2 ``merges.txt``.
+
+    Raises:
+        ValueError: unreadable files, a merge whose result is not in the vocabulary, or no
+            ``<|endoftext|>`` token.
+    """
+
+    def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
+        super().__init__("GPT2 BPE")
+        with open(vocab_file, encoding="utf-8") as f:
+            self._vocab: dict[str, int] = json.load(f)
+        if EOD_TOKEN not in self._vocab:
+            raise ValueError(f"{vocab_file}: no {EOD_TOKEN} token (is it a GPT-2 vocab.json?)")
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self.eod_id = self._vocab[EOD_TOKEN]
+        ranks, rank_to_id = self._ranks(load_merges(merge_file), vocab_file)
+        self._encoding = tiktoken.Encoding(name=f"gpt2-bpe-{os.fspath(vocab_file)}",
+                                           pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                           special_tokens={})
+        identity = np.array_equal(rank_to_id, np.arange(len(rank_to_id)))
+        self._rank_to_id = None if identity else rank_to_id
+        self._id_to_bytes: dict[int, bytes] | None = None  # built by the first detokenize
+
+    def _ranks(self, merges: list[tuple[str, str]], vocab_file) -> tuple[dict[bytes, int], np.ndarray]:
+        """tiktoken ranks (bytes -> rank) and the rank -> vocab id table."""
+        byte_chars = bytes_to_unicode()
+        missing = [ch for ch in byte_chars.values() if ch not in self._vocab]
+        if missing:
+            raise ValueError(f"{vocab_file}: byte tokens {missing[:5]} are missing")
+        byte_ids = [self._vocab[byte_chars[b]] for b in range(256)]
+        # Single bytes keep their vocab id as rank when those ids are exactly 0..255 (GPT-2);
+        # their ranks never decide a merge, only the 256 + i of merged tokens do.
+        byte_rank = byte_ids if sorted(byte_ids) == list(range(256)) else list(range(256))
+        ranks = {bytes([b]): byte_rank[b] for b in range(256)}
+        rank_to_id = np.empty(256 + len(merges), dtype=np.int64)
+        rank_to_id[byte_rank] = byte_ids
+        for i, (left, right) in enumerate(merges):
+            merged = left + right
+            if merged not in self._vocab:
+                raise ValueError(f"{vocab_file}: merge {i + 1} ({left} {right}) makes {merged!r}, "
+                                 "which is not in the vocabulary")
+            # A repeated merge result keeps its first (highest) priority, as OpenAI's lookup
+            # of the lowest-ranked pair would.
+            ranks.setdefault(token_to_bytes(merged), 256 + i)
+            rank_to_id[256 + i] = self._vocab[merged]
+        return ranks, rank_to_id
+
+    @staticmethod
+    def _token_bytes(token: str) -> bytes:
+        try:
+            return token_to_bytes(token)
+        except ValueError:  # an added token written in plain text
+            return token.encode("utf-8")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        # encode_ordinary: like OpenAI's encoder, "<|endoftext|>" inside text is plain text.
+        ids = self._encoding.encode_ordinary(text)
+        if self._rank_to_id is not None:
+            ids = self._rank_to_id[ids].tolist()
+        return ids
+
+    def tokenize_to_array(self, text: str) -> np.ndarray:
+        """The ids of ``text`` as an int64 array (no Python list on the mapped path)."""
+        ids = np.asarray(self._encoding.encode_ordinary(text), dtype=np.int64)
+        return ids if self._rank_to_id is None else self._rank_to_id[ids]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self._id_to_bytes is None:
+            self._id_to_bytes = {i: self._token_bytes(t) for t, i in self._vocab.items()}
+        data = b"".join(self._id_to_bytes[int(i)] for i in token_ids)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def eod(self) -> int:
+        return self.eod_id

@@ -1,0 +1,87 @@
+"""``HuggingFaceTokenizer``: a local ``tokenizer.json`` (or a directory holding one).
+
+Megatron-LM loads these with ``transformers.AutoTokenizer``; we read the same file with the
+``tokenizers`` library, offline (no hub download). As with ``AutoTokenizer(text).input_ids``,
+the tokenizer's post-processor runs, so a model that adds ``<s>`` gets it here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from megatron.tokenizer.base import AbstractTokenizer
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+def _special_token(config: dict, key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # {"content": "</s>", ...} in newer tokenizer_config.json
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer(AbstractTokenizer):
+    """A ``tokenizers`` JSON tokenizer; EOD = ``eos_token`` of ``tokenizer_config.json``.
+
+    Args:
+        path: ``tokenizer.json`` or a directory with ``tokenizer.json`` (and optionally
+            ``tokenizer_config.json``, which names the eos/bos tokens).
+
+    Raises:
+        ValueError: no ``tokenizer.json`` at ``path`` (hub names are not downloaded).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__("HuggingFaceTokenizer")
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there (give a local file "
+                             "or directory; models are not downloaded)")
+        self._tokenizer = Tokenizer.from_file(str(file))
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        eos = _special_token(config, "eos_token")
+        if eos is None:
+            eos = next((t for t in _EOS_CANDIDATES if t in self._vocab), None)
+        self._eos_id = self._vocab.get(eos) if eos is not None else None
+        bos = _special_token(config, "bos_token")
+        self._bos_id = self._vocab.get(bos) if bos is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts)]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=False)
+
+    @property
+    def eod(self) -> int:
+        if self._eos_id is None:
+            raise self._missing("EOD (no eos_token in tokenizer_config.json)")
+        return self._eos_id
+
+    @property
+    def bos(self) -> int | None:
+        return self._bos_id

@@ -1,0 +1,81 @@
+"""Offline sentence splitting for ``preprocess_data.py --split-sentences``.
+
+Megatron-LM splits with NLTK's trained English Punkt model, which it downloads at run time
+(``nltk.download("punkt")``); these machines cannot download it. We use, in order:
+
+1. the trained Punkt model when NLTK already has it locally (``punkt_tab`` under ``$NLTK_DATA``
+   or NLTK's default paths): the same sentences as Megatron-LM;
+2. otherwise NLTK's Punkt algorithm with no training, given a fixed list of common English
+   abbreviations (below) so that "Mr. Darcy" or "e.g. this" do not end a sentence. The
+   result differs from trained Punkt on rare abbreviations and initials; it is deterministic
+   and needs no data files.
+
+``keep_newlines`` is Megatron-LM's variant that keeps the newline whitespace after a
+sentence end inside the sentence (its ``CustomLanguageVars``).
+"""
+
+from __future__ import annotations
+
+from nltk.tokenize import punkt
+
+from megatron.core.log import get_logger
+
+# Lowercase, without the final period (Punkt's abbreviation types).
+ENGLISH_ABBREVIATIONS = frozenset("""
+mr mrs ms messrs mme mlle dr drs prof rev hon st ste mt ft sr jr esq gen col lt capt cmdr
+sgt maj adm gov sen rep pres supt insp det cpl pvt
+jan feb mar apr jun jul aug sep sept oct nov dec mon tue tues wed thu thur thurs fri sat sun
+e.g i.e etc al viz cf vs v approx dept est fig figs no nos vol vols ch chap pp p sec art ed eds
+inc ltd co corp bros assn ave blvd rd hwy apt
+a.m p.m u.s u.s.a u.k d.c ph.d m.d b.a m.a
+""".split())
+
+# Megatron-LM's CustomLanguageVars: "\s*" instead of "\s+" before the next token, so the
+# newlines after a sentence end stay attached to the sentence.
+_KEEP_NEWLINES_PERIOD_CONTEXT = r"""
+        \S*                          # some word material
+        %(SentEndChars)s             # a potential sentence ending
+        \s*                          # whitespace, newlines kept with the sentence
+        (?=(?P<after_tok>
+            %(NonWord)s              # either other punctuation
+            |
+            (?P<next_tok>\S+)        # or some other token
+        ))"""
+
+
+class _KeepNewlinesLanguageVars(punkt.PunktLanguageVars):
+    _period_context_fmt = _KEEP_NEWLINES_PERIOD_CONTEXT
+
+
+def _trained_params(lang: str) -> punkt.PunktParameters | None:
+    """The trained Punkt parameters if NLTK has them locally; never downloads."""
+    try:
+        return punkt.PunktTokenizer(lang)._params
+    except (LookupError, OSError, ValueError):
+        return None
+
+
+def build_sentence_splitter(lang: str = "english", keep_newlines: bool = False
+                            ) -> punkt.PunktSentenceTokenizer:
+    """A Punkt sentence splitter that works offline (see the module docstring).
+
+    Args:
+        lang: NLTK language name of the trained model to look for.
+        keep_newlines: keep newline whitespace at the end of sentences (``--keep-newlines``).
+    """
+    params = _trained_params(lang)
+    if params is None:
+        if lang != "english":
+            get_logger().warning(f"no local Punkt model for --lang {lang}; splitting with "
+                                 "untrained Punkt and English abbreviations")
+        params = punkt.PunktParameters()
+        params.abbrev_types = set(ENGLISH_ABBREVIATIONS)
+    lang_vars = _KeepNewlinesLanguageVars() if keep_newlines else punkt.PunktLanguageVars()
+    return punkt.PunktSentenceTokenizer(params, lang_vars=lang_vars)
+
+
+def split_sentences(splitter: punkt.PunktSentenceTokenizer, text: str,
+                    max_chars: int = 1_000_000) -> list[str]:
+    """Sentences of ``text``, split in ``max_chars`` pieces first as Megatron-LM does
+    (bounds Punkt's time and memory on huge documents)."""
+    return [s for i in range(0, len(text), max_chars) for s in splitter.tokenize(text[i:i + max_chars])]

@@ -1,0 +1,77 @@
+"""GPT2BPETokenizer ids equal the pure-Python reference BPE on real text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron.tokenizer.gpt2 import GPT2BPETokenizer, bytes_to_unicode
+from tests.tokenizer.reference_gpt2 import ReferenceGPT2, byte_alphabet
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(shared_data):
+    tok = shared_data / "tokenizers"
+    return str(tok / "gpt2-vocab.json"), str(tok / "gpt2-merges.txt")
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_files):
+    return GPT2BPETokenizer(*gpt2_files)
+
+
+@pytest.fixture(scope="module")
+def reference(gpt2_files):
+    return ReferenceGPT2(*gpt2_files)
+
+
+def test_vocab_and_eod(gpt2):
+    assert gpt2.vocab_size == 50257
+    assert gpt2.eod == 50256 == gpt2.vocab["<|endoftext|>"]
+    assert gpt2.inv_vocab[50256] == "<|endoftext|>"
+
+
+def test_byte_alphabet_matches_reference():
+    assert bytes_to_unicode() == byte_alphabet()
+
+
+def test_ids_equal_reference_on_corpus(gpt2, reference, corpus_texts):
+    for text in corpus_texts:
+        assert gpt2.tokenize(text) == reference.encode(text), text[:80]
+
+
+def test_detokenize_round_trip(gpt2, reference, corpus_texts):
+    for text in corpus_texts:
+        ids = gpt2.tokenize(text)
+        assert gpt2.detokenize(ids) == reference.decode(ids) == text
+
+
+def test_special_string_is_plain_text(gpt2):
+    # OpenAI's encoder (and Megatron's) never emits the EOD id from text.
+    assert gpt2.eod not in gpt2.tokenize("a <|endoftext|> b")
+
+
+def test_permuted_vocab_ids_are_mapped(tmp_path, gpt2_files, reference):
+    """A vocab.json whose ids do not follow merge order (e.g. HF-trained) still gives its ids."""
+    vocab_file, merge_file = gpt2_files
+    vocab = json.loads(open(vocab_file, encoding="utf-8").read())
+    shuffled = {t: (len(vocab) - 1 - i) for t, i in vocab.items()}  # reverse every id
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps(shuffled), encoding="utf-8")
+    tok = GPT2BPETokenizer(path, merge_file)
+    text = "The quick brown fox's 12 jumps — naïve café!"
+    expected = [len(vocab) - 1 - i for i in reference.encode(text)]
+    assert tok.tokenize(text) == expected
+    assert tok.tokenize_to_array(text).tolist() == expected
+    assert tok.detokenize(expected) == text
+
+
+def test_missing_eod_is_an_error(tmp_path, gpt2_files):
+    vocab_file, merge_file = gpt2_files
+    vocab = json.loads(open(vocab_file, encoding="utf-8").read())
+    del vocab["<|endoftext|>"]
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps(vocab), encoding="utf-8")
+    with pytest.raises(ValueError, match="endoftext"):
+        GPT2BPETokenizer(path, merge_file)
