@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import torch.distributed as dist
-
 _FORMAT = "%(message)s"
 
 
@@ -27,12 +25,21 @@ def get_logger(name: str = "megatron") -> logging.Logger:
     return logger
 
 
+def _dist():
+    # Without torch loaded no process group can exist; not importing it keeps tools that only
+    # log (preprocess_data) fast to start.
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    dist = _dist()
+    return dist.get_rank() if dist else 0
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    dist = _dist()
+    return dist.get_world_size() if dist else 1
 
 
 def log_rank_0(message: str, level: int = logging.INFO) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-import torch
 
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -132,8 +131,8 @@ class _GrowableArray:
 
 
 def _as_numpy(seq: Any, dtype: Any) -> np.ndarray:
-    if isinstance(seq, torch.Tensor):
-        seq = seq.detach().cpu().numpy()
+    if hasattr(seq, "detach"):  # a torch tensor (torch is not imported: preprocessing is
+        seq = seq.detach().cpu().numpy()  # faster to start without it)
     return np.asarray(seq, dtype=dtype).reshape(-1)
 
 
@@ -298,7 +297,7 @@ class _IndexReader:
         return self.sequence_count
 
 
-class IndexedDataset(torch.utils.data.Dataset):
+class IndexedDataset:
     """Reader of an MMIDIDX dataset ``{prefix}.idx`` + ``{prefix}.bin``.
 
     ``ds[i]`` is sequence ``i`` as a numpy array (a view into the mmapped file when
@@ -316,7 +315,6 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     def __init__(self, prefix: str | os.PathLike, mmap: bool = True,
                  multimodal: bool = False) -> None:
-        super().__init__()
         self._open(str(prefix), mmap, multimodal)
 
     def _open(self, prefix: str, mmap: bool, multimodal: bool) -> None:
