@@ -38,7 +38,7 @@ def training_log_string(*, iteration: int, train_iters: int, consumed_samples: i
     s += f" consumed samples: {consumed_samples:12d} |"
     s += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     if tflops is not None:
-        s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
     s += f" tokens per second: {tokens_per_sec:.1f} |"
     s += f" learning rate: {learning_rate:.3E} |"
     s += f" global batch size: {batch_size:5d} |"

@@ -28,6 +28,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
     last_saved_iteration: int | None = None
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per iteration of this process: the mean loss dict, "skipped" and "grad norm"."""
 
 
 @dataclasses.dataclass
@@ -175,6 +177,8 @@ class Trainer:
             if self.flops_per_batch is not None:
                 s.floating_point_operations_so_far += self.flops_per_batch(batch)
             self.acc.add(losses, skipped)
+            s.history.append({**losses, "skipped": float(skipped),
+                              "grad norm": grad_norm if grad_norm is not None else float("nan")})
             self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
             if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
                     and valid_iterator is not None and cfg.training.eval_iters > 0:
