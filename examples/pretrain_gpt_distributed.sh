@@ -1,0 +1,67 @@
+#!/bin/bash
+# Megatron-LM style multi-process / multi-node GPT pretraining with tensor and data parallelism.
+# Runs as written on one CPU machine (2 processes, TP=2); on a cluster set the torchrun
+# variables on every node, e.g. GPUS_PER_NODE=8 NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0>
+# BACKEND=nccl, and raise TP / the model size.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+[ -x "$ROOT/.venv/bin/python" ] || bash "$ROOT/scripts/bootstrap.sh"
+TORCHRUN=${TORCHRUN:-$ROOT/.venv/bin/torchrun}
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-2}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+TP=${TP:-2}
+BACKEND=${BACKEND:-gloo}
+
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-$ROOT/quickstart_out/checkpoints_distributed}
+if [ -z "${DATA_PATH:-}" ]; then
+  bash "$ROOT/examples/prepare_data.sh" "$ROOT/quickstart_out"
+  DATA_PATH=$ROOT/quickstart_out/data/corpus_text_document
+  VOCAB_FILE=$ROOT/quickstart_out/tokenizer/vocab.json
+  MERGE_FILE=$ROOT/quickstart_out/tokenizer/merges.txt
+fi
+
+DISTRIBUTED_ARGS="
+    --nproc_per_node $GPUS_PER_NODE
+    --nnodes $NNODES
+    --node_rank $NODE_RANK
+    --master_addr $MASTER_ADDR
+    --master_port $MASTER_PORT
+"
+GPT_ARGS="
+    --tensor-model-parallel-size $TP
+    --num-layers ${NUM_LAYERS:-4}
+    --hidden-size ${HIDDEN_SIZE:-256}
+    --num-attention-heads ${NUM_HEADS:-8}
+    --seq-length 128
+    --max-position-embeddings 128
+    --micro-batch-size 8
+    --global-batch-size 16
+    --lr 0.0015
+    --train-iters ${TRAIN_ITERS:-100}
+    --lr-decay-iters ${TRAIN_ITERS:-100}
+    --lr-decay-style cosine
+    --min-lr 1.0e-4
+    --weight-decay 1e-2
+    --lr-warmup-fraction .1
+    --clip-grad 1.0
+    --distributed-backend $BACKEND
+"
+DATA_ARGS="
+    --data-path $DATA_PATH
+    --tokenizer-type GPT2BPETokenizer
+    --vocab-file ${VOCAB_FILE:?set VOCAB_FILE}
+    --merge-file ${MERGE_FILE:?set MERGE_FILE}
+    --split 949,50,1
+"
+OUTPUT_ARGS="
+    --log-interval 10
+    --save-interval 50
+    --eval-interval 50
+    --eval-iters 5
+"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$TORCHRUN" $DISTRIBUTED_ARGS "$ROOT/pretrain_gpt.py" \
+    $GPT_ARGS $DATA_ARGS $OUTPUT_ARGS --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" "$@"
