@@ -34,7 +34,6 @@ setup(
         "regex>=2022.1",
         "nltk>=3.8",
         "tensorboard>=2.12",
-        "tqdm>=4.60",
     ],
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
     ext_modules=_extensions(),
