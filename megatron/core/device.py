@@ -37,6 +37,23 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def empty_cache() -> None:
+    """Return cached device memory to the driver (a no-op on the CPU)."""
+    if accelerator_available():
+        torch.cuda.empty_cache()
+
+
+def accelerator_rng_state() -> torch.Tensor | None:
+    """The CUDA generator's state (checkpoints store it as ``cuda_rng_state``); None on the CPU."""
+    return torch.cuda.get_rng_state() if accelerator_available() else None
+
+
+def set_accelerator_rng_state(state: torch.Tensor | None) -> None:
+    """Restore :func:`accelerator_rng_state` output (ignored on the CPU or when None)."""
+    if accelerator_available() and state is not None:
+        torch.cuda.set_rng_state(state)
+
+
 def memory_stats() -> dict[str, float]:
     """Allocated / reserved / peak device memory in MiB (empty on the CPU)."""
     if not accelerator_available():

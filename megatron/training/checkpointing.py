@@ -152,8 +152,7 @@ def _rng_state() -> dict:
     return {"random_rng_state": random.getstate(),
             "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state()  # cuda-only
-            if device.accelerator_available() else None,
+            "cuda_rng_state": device.accelerator_rng_state(),
             "rng_tracker_states": get_rng_tracker().get_states()}
 
 
@@ -161,8 +160,7 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(_as_python_random_state(state["random_rng_state"]))
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if device.accelerator_available() and state.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])  # cuda-only
+    device.set_accelerator_rng_state(state.get("cuda_rng_state"))
     if state.get("rng_tracker_states"):
         get_rng_tracker().set_states(state["rng_tracker_states"])
 

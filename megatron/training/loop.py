@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron.core import comm, parallel_state
+from megatron.core import comm, device, parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -93,15 +93,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         increment = microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
         scheduler.step(increment=increment)
     if cfg.parallel.empty_unused_memory_level >= 1:
-        _empty_cache()
+        device.empty_cache()
     return _average_reduced_losses(losses_reduced), not update_successful, grad_norm, num_zeros
-
-
-def _empty_cache() -> None:
-    from megatron.core import device
-
-    if device.accelerator_available():
-        torch.cuda.empty_cache()  # cuda-only
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, cfg,
