@@ -161,6 +161,11 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
                                                    data_parallel_size)
     else:
         raise ValueError(f"--dataloader-type {dataloader_type!r}: expected 'single' or 'cyclic'")
+    # Every iter(loader) draws a worker base seed from loader.generator; with None that is the
+    # default torch generator, which on the CPU is also the dropout stream, so building the
+    # iterators after a checkpoint restored the RNG state would shift every later dropout mask
+    # (resume would not be exact). A private generator keeps the loader off the model's RNG.
+    generator = torch.Generator().manual_seed(0)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=_accelerator_present(),
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0, generator=generator)

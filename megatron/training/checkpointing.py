@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,11 +98,14 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict:
     except Exception as err:  # noqa: BLE001 - torch raises several types; all mean "refused"
         text = str(err)
         if "Weights only load failed" in text or "Unsupported global" in text:
-            detail = text.split("Unsupported global:")[-1].split(".")[0:3]
+            # torch names the offending callable/class as "GLOBAL module.name"; the rest of its
+            # message is boilerplate about the weights_only default.
+            found = re.search(r"GLOBAL ([\w.]+)", text)
+            what = found.group(1).rstrip(".") if found else "an unsupported type"
             raise CheckpointError(
-                f"refusing to load {path}: it holds a Python object outside the allowlist of "
-                f"checkpoint types ({' '.join(detail).strip()[:120]}); loading it could run code. "
-                "Only load checkpoints you trust through other means") from None
+                f"refusing to load {path}: it holds {what}, outside the allowlist of checkpoint "
+                "types; loading it could run code. Only load checkpoints you trust through other "
+                "means") from None
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: "
                               f"{text.splitlines()[0][:200]}") from None
 

@@ -83,3 +83,14 @@ def test_data_loader_factory():
     assert build_pretraining_data_loader(None, 0, None, 4, 0, 1) is None
     with pytest.raises(ValueError, match="dataloader-type"):
         build_pretraining_data_loader(_Toy(), 0, "external", 4, 0, 1)
+
+
+def test_data_loader_leaves_the_default_rng_alone():
+    """Starting an iterator must not draw from the default torch generator: on the CPU that is
+    the dropout stream, restored from checkpoints before the iterators are built."""
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    for kind in ("single", "cyclic"):
+        next(iter(build_pretraining_data_loader(_Toy(), 0, kind, 4, 0, 1, num_workers=0)))
+    assert torch.equal(torch.rand(3), expected)

@@ -116,7 +116,10 @@ class GPTModel(torch.nn.Module):
         if logits.dtype in (torch.float16, torch.bfloat16) and not \
                 self.config.fp16_lm_cross_entropy:
             logits = logits.float()  # the loss in fp32 (float64 stays float64)
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.group)  # [s, b]
+        # The logits are a temporary nobody else reads (the output layer's backward needs only
+        # hidden and weight): the loss may overwrite them in place.
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.group,
+                                            inplace=True)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
     # Checkpoint layout ---------------------------------------------------------------------

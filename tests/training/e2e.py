@@ -1,0 +1,226 @@
+"""Helpers of the end-to-end training tests: argv of a tiny GPT, and pooled-world runners.
+
+Every run goes through ``megatron.training.pretrain.pretrain`` with ``pretrain_gpt.py``'s own
+providers and an explicit argv, on a pooled gloo world (``tests.multiprocess.run_distributed``);
+several runs share one pooled call so the world (and the interpreter) is paid for once.
+
+A run is a dict::
+
+    {"argv": [...],               # pretrain_gpt.py flags
+     "params": True,              # also return the full (TP-gathered) fp32 parameters
+     "inf_at": ([iterations], rank, num_microbatches)  # that rank's training loss times inf
+     "crash_save": (iteration, "shard" | "tracker"),    # die inside that save_checkpoint
+     "bucket_size": elements}     # DDP bucket size (no flag sets it; default one 4M bucket)
+
+and its result is ``{"history", "iteration", "params" (on global rank 0), "error"}``; an
+exception of the expected kind (``expect_error``) is returned as text instead of raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron.core import parallel_state
+
+TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A preprocessed GPT-2 dataset and its tokenizer files."""
+
+    prefix: str
+    vocab_file: str
+    merge_file: str
+    cache_dir: str
+
+
+def gpt_argv(corpus: Corpus, *, tp: int = 1, mbs: int = 2, gbs: int = 8, iters: int = 10,
+             seq: int = 32, dropout: float = 0.0, lr: float = 1e-3,
+             extra: Sequence[str] = ()) -> list[str]:
+    """pretrain_gpt.py flags of a 2-layer, hidden-64 GPT on ``corpus`` (fp32 unless ``extra``
+    says otherwise).
+
+    The padded vocabulary is the same for every TP size (50304 = 128 x 393), so runs with
+    different TP sizes build the same model: ``--make-vocab-size-divisible-by 128 / TP``.
+    """
+    argv = [*TINY_MODEL, "--tensor-model-parallel-size", str(tp),
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+            "--train-iters", str(iters), "--lr", str(lr), "--min-lr", str(lr / 10),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+            "--weight-decay", "0.01", "--seed", "1234",
+            "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
+            "--data-path", corpus.prefix, "--split", "95,5,0", "--data-cache-path",
+            corpus.cache_dir, "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", corpus.vocab_file, "--merge-file", corpus.merge_file,
+            "--make-vocab-size-divisible-by", str(128 // tp), "--use-cpu-initialization",
+            "--num-workers", "0", "--eval-iters", "0", "--log-interval", "5",
+            "--distributed-backend", "gloo"]
+    return argv + [str(a) for a in extra]
+
+
+def losses(result: dict) -> list[float]:
+    """The per-iteration 'lm loss' of a run's history."""
+    return [h["lm loss"] for h in result["history"]]
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    assert len(a) == len(b), f"{len(a)} vs {len(b)} iterations"
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for name in a:
+        assert a[name].shape == b[name].shape, (name, a[name].shape, b[name].shape)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the ranks
+# ---------------------------------------------------------------------------------------------
+
+def _gather_full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as the unsharded fp32 tensor (TP slices concatenated on their dim)."""
+    from megatron.core import comm
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in module.named_parameters():
+        value = param.detach().float().clone()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            value = torch.cat(comm.all_gather_list(value.contiguous(), tp_group),
+                              dim=param.partition_dim)
+        out[name] = value
+    return out
+
+
+class _InfInjector:
+    """Wraps pretrain_gpt.forward_step: multiplies the training loss by inf on one rank at the
+    given iterations (counted in training micro-batches; evaluation calls pass through)."""
+
+    def __init__(self, forward_step, iterations: Sequence[int], rank: int,
+                 num_microbatches: int) -> None:
+        self.forward_step = forward_step
+        self.iterations, self.rank = set(iterations), rank
+        self.num_microbatches = num_microbatches
+        self.calls = 0
+
+    def __call__(self, data_iterator, model):
+        output, loss_func = self.forward_step(data_iterator, model)
+        if not torch.is_grad_enabled():
+            return output, loss_func
+        iteration = self.calls // self.num_microbatches + 1
+        self.calls += 1
+        if iteration not in self.iterations or torch.distributed.get_rank() != self.rank:
+            return output, loss_func
+
+        def poisoned(output_tensor):
+            loss, reported = loss_func(output_tensor)
+            return loss * math.inf, reported  # the logged loss stays finite: only grads blow up
+
+        return output, poisoned
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the patched checkpoint writer to stand for a process dying mid-save."""
+
+
+def _crashing_atomic_write(original, iteration: int, stage: str):
+    """``checkpointing._atomic_write`` that dies while saving ``iteration``: half-way through
+    the shard file (``stage="shard"``) or after every shard but before the tracker
+    (``stage="tracker"``)."""
+    from megatron.training import checkpointing
+
+    iter_dir = f"iter_{iteration:07d}"
+
+    def atomic_write(write, path):
+        if stage == "shard" and path.name == checkpointing.MODEL_FILENAME \
+                and path.parent.parent.name == iter_dir:
+            def half_then_die(tmp):
+                write(tmp)
+                data = tmp.read_bytes()
+                tmp.write_bytes(data[: len(data) // 2])
+                raise SimulatedCrash(f"simulated crash while writing {path}")
+            return original(half_then_die, path)
+        if stage == "tracker" and path.name == checkpointing.TRACKER_FILENAME \
+                and (path.parent / iter_dir).is_dir():
+            raise SimulatedCrash(f"simulated crash before the tracker of iteration {iteration}")
+        return original(write, path)
+
+    return atomic_write
+
+
+def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
+    import pretrain_gpt
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.training import checkpointing
+    from megatron.training.initialize import build_tokenizer_from_config
+    from megatron.training.pretrain import pretrain
+
+    built: list[torch.nn.Module] = []
+
+    def model_provider(cfg, pre_process=True, post_process=True):
+        module = pretrain_gpt.model_provider(cfg, pre_process, post_process)
+        built.append(module)
+        return module
+
+    forward_step = pretrain_gpt.forward_step
+    if run.get("inf_at") is not None:
+        forward_step = _InfInjector(forward_step, *run["inf_at"])
+    original = checkpointing._atomic_write
+    if run.get("crash_save") is not None:
+        checkpointing._atomic_write = _crashing_atomic_write(original, *run["crash_save"])
+    ddp_defaults = DistributedDataParallel.__init__.__kwdefaults__
+    saved_bucket_size = ddp_defaults["bucket_size"]
+    if run.get("bucket_size") is not None:
+        ddp_defaults["bucket_size"] = run["bucket_size"]
+    result: dict[str, Any] = {"history": [], "iteration": None, "params": None, "error": None}
+    start = time.perf_counter()
+    try:
+        state = pretrain(pretrain_gpt.datasets_provider, model_provider, forward_step,
+                         argv=run["argv"], tokenizer_builder=build_tokenizer_from_config)
+        result["history"], result["iteration"] = state.history, state.iteration
+        result["seconds"] = time.perf_counter() - start
+    except expect_error as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+        return result
+    finally:
+        checkpointing._atomic_write = original
+        ddp_defaults["bucket_size"] = saved_bucket_size
+    if run.get("params"):
+        params = _gather_full_params(built[-1])
+        result["params"] = params if torch.distributed.get_rank() == 0 else None
+    return result
+
+
+def run_pretrains(rank: int, world_size: int, runs: list[dict],
+                  expect_error: tuple[type, ...] = ()) -> list[dict[str, Any]]:
+    """Run every ``run`` in order on this rank (module level: called by run_distributed)."""
+    del rank, world_size
+    out = []
+    for run in runs:
+        parallel_state.destroy_model_parallel()  # each run builds its own TP/DP groups
+        out.append(_one_run(run, expect_error))
+    return out
+
+
+def pooled(world_size: int, runs: list[dict], expect_error: tuple[type, ...] = (),
+           timeout: float = 300.0) -> list[list[dict[str, Any]]]:
+    """``run_pretrains`` on a pooled world; returns ``[run][rank] -> result``."""
+    from tests.multiprocess import run_distributed
+
+    per_rank = run_distributed(world_size, run_pretrains, runs, expect_error, timeout=timeout)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
+
+
+__all__ = ["Corpus", "SimulatedCrash", "TINY_MODEL", "gpt_argv", "losses", "max_abs_diff",
+           "max_param_diff", "pooled", "run_pretrains"]

@@ -1,0 +1,73 @@
+"""TensorBoard scalars and the learning-rate schedule through the training loop (issue 5).
+
+One TP=2 run of the tiny GPT with ``--tensorboard-dir``; the event files are read back with
+TensorBoard's own EventAccumulator (the real ``tensorboard`` package), as TensorBoard would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.training import e2e
+
+ITERS, WARMUP, DECAY = 8, 2, 6
+MAX_LR, MIN_LR = 1e-3, 1e-4
+
+
+def read_scalars(logdir) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of every scalar in the event files under ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        out[tag] = {}
+        for event in acc.Scalars(tag):
+            out[tag].setdefault(event.step, event.value)  # first value logged at that step
+    return out
+
+
+@pytest.fixture(scope="module")
+def logged(gpt2_corpus, tmp_path_factory):
+    tb = tmp_path_factory.mktemp("tensorboard")
+    result = e2e.pooled(2, [{"argv": e2e.gpt_argv(
+        gpt2_corpus, tp=2, iters=ITERS, seq=32, mbs=1, gbs=2, lr=MAX_LR, extra=[
+            "--min-lr", MIN_LR, "--lr-warmup-iters", WARMUP, "--lr-decay-iters", DECAY,
+            "--lr-decay-style", "cosine", "--tensorboard-dir", tb,
+            "--tensorboard-log-interval", "1", "--eval-interval", "4", "--eval-iters", "1"])}])[0]
+    return result, read_scalars(tb)
+
+
+def test_tensorboard_event_files_hold_the_scalars(logged):
+    ranks, scalars = logged
+    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation"):
+        assert tag in scalars, f"no {tag!r} scalar; tags: {sorted(scalars)}"
+    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale"):
+        assert sorted(scalars[tag]) == list(range(1, ITERS + 1)), (tag, sorted(scalars[tag]))
+    assert {4, 8} <= set(scalars["lm loss validation"])
+    # The values are the run's own: loss and grad norm of every iteration (float32 in the file).
+    history = ranks[-1]["history"]
+    for step, entry in enumerate(history, start=1):
+        assert scalars["lm loss"][step] == pytest.approx(entry["lm loss"], rel=1e-6)
+        assert scalars["grad-norm"][step] == pytest.approx(entry["grad norm"], rel=1e-6)
+    assert set(scalars["loss-scale"].values()) == {1.0}  # fp32: no loss scaling
+    assert all(math.isfinite(v) and 5.0 < v < 12.0 for v in scalars["lm loss validation"].values())
+
+
+def expected_lr(iteration: int) -> float:
+    """Cosine with linear warm-up, as logged after ``iteration`` (the LR the next step uses)."""
+    if iteration <= WARMUP:
+        return MAX_LR * iteration / WARMUP
+    if iteration >= DECAY:
+        return MIN_LR
+    ratio = (iteration - WARMUP) / (DECAY - WARMUP)
+    return MIN_LR + (MAX_LR - MIN_LR) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+
+
+@pytest.mark.parametrize("iteration", [1, 2, 3, 4, 5, 6, 8])
+def test_logged_learning_rate_follows_the_schedule(logged, iteration):
+    _, scalars = logged
+    assert scalars["learning-rate"][iteration] == pytest.approx(expected_lr(iteration), rel=1e-6)
