@@ -65,10 +65,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(softmax, outside, local_target)
         ctx.smoothing, ctx.vocab_size, ctx.inplace = smoothing, vocab_size, inplace
-        return loss
+        # The softmax is returned only because autograd requires every input marked dirty to be
+        # an output; the wrapper drops it, so its gradient is always None (not materialized).
+        ctx.set_materialize_grads(False)
+        if inplace:
+            # The caller's buffer now holds the softmax: autograd rebases its history onto this
+            # function and refuses a leaf that requires grad, instead of silently going stale.
+            ctx.mark_dirty(logits)
+        else:
+            ctx.mark_non_differentiable(softmax)
+        return loss, softmax
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _grad_softmax):
         softmax, outside, local_target = ctx.saved_tensors
         # d loss / d logits = softmax - (1 - s) onehot(target) - s / V
         # In place on the saved softmax when allowed (Megatron-LM does so always): this backward
@@ -96,9 +105,12 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         inplace: reuse ``vocab_parallel_logits``' memory (it is overwritten with the softmax)
             and the saved softmax in backward, which may then run only once. For logits that
             nothing else reads, such as the output layer's temporary in :class:`GPTModel`.
+            The logits must not be a leaf that requires grad (autograd raises: they are marked
+            dirty).
 
     Returns:
         The unreduced loss ``[...]`` (same on every TP rank).
     """
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
-                                            label_smoothing, inplace)
+    loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
+                                               label_smoothing, inplace)
+    return loss

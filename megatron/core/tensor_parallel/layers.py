@@ -61,6 +61,16 @@ def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride
     return weight
 
 
+def _swap_stride_blocks(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+    """Read the last dimension as ``[outer, inner, block]`` and return it as
+    ``[inner, outer, block]``: converts between the full order of a ``stride``-split dimension
+    (``[stride, p, block]``: block ``j p + r`` belongs to rank r) and the rank-major order of its
+    concatenated shards (``[p, stride, block]``)."""
+    if outer == 1 or inner == 1:
+        return x
+    return x.unflatten(-1, (outer, inner, -1)).transpose(-3, -2).flatten(-3)
+
+
 def _zero_bias(size: int, params_dtype: torch.dtype,
                device: torch.device | None) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(size, dtype=params_dtype,
@@ -76,9 +86,11 @@ class ColumnParallelLinear(torch.nn.Module):
         group: the TP process group (``None`` = no tensor parallelism).
         init_method: in-place initializer of the full ``[out, in]`` weight.
         bias: add a bias (split with the output, zero-initialized).
-        gather_output: all-gather the output so every rank holds ``[..., out]``; otherwise each
-            rank returns its ``[..., out/p]`` slice.
-        stride: interleaving of the output split (fused weights; 1 = contiguous blocks).
+        gather_output: all-gather the output so every rank holds ``[..., out]`` (in the full
+            layer's order, also with ``stride`` > 1); otherwise each rank returns its
+            ``[..., out/p]`` slice.
+        stride: interleaving of the output split (fused weights; 1 = contiguous blocks): the
+            output is cut in ``p * stride`` blocks and rank r holds blocks r, r + p, ...
         skip_bias_add: return the bias instead of adding it, for a later fused bias op.
         params_dtype: dtype of the parameters.
         device: where parameters live (default: :func:`megatron.core.device.get_device`).
@@ -94,6 +106,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, tp_world_size(group))
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 0, stride, init_method,
                                            group, params_dtype, device)
         self.bias = None
@@ -108,6 +121,8 @@ class ColumnParallelLinear(torch.nn.Module):
         out = F.linear(x, self.weight, bias)  # [..., out/p]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
+            # The shards concatenate rank-major; strided shards need their blocks put back.
+            out = _swap_stride_blocks(out, tp_world_size(self.group), self.stride)
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -127,9 +142,10 @@ class RowParallelLinear(torch.nn.Module):
         group: the TP process group (``None`` = no tensor parallelism).
         init_method: in-place initializer of the full ``[out, in]`` weight.
         bias: add a bias (replicated on all TP ranks, zero-initialized).
-        input_is_parallel: the input is already split (the output of a column-parallel layer);
-            otherwise it is scattered here.
-        stride: interleaving of the input split.
+        input_is_parallel: the input is already split (the output of a column-parallel layer,
+            strided as the weight when ``stride`` > 1); otherwise it is scattered here.
+        stride: interleaving of the input split (rank r holds blocks r, r + p, ... of
+            ``p * stride``).
         skip_bias_add: return the bias instead of adding it.
         params_dtype: dtype of the parameters.
         device: where parameters live.
@@ -145,6 +161,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, tp_world_size(group))
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 1, stride, init_method,
                                            group, params_dtype, device)
         self.bias = None
@@ -155,6 +172,8 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in/p]`` (or ``[..., in]``) -> (``[..., out]``, skipped bias or None)."""
         if not self.input_is_parallel:
+            # Rank-major block order first, so the contiguous scatter matches strided weights.
+            x = _swap_stride_blocks(x, self.stride, tp_world_size(self.group))
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # [..., in/p]
         out = F.linear(x, self.weight)  # partial sums [..., out]
         out = reduce_from_tensor_model_parallel_region(out, self.group)

@@ -7,7 +7,20 @@ row-parallel (one all-reduce forward, one backward). Two attention implementatio
 * SDPA (default): ``torch.nn.functional.scaled_dot_product_attention``; ``is_causal`` when no
   mask is given for causal attention, an additive mask otherwise.
 * unfused (``attention_backend`` ``unfused``/``local``): the explicit scale, mask, softmax,
-  dropout, matmul reference of Megatron-LM's ``CoreAttention``.
+  dropout, matmul reference of Megatron-LM's ``CoreAttention``. The 1/norm_factor scale is the
+  ``alpha`` of one ``baddbmm`` (inside the GEMM, as Megatron) so an fp16 Q K^T that exceeds the fp16
+  range before scaling stays finite; fp16/bf16 scores are upcast to fp32 for the softmax with
+  ``--attention-softmax-in-fp32`` or ``--apply-query-key-layer-scaling`` (fp32/fp64 untouched, as
+  Megatron's ``FusedScaleMaskSoftmax``).
+
+``--apply-query-key-layer-scaling`` and ``--attention-softmax-in-fp32`` act on the unfused path
+only. SDPA does not need them: with fp16/bf16 inputs torch (checked with 2.13, CPU) computes the
+scores and the softmax in fp32 internally -- the CPU flash kernel (no dropout) accumulates in fp32,
+and the math kernel (chosen when dropout is on) upcasts q, k, v to fp32 and multiplies q and k by
+sqrt(scale) each before the matmul -- and casts only the output back. On CUDA the flash and
+memory-efficient kernels also accumulate in fp32, and the math kernel upcasts unless
+``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``.
+(``tests/core/transformer/test_attention.py`` checks the CPU half-precision claim.)
 
 Legend: s sequence, b batch, h hidden, np heads on this rank, hn head size, hp = np * hn.
 Masks are boolean ``[b or 1, 1, sq, sk]`` with True = masked out (Megatron's convention).
@@ -91,7 +104,11 @@ class CoreAttention(torch.nn.Module):
         q = query.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
         k = key.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
         v = value.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / self.norm_factor)
+        # Scale inside the GEMM (alpha, beta=0 ignores the uninitialized input), as Megatron: a
+        # separate multiply would see the unscaled fp16 Q K^T, which overflows first.
+        scores = torch.baddbmm(torch.empty(b * np_, sq, sk, dtype=q.dtype, device=q.device),
+                               q, k.transpose(1, 2), beta=0.0,
+                               alpha=1.0 / self.norm_factor)  # [b*np, sq, sk]
         scores = scores.view(b, np_, sq, sk)  # [b, np, sq, sk]
         probs = self._scale_mask_softmax(scores, attention_mask)
         if self.training and self.dropout_p > 0:
@@ -104,7 +121,8 @@ class CoreAttention(torch.nn.Module):
     def _scale_mask_softmax(self, scores: torch.Tensor,
                             attention_mask: torch.Tensor | None) -> torch.Tensor:
         in_dtype = scores.dtype
-        if self.softmax_in_fp32:
+        # Only half precision is upcast: .float() would round fp64 scores down to fp32.
+        if self.softmax_in_fp32 and in_dtype in (torch.float16, torch.bfloat16):
             scores = scores.float()
         if self.coeff is not None:
             scores = scores * self.coeff

@@ -1,5 +1,8 @@
-"""Communication operators, parallel layers and vocab-parallel cross entropy at TP = 2 and 4
-against single-process equivalents (float64): outputs and input/weight gradients."""
+"""Communication operators, parallel layers (also strided) and vocab-parallel cross entropy (also
+in place, with label smoothing) at TP = 2 and 4 against single-process equivalents (float64):
+outputs and input/weight gradients. The RNG tracker on the compute device (CUDA when present).
+
+Tensors are made on ``device.get_device()``, where the layers put their parameters."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core import device
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            VocabParallelEmbedding, checkpoint,
@@ -26,7 +30,11 @@ TOL = dict(rtol=1e-7, atol=1e-9)
 
 def _rand(*shape, seed):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=DT)
+    return torch.randn(*shape, generator=gen, dtype=DT).to(device.get_device())
+
+
+def _ids(values):
+    return torch.tensor(values, device=device.get_device())
 
 
 def _chunk(t, dim, tp, rank):
@@ -128,7 +136,7 @@ def _check_embedding(group, tp, rank):
                      init_method=init_method_normal(1.0))
     per = vocab // tp
     borders = [r * per for r in range(tp)] + [r * per - 1 for r in range(1, tp + 1)]
-    ids = torch.tensor([borders, list(range(len(borders)))[::-1]])  # [2, n]
+    ids = _ids([borders, list(range(len(borders)))[::-1]])  # [2, n]
     out_ref, out_par = ref(ids), par(ids)
     torch.testing.assert_close(out_par, out_ref, **TOL)
     g = _rand(*out_ref.shape, seed=14)
@@ -142,7 +150,7 @@ def _check_cross_entropy(group, tp, rank):
     per = vocab // tp
     logits = _rand(3, 4, vocab, seed=15) * 3
     borders = [r * per for r in range(tp)] + [r * per - 1 for r in range(1, tp + 1)]
-    target = torch.tensor((borders * 12)[:12]).view(3, 4)
+    target = _ids((borders * 12)[:12]).view(3, 4)
     ref_logits = logits.clone().requires_grad_()
     ref_loss = F.cross_entropy(ref_logits.view(-1, vocab), target.view(-1),
                                reduction="none").view(3, 4)
@@ -169,6 +177,66 @@ def _check_cross_entropy(group, tp, rank):
     loss.backward(g)
     torch.testing.assert_close(local.grad, _chunk(ref_logits.grad, -1, tp, rank), **TOL)
 
+    # In place (GPTModel's path) with label smoothing: the same loss and gradient; the buffer,
+    # a non-leaf like the output layer's logits, ends up holding this rank's softmax slice.
+    local = _chunk(logits, -1, tp, rank).clone().requires_grad_()
+    buffer = local * 1.0
+    loss = vocab_parallel_cross_entropy(buffer, target, group, label_smoothing=0.1,
+                                        inplace=True)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(buffer.detach(), _chunk(torch.softmax(logits, -1), -1, tp, rank),
+                               **TOL)
+    loss.backward(g)
+    torch.testing.assert_close(local.grad, _chunk(ref_logits.grad, -1, tp, rank), **TOL)
+
+
+def _check_strided(group, tp, rank):
+    """stride > 1 (fused weights): rank r holds blocks r, r + p, ... of p * stride. Outputs and
+    gradients are those slices of the full layer's; gather_output / a scattered input use the
+    full layer's order."""
+    stride, init = 3, init_method_normal(0.5)
+    width = 2 * tp * stride  # blocks of 2
+
+    def mine(t, dim):
+        return split_master_weight(t, dim, tp, rank, stride)
+
+    for gather in (False, True):
+        ref, par = _pair(ColumnParallelLinear, group, 5, 6, width, init_method=init,
+                         gather_output=gather, stride=stride)
+        ref.bias.data.copy_(_rand(width, seed=6))
+        par.bias.data.copy_(mine(ref.bias.data, 0))
+        assert par.weight.partition_stride == stride
+        assert torch.equal(par.weight, mine(ref.weight, 0))
+        x_ref = _rand(4, 2, 6, seed=7).requires_grad_()
+        x_par = x_ref.detach().clone().requires_grad_()
+        g = _rand(4, 2, width, seed=8)
+        out_ref, _ = ref(x_ref)
+        out_par, _ = par(x_par)
+        want, g_par = (out_ref, g) if gather else (mine(out_ref, -1), mine(g, -1))
+        torch.testing.assert_close(out_par, want, **TOL)
+        out_ref.backward(g)
+        out_par.backward(g_par)
+        torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
+        torch.testing.assert_close(par.weight.grad, mine(ref.weight.grad, 0), **TOL)
+        torch.testing.assert_close(par.bias.grad, mine(ref.bias.grad, 0), **TOL)
+
+    for input_is_parallel in (True, False):
+        ref, par = _pair(RowParallelLinear, group, 9, width, 5, init_method=init,
+                         input_is_parallel=input_is_parallel, stride=stride)
+        assert torch.equal(par.weight, mine(ref.weight, 1))
+        x_ref = _rand(4, 2, width, seed=11).requires_grad_()
+        x_par = (mine(x_ref.detach(), -1) if input_is_parallel
+                 else x_ref.detach()).clone().requires_grad_()
+        g = _rand(4, 2, 5, seed=12)
+        out_ref, _ = ref(x_ref)
+        out_par, _ = par(x_par)
+        torch.testing.assert_close(out_par, out_ref, **TOL)
+        out_ref.backward(g)
+        out_par.backward(g)
+        want_x = mine(x_ref.grad, -1) if input_is_parallel else x_ref.grad
+        torch.testing.assert_close(x_par.grad, want_x, **TOL)
+        torch.testing.assert_close(par.weight.grad, mine(ref.weight.grad, 1), **TOL)
+
 
 def _check_checkpoint_distributed(group, tp, rank):
     """checkpoint(..., distribute_saved_activations=True) keeps 1/tp of the input and
@@ -194,7 +262,7 @@ def _tensor_parallel_checks(rank, world_size):
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     group = ps.get_tensor_model_parallel_group()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for check in (_check_mappings, _check_column, _check_row, _check_embedding,
+    for check in (_check_mappings, _check_column, _check_row, _check_strided, _check_embedding,
                   _check_cross_entropy, _check_checkpoint_distributed):
         check(group, tp, tp_rank)
     return True
@@ -228,10 +296,65 @@ def test_checkpoint_restores_rng_for_dropout():
     results = []
     for use_ckpt in (False, True):
         model_parallel_manual_seed(3, 0)
-        x = torch.randn(64, dtype=DT, requires_grad=True)
+        x = torch.randn(64, dtype=DT, device=device.get_device(), requires_grad=True)
         out = checkpoint(fn, False, x) if use_ckpt else fn(x)
         out.sum().backward()
         results.append((out.detach(), x.grad, torch.get_rng_state()))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][2], results[1][2])
+
+
+def test_inplace_cross_entropy_marks_logits_dirty():
+    """inplace=True marks the overwritten logits dirty: autograd moves their history onto the
+    loss function (gradients still reach the producer of the logits) and refuses a leaf."""
+    logits = _rand(3, 4, 10, seed=20)
+    target = _ids([[0, 9, 3, 4]] * 3)
+    leaf = logits.clone().requires_grad_()
+    buffer = leaf * 2.0
+    loss = vocab_parallel_cross_entropy(buffer, target, None, inplace=True)
+    torch.testing.assert_close(loss, vocab_parallel_cross_entropy(logits * 2.0, target, None),
+                               **TOL)
+    assert type(buffer.grad_fn).__name__ == "_VocabParallelCrossEntropyBackward"
+    loss.sum().backward()
+    ref = logits.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(ref.mul(2.0).view(-1, 10), target.view(-1),
+                                      reduction="sum").backward()
+    torch.testing.assert_close(leaf.grad, ref.grad, **TOL)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        vocab_parallel_cross_entropy(logits.clone().requires_grad_(), target, None, inplace=True)
+
+
+def _fork_draws(dev):
+    """Draws on ``dev`` inside and after the tracker's fork, as TP ranks 0 and 1 would make."""
+    inside, outside = [], []
+    for rank in (0, 1):
+        model_parallel_manual_seed(5, rank)
+        with get_rng_tracker().fork():
+            inside.append(torch.rand(32, device=dev))
+        outside.append(torch.rand(32, device=dev))
+    return inside, outside
+
+
+def test_rng_tracker_fork_on_compute_device():
+    """The TP stream differs per TP rank; the default stream (after the fork) does not."""
+    inside, outside = _fork_draws(device.get_device())
+    assert not torch.equal(*inside)
+    assert torch.equal(*outside)
+
+
+@pytest.mark.skipif(not device.accelerator_available(),
+                    reason="the tracker forks the CUDA generator only on a CUDA device")
+def test_rng_tracker_forks_cuda_stream_per_rank():
+    dev = device.get_device()
+    assert dev.type == "cuda"
+    model_parallel_manual_seed(5, 0)
+    cuda_state, cpu_state = device.accelerator_rng_state(), torch.get_rng_state()
+    with get_rng_tracker().fork():
+        assert not torch.equal(device.accelerator_rng_state(), cuda_state)  # TP stream in
+        assert torch.equal(torch.get_rng_state(), cpu_state)  # the CPU generator untouched
+        torch.rand(8, device=dev)
+    assert torch.equal(device.accelerator_rng_state(), cuda_state)  # default stream back
+    inside, outside = _fork_draws(dev)
+    assert not torch.equal(*inside)
+    assert torch.equal(*outside)

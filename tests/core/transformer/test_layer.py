@@ -1,6 +1,6 @@
 """A transformer layer at TP = 2 and 4 against TP = 1 (both attention paths, float64), the
 dropout streams, and attention against a hand-written reference that reads the checkpoint's
-[np, 3, hn] QKV row order."""
+[np, 3, hn] QKV row order. Tensors are made on ``device.get_device()``, with the parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megatron.core import comm
+from megatron.core import comm, device
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.attention import CoreAttention, SelfAttention, causal_mask
@@ -25,7 +25,8 @@ CONFIG = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
 
 
 def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=DT).to(device.get_device())
 
 
 def _run_layer(config, group, rank, mask=None, seed=7):
@@ -44,7 +45,7 @@ def _run_layer(config, group, rank, mask=None, seed=7):
 
 
 def _check_layer_equivalence(group, rank):
-    reset_mask = causal_mask(6, torch.device("cpu")).repeat(2, 1, 1, 1)
+    reset_mask = causal_mask(6, device.get_device()).repeat(2, 1, 1, 1)
     reset_mask[1, :, 3:, :3] = True  # sample 1: two documents (reset attention mask)
     variants = [dict(), dict(attention_backend="unfused"),
                 dict(attention_backend="unfused", apply_query_key_layer_scaling=True),
@@ -66,7 +67,7 @@ def _check_attention_dropout_differs(group, rank):
     for backend in ("auto", "unfused"):
         config = dataclasses.replace(CONFIG, attention_dropout=0.5, attention_backend=backend)
         core = CoreAttention(config, 1).train()
-        q = torch.ones(5, 1, 1, 4, dtype=DT)
+        q = torch.ones(5, 1, 1, 4, dtype=DT, device=device.get_device())
         v = _rand(5, 1, 1, 4, seed=3)  # identical on every rank
         model_parallel_manual_seed(99, rank)
         out = core(q, q, v, None)
@@ -108,7 +109,7 @@ def test_qkv_rows_are_per_head_q_k_v():
 def test_sdpa_matches_unfused_with_padding_mask():
     torch.manual_seed(0)
     q, k, v = (_rand(5, 2, 3, 4, seed=s) for s in (5, 6, 7))
-    mask = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+    mask = torch.zeros(2, 1, 5, 5, dtype=torch.bool, device=device.get_device())
     mask[1, :, :, 3:] = True
     mask[1, :, 3:, :] = True  # padded queries: fully masked rows stay finite
     outs = [CoreAttention(dataclasses.replace(CONFIG, attention_backend=b), 1, "padding")(
