@@ -33,13 +33,16 @@ def training_log_string(*, iteration: int, train_iters: int, consumed_samples: i
                         num_zeros: float | None, params_norm: float | None,
                         skipped: int, nan: int, tokens_per_sec: float,
                         tflops: float | None) -> str:
-    """One training log line, Megatron-LM's format."""
+    """One training log line: Megatron-LM's cells in Megatron-LM's order, then ours.
+
+    Megatron's cells come first and in its order (iteration, consumed samples, elapsed time,
+    learning rate, global batch size, losses, loss scale, grad norm, num zeros, params norm,
+    skipped and nan iterations) so that parsers matching the line with one regex keep working;
+    tokens per second and model TFLOP/s per GPU follow as extra cells.
+    """
     s = f" iteration {iteration:8d}/{train_iters:8d} |"
     s += f" consumed samples: {consumed_samples:12d} |"
     s += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    if tflops is not None:
-        s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
-    s += f" tokens per second: {tokens_per_sec:.1f} |"
     s += f" learning rate: {learning_rate:.3E} |"
     s += f" global batch size: {batch_size:5d} |"
     for key, value in losses.items():
@@ -54,22 +57,35 @@ def training_log_string(*, iteration: int, train_iters: int, consumed_samples: i
         s += f" params norm: {params_norm:.3f} |"
     s += f" number of skipped iterations: {skipped:3d} |"
     s += f" number of nan iterations: {nan:3d} |"
+    s += f" tokens per second: {tokens_per_sec:.1f} |"
+    if tflops is not None:
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
     return s
+
+
+def validation_log_string(prefix: str, losses: dict[str, float]) -> str:
+    """Megatron-LM's validation line: ``{key} value: {:.6E} | {key} PPL: {:.6E} |`` per loss
+    (the perplexity is ``exp(min(20, loss))``, as Megatron caps it)."""
+    s = f" validation loss at {prefix} | "
+    for key, value in losses.items():
+        s += f"{key} value: {value:.6E} | {key} PPL: {_ppl(value):.6E} | "
+    return s
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(20.0, loss))
 
 
 def log_validation(prefix: str, losses: dict[str, float], writer, iteration: int,
                    consumed_samples: int, log_ppl: bool) -> None:
     """Megatron's boxed validation line with loss and perplexity; TensorBoard scalars."""
-    s = f" validation loss at {prefix} | "
-    for key, value in losses.items():
-        ppl = math.exp(min(20.0, value))
-        s += f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E} | "
-        if writer is not None:
-            writer.add_scalar(f"{key} validation", value, iteration)
-            writer.add_scalar(f"{key} validation vs samples", value, consumed_samples)
-            if log_ppl:
-                writer.add_scalar(f"{key} validation ppl", ppl, iteration)
-                writer.add_scalar(f"{key} validation ppl vs samples", ppl, consumed_samples)
+    s = validation_log_string(prefix, losses)
+    for key, value in losses.items() if writer is not None else ():
+        writer.add_scalar(f"{key} validation", value, iteration)
+        writer.add_scalar(f"{key} validation vs samples", value, consumed_samples)
+        if log_ppl:
+            writer.add_scalar(f"{key} validation ppl", _ppl(value), iteration)
+            writer.add_scalar(f"{key} validation ppl vs samples", _ppl(value), consumed_samples)
     bar = "-" * (len(s) + 1)
     log_rank_last(bar)
     log_rank_last(s)

@@ -29,7 +29,8 @@ class TrainState:
     floating_point_operations_so_far: float = 0.0
     last_saved_iteration: int | None = None
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    """Per iteration of this process: the mean loss dict, "skipped" and "grad norm"."""
+    """Per iteration of this process: the mean loss dict, "skipped", "grad norm", "learning
+    rate" (after the step, as logged) and "global batch size"."""
 
 
 @dataclasses.dataclass
@@ -41,15 +42,17 @@ class _LogAccumulator:
     skipped_total: int = 0
 
     def add(self, losses: dict[str, float], skipped: bool) -> None:
+        """Accumulate one iteration; as Megatron's ``training_log``, a NaN/inf loss counts as a
+        nan iteration only when the step was skipped (an applied step's loss is averaged)."""
         if skipped:
             self.skipped += 1
             self.skipped_total += 1
+            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+                self.nan += 1
         else:
             self.advanced += 1
             for key, value in losses.items():
                 self.losses[key] = self.losses.get(key, 0.0) + value
-        if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
-            self.nan += 1
 
     def averages(self) -> dict[str, float]:
         return {k: v / max(1, self.advanced) for k, v in self.losses.items()}
@@ -128,7 +131,11 @@ class Trainer:
 
     def __init__(self, cfg, forward_step_func: Callable, model: list, optimizer, scheduler,
                  microbatches: NumMicroBatchesCalculator, timers: Timers, state: TrainState,
-                 flops_per_sample: Callable[[int], float] | None = None, writer=None) -> None:
+                 flops_per_sample: Callable[[int], float] | None = None, writer=None,
+                 start_time: float | None = None) -> None:
+        """``start_time`` (``time.time()``) starts the ``--exit-duration-in-mins`` clock:
+        pretrain() passes the time it was called, so set-up counts as Megatron's
+        ``_TRAIN_START_TIME`` does; None means now."""
         self.cfg = cfg
         self.forward_step_func = forward_step_func
         self.model = model
@@ -140,7 +147,7 @@ class Trainer:
         self.flops_per_batch = flops_per_sample
         self.writer = writer
         self.acc = _LogAccumulator()
-        self.start_time = time.time()
+        self.start_time = time.time() if start_time is None else start_time
 
     def save(self) -> None:
         s = self.state
@@ -171,7 +178,9 @@ class Trainer:
                 s.floating_point_operations_so_far += self.flops_per_batch(batch)
             self.acc.add(losses, skipped)
             s.history.append({**losses, "skipped": float(skipped),
-                              "grad norm": grad_norm if grad_norm is not None else float("nan")})
+                              "grad norm": grad_norm if grad_norm is not None else float("nan"),
+                              "learning rate": self._learning_rate(),
+                              "global batch size": float(batch)})
             self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
             if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
                     and valid_iterator is not None and cfg.training.eval_iters > 0:
@@ -187,16 +196,22 @@ class Trainer:
         return False
 
     def _should_exit(self, signal_handler) -> bool:
+        """Megatron's three independent exit checks, in its order: signal, duration, interval.
+
+        The first that fires saves a checkpoint and stops; one being set never disables the
+        others (every rank reaches the same decision: the first two are reduced over ranks).
+        """
         cfg, s = self.cfg, self.state
         reason = None
         if signal_handler is not None and signal_handler.signals_received():
             reason = "exiting program after receiving SIGTERM"
-        elif cfg.training.exit_duration_in_mins:
+        if reason is None and cfg.training.exit_duration_in_mins:
             minutes = torch.tensor([(time.time() - self.start_time) / 60.0])
             comm.all_reduce(minutes, None, op="max")
             if minutes.item() > cfg.training.exit_duration_in_mins:
                 reason = f"exiting program after {minutes.item():.1f} minutes"
-        elif cfg.training.exit_interval and s.iteration % cfg.training.exit_interval == 0:
+        if reason is None and cfg.training.exit_interval \
+                and s.iteration % cfg.training.exit_interval == 0:
             reason = f"exiting program at iteration {s.iteration}"
         if reason is None:
             return False
@@ -207,7 +222,7 @@ class Trainer:
 
     def _maybe_log(self, losses, grad_norm, num_zeros, batch, train_iters) -> None:
         cfg, s = self.cfg, self.state
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        lr = self._learning_rate()
         loss_scale = float(self.optimizer.get_loss_scale())
         params_norm = _params_norm(self.model) if cfg.logging.log_params_norm else None
         if self.writer is not None and s.iteration % cfg.logging.tensorboard_log_interval == 0:
@@ -231,19 +246,24 @@ class Trainer:
             params_norm=params_norm, skipped=self.acc.skipped, nan=self.acc.nan,
             tokens_per_sec=tokens_per_sec, tflops=tflops)
         log_rank_last(line)
+        # Reducing the timers is a collective: every rank does it once, here, whether or not it
+        # holds the writer; the TensorBoard scalars and the timer line are both made from it.
+        timer_values = self.timers.elapsed_ms(["forward-backward", "grads-all-reduce",
+                                               "optimizer"], normalizer=cfg.logging.log_interval)
         if self.writer is not None:
             self.writer.add_scalar("iteration-time", elapsed, s.iteration)
             self.writer.add_scalar("tokens-per-second", tokens_per_sec, s.iteration)
             if tflops is not None:
                 self.writer.add_scalar("throughput", tflops, s.iteration)
             if cfg.logging.log_timers_to_tensorboard:
-                self.timers.write(["forward-backward", "grads-all-reduce", "optimizer"],
-                                  self.writer, s.iteration, normalizer=cfg.logging.log_interval)
-        timer_line = self.timers.log_string(["forward-backward", "grads-all-reduce", "optimizer"],
-                                            normalizer=cfg.logging.log_interval)
+                self.timers.write_values(timer_values, self.writer, s.iteration)
+        timer_line = self.timers.format_values(timer_values)
         if timer_line:
             log_rank_0(timer_line)
         self.acc.reset()
+
+    def _learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
 
 
 def _params_norm(model: list) -> float:

@@ -19,14 +19,15 @@ class OptimizerParamScheduler:
         max_lr: peak learning rate. min_lr: floor.
         lr_warmup_steps / lr_decay_steps: in samples.
         start_wd / end_wd / wd_incr_steps / wd_incr_style: weight-decay increment.
-        use_checkpoint_opt_param_scheduler: on load, take values from the checkpoint.
+        use_checkpoint_opt_param_scheduler: on load, take values from the checkpoint (default
+            False, as Megatron: a value that differs from the checkpoint's is an error).
         override_opt_param_scheduler: on load, keep the values given here.
     """
 
     def __init__(self, optimizer, max_lr: float, min_lr: float, lr_warmup_steps: int,
                  lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float,
                  wd_incr_steps: int, wd_incr_style: str,
-                 use_checkpoint_opt_param_scheduler: bool = True,
+                 use_checkpoint_opt_param_scheduler: bool = False,
                  override_opt_param_scheduler: bool = False) -> None:
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +44,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     need the config bind it with ``functools.partial``-style closures over the returned config
     (``forward_step_func`` may also accept ``cfg`` as keyword: see pretrain_gpt.py).
     """
+    # Megatron's _TRAIN_START_TIME: --exit-duration-in-mins counts set-up time too.
+    start_time = time.time()
     cfg = initialize_megatron(argv, extra_args_provider)
     timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
     tokenizer = tokenizer_builder(cfg) if tokenizer_builder is not None else None
@@ -74,7 +77,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         flops = lambda batch: per_sample * batch  # noqa: E731 - tiny closure
     writer = log_line.make_tensorboard_writer(cfg)
     trainer = Trainer(cfg, forward_step_func, model, optimizer, scheduler, microbatches, timers,
-                      state, flops, writer)
+                      state, flops, writer, start_time=start_time)
     exited = False
     if not cfg.training.skip_train and train_it is not None and state.iteration < train_iters:
         log_rank_0(f"training for {train_iters} iterations (starting at {state.iteration})")
@@ -117,7 +120,15 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
 
 
 def compute_train_iters(cfg: MegatronConfig) -> int:
-    """--train-iters, or the iterations --train-samples needs (with batch-size ramp-up)."""
+    """--train-iters, or the iterations --train-samples needs, as Megatron's update_train_iters.
+
+    With ``--rampup-batch-size start incr samples``: one iteration per ramp-up batch while the
+    consumed samples are at most ``samples``, then ``(train_samples - consumed) // gbs`` full
+    batches (a final partial batch is dropped, so 1000 samples with ramp-up ``8 8 300`` and
+    gbs 32 are 24 ramp-up iterations to 320 samples, then 21: 45). Where ``--train-samples``
+    ends inside the ramp-up, Megatron's formula goes negative; here the ramp-up batches that fit
+    whole in ``--train-samples`` are counted instead.
+    """
     t = cfg.training
     if t.train_iters is not None:
         return t.train_iters
@@ -127,12 +138,15 @@ def compute_train_iters(cfg: MegatronConfig) -> int:
         return t.train_samples // t.global_batch_size
     calc = NumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size,
                                      cfg.data_parallel_size, t.rampup_batch_size)
+    rampup_samples = int(t.rampup_batch_size[2])
     iterations, consumed = 0, 0
-    while consumed < t.train_samples:
+    while consumed <= rampup_samples:
         calc.update(consumed)
+        if consumed + calc.current_global_batch_size > t.train_samples:
+            return iterations
         consumed += calc.current_global_batch_size
         iterations += 1
-    return iterations
+    return iterations + (t.train_samples - consumed) // t.global_batch_size
 
 
 def build_scheduler(cfg: MegatronConfig, optimizer, train_iters: int) -> OptimizerParamScheduler:

@@ -99,7 +99,12 @@ class Timers:
 
     def elapsed_ms(self, names: list[str], normalizer: float = 1.0,
                    reset: bool = True) -> dict[str, tuple[float, float]]:
-        """Per timer (min over ranks, max over ranks) in milliseconds."""
+        """Per timer (min over ranks, max over ranks) in milliseconds.
+
+        Collective: every rank must call it with the same ``names`` (a name filtered out by
+        ``--timing-log-level`` is dropped on every rank alike). Compute the values once, then
+        hand them to :meth:`format_values` and :meth:`write_values`, which do no communication.
+        """
         names = [n for n in names if n in self._timers]
         if not names:
             return {}
@@ -111,20 +116,33 @@ class Timers:
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
         return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)}
 
-    def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True) -> str:
-        """Megatron's timer line: ``(min, max) time across ranks (ms):`` then one row per timer."""
-        values = self.elapsed_ms(names, normalizer, reset)
+    def format_values(self, values: dict[str, tuple[float, float]]) -> str:
+        """Megatron's timer line from :meth:`elapsed_ms` values: ``(min, max) time across ranks
+        (ms):`` (or ``max time ...`` with ``--timing-log-option max``), one row per timer."""
         if not values:
             return ""
         if self.log_option == "max":
-            rows = [f"    {n} {'.' * max(1, 40 - len(n))}: {hi:.2f}" for n, (lo, hi) in values.items()]
+            rows = [f"    {n} {'.' * max(1, 40 - len(n))}: {hi:.2f}"
+                    for n, (_, hi) in values.items()]
             return "max time across ranks (ms):\n" + "\n".join(rows)
         rows = [f"    {n} {'.' * max(1, 40 - len(n))}: ({lo:.2f}, {hi:.2f})"
                 for n, (lo, hi) in values.items()]
         return "(min, max) time across ranks (ms):\n" + "\n".join(rows)
 
+    @staticmethod
+    def write_values(values: dict[str, tuple[float, float]], writer, iteration: int) -> None:
+        """Write each timer's max-over-ranks value to TensorBoard as ``{name}-time``."""
+        for name, (_, high) in values.items():
+            writer.add_scalar(f"{name}-time", high, iteration)
+
+    def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True) -> str:
+        """Collective (every rank calls it): the timer line of ``names``."""
+        return self.format_values(self.elapsed_ms(names, normalizer, reset))
+
     def write(self, names: list[str], writer, iteration: int, normalizer: float = 1.0,
               reset: bool = False) -> None:
-        """Write each timer's max-over-ranks value to TensorBoard as ``{name}-time``."""
-        for name, (_, high) in self.elapsed_ms(names, normalizer, reset).items():
-            writer.add_scalar(f"{name}-time", high, iteration)
+        """Collective (every rank calls it, ``writer`` None where there is none, as Megatron's
+        ``Timers.write``): the max-over-ranks values written as ``{name}-time``."""
+        values = self.elapsed_ms(names, normalizer, reset)
+        if writer is not None:
+            self.write_values(values, writer, iteration)

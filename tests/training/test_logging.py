@@ -2,10 +2,12 @@
 
 One TP=2 run of the tiny GPT with ``--tensorboard-dir``; the event files are read back with
 TensorBoard's own EventAccumulator (the real ``tensorboard`` package), as TensorBoard would.
+The training and validation log lines are checked character for character (pure tests).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -71,3 +73,63 @@ def expected_lr(iteration: int) -> float:
 def test_logged_learning_rate_follows_the_schedule(logged, iteration):
     _, scalars = logged
     assert scalars["learning-rate"][iteration] == pytest.approx(expected_lr(iteration), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: the log lines, character for character
+# ---------------------------------------------------------------------------------------------
+
+ISSUE_LINE = (" iteration       10/     100 | consumed samples:          160 | elapsed time per "
+              "iteration (ms): 812.3 | learning rate: 1.500E-04 | global batch size:    16 | "
+              "lm loss: 9.831236E+00 | loss scale: 1.0 | grad norm: 2.345 | number of skipped "
+              "iterations:   0 | number of nan iterations:   0 |")
+
+
+def test_training_line_golden():
+    from megatron.training.log_line import training_log_string
+
+    fields = dict(iteration=10, train_iters=100, consumed_samples=160, elapsed_ms=812.3,
+                  learning_rate=1.5e-4, batch_size=16, losses={"lm loss": 9.831236},
+                  loss_scale=1.0, grad_norm=2.345, num_zeros=None, params_norm=None, skipped=0,
+                  nan=0, tokens_per_sec=20172.25)
+    # Megatron's cells exactly as the issue's line; ours appended after them.
+    assert training_log_string(**fields, tflops=12.34) == ISSUE_LINE + (
+        " tokens per second: 20172.2 | throughput per GPU (TFLOP/s/GPU): 12.3 |")
+    assert training_log_string(**fields, tflops=None) == ISSUE_LINE + \
+        " tokens per second: 20172.2 |"
+
+
+def test_validation_line_golden():
+    from megatron.core.log import get_logger
+    from megatron.training.log_line import log_validation, validation_log_string
+
+    line = (" validation loss at iteration 10 | lm loss value: 9.800000E+00 | "
+            "lm loss PPL: 1.803374E+04 | ")
+    assert validation_log_string("iteration 10", {"lm loss": 9.8}) == line
+    # Megatron caps the perplexity at exp(20).
+    assert validation_log_string("x", {"lm loss": 25.0}).endswith(
+        f"lm loss PPL: {math.exp(20):.6E} | ")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = get_logger()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log_validation("iteration 10", {"lm loss": 9.8}, None, 10, 160, False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert records == ["-" * (len(line) + 1), line, "-" * (len(line) + 1)]
+
+
+def test_nan_iterations_counted_among_skipped_only():
+    from megatron.training.loop import _LogAccumulator
+
+    acc = _LogAccumulator()
+    acc.add({"lm loss": math.nan}, skipped=False)  # applied step: averaged, not a nan iteration
+    acc.add({"lm loss": math.inf}, skipped=True)
+    acc.add({"lm loss": 2.0}, skipped=True)
+    acc.add({"lm loss": 3.0}, skipped=False)
+    assert (acc.advanced, acc.skipped, acc.nan) == (2, 2, 1)
