@@ -1,4 +1,4 @@
-"""Shared pytest configuration: the shared data directory and thread limits."""
+"""Shared pytest configuration: the shared directory (data, Megatron-LM references)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = Path(os.environ.get("MEGATRON_SHARED", REPO.parent / "shared"))
+SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", SHARED / "data"))
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +18,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data directory {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def megatron_flags_md() -> Path:
+    """``../shared/MEGATRON_FLAGS.md``, Megatron-LM 23.06's flag table; tests skip only where it
+    is absent."""
+    path = SHARED / "MEGATRON_FLAGS.md"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    return path

@@ -12,10 +12,12 @@
 Worlds are pooled: the first test asking for N ranks spawns N processes (``spawn``, never
 ``fork``: fork deadlocks in long gloo sessions), which initialize gloo on 127.0.0.1 and then
 serve test functions until the session ends; spawning costs 7-10 s, a pooled call 0.05-0.3 s.
-After every call each rank destroys its model-parallel groups and meets the others at a barrier,
-so the next test starts clean. If any rank raises, or a call exceeds its timeout (a hang), the
-whole world is killed and the error shows every failing rank's traceback; the next test gets a
-fresh world with a fresh rendezvous port. Each rank runs with ``OMP_NUM_THREADS=1``.
+After every call each rank destroys its model-parallel groups, resets the python, numpy and torch
+RNGs (to :data:`RESET_SEED`) and the model-parallel RNG tracker, and meets the others at a barrier,
+so the next test starts clean whatever the previous one seeded. If any rank raises, or a call
+exceeds its timeout (a hang), the whole world is killed and the error shows every failing rank's
+traceback and which ranks never returned; the next test gets a fresh world with a fresh rendezvous
+port. Each rank runs with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -32,12 +34,29 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
 _STARTUP_TIMEOUT_S = 120.0
+RESET_SEED = 0
+"""Seed of every rank's python, numpy and torch RNGs at the start of each pooled call."""
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _reset_rng_state() -> None:
+    """Python, numpy and torch (every device) RNGs to RESET_SEED; no model-parallel streams."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+
+    random.seed(RESET_SEED)
+    np.random.seed(RESET_SEED)
+    torch.manual_seed(RESET_SEED)
+    get_rng_tracker().reset()
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -50,6 +69,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
 
     try:
         device.init_distributed(backend="gloo", timeout_minutes=5)
+        _reset_rng_state()
         results.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -66,7 +86,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
             out, status = traceback.format_exc(), "error"
         finally:
             parallel_state.destroy_model_parallel()
+            _reset_rng_state()
         if status == "ok":
+            # Tell the parent this rank is out of fn: a hang then names the ranks still inside.
+            results.put((rank, "returned", None))
             try:
                 comm.barrier()
             except BaseException:  # noqa: BLE001
@@ -111,6 +134,7 @@ class DistributedWorld:
         deadline = time.monotonic() + timeout
         outputs: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        returned: set[int] = set()
         while len(outputs) + len(errors) < self.world_size:
             remaining = deadline - time.monotonic()
             if errors:
@@ -122,18 +146,30 @@ class DistributedWorld:
                 rank, status, out = self.results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
-            if status == "error":
+            if status == "returned":
+                returned.add(rank)
+            elif status == "error":
                 errors[rank] = out
             else:
                 outputs[rank] = out
         if errors or len(outputs) < self.world_size:
+            dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
             self.close(force=True)
             missing = sorted(set(range(self.world_size)) - set(outputs) - set(errors))
             report = [f"{what} failed on a world of {self.world_size} gloo ranks"]
             report += [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
-            if missing:
-                report.append(f"--- ranks {missing} did not finish within {timeout:.0f} s "
-                              "(hung in a collective, or crashed)")
+            crashed = [r for r in missing if r in dead]
+            hung = [r for r in missing if r not in returned and r not in dead]
+            waiting = [r for r in missing if r in returned and r not in dead]
+            if crashed:
+                report.append(f"--- ranks {crashed} died (exit codes "
+                              f"{[dead[r] for r in crashed]})")
+            if hung:
+                report.append(f"--- ranks {hung} did not finish within {timeout:g} s: hung "
+                              f"(in a collective, a sleep or a loop)")
+            if waiting:
+                report.append(f"--- ranks {waiting} returned and waited for the others in the "
+                              "closing barrier")
             raise RuntimeError("\n".join(report))
         return [outputs[r] for r in range(self.world_size)]
 

@@ -36,6 +36,8 @@ class DataConfig:
     """Encoder tokens per sample (same as --seq-length for GPT/BERT)."""
     decoder_seq_length: int | None = None
     """Decoder tokens per sample (encoder-decoder models)."""
+    retriever_seq_length: int = 256
+    """Tokens per retriever (ICT / biencoder) sample; retriever models are not built yet."""
     sample_rate: float = 1.0
     """Fraction of the samples to use (task datasets)."""
     mask_prob: float = 0.15

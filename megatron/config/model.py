@@ -79,7 +79,9 @@ class ModelConfig:
     apply_query_key_layer_scaling: bool = spec(
         False, flag="--apply-query-key-layer-scaling")
     """Scale Q.K^T by 1/layer-number (and the softmax input back up), for fp16 stability.
-    Megatron-LM 23.06's inverse switch --no-query-key-layer-scaling is accepted too."""
+    Megatron-LM 23.06's inverse switch --no-query-key-layer-scaling is accepted too. Acts on the
+    unfused attention path (with --attention-softmax-in-fp32 forced on); torch's SDPA already
+    computes fp16/bf16 scores and softmax in fp32 internally."""
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
     """Attention implementation: auto/flash/fused use torch's scaled_dot_product_attention;
     unfused/local use the explicit scale-mask-softmax reference path."""
@@ -89,6 +91,9 @@ class ModelConfig:
     """Disable the fused bias + GeLU kernel."""
     bias_dropout_fusion: bool = spec(True, flag="--no-bias-dropout-fusion")
     """Disable the fused bias + dropout + add kernel."""
+    no_persist_layer_norm: bool = False
+    """Do not use APEX's persistent fused LayerNorm kernel. Accepted for Megatron-LM scripts;
+    no effect here: LayerNorm is always torch's layer_norm (no APEX kernels)."""
     use_flash_attn: bool = False
     """Use FlashAttention (here: torch's SDPA, which dispatches to flash kernels on GPUs)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"

@@ -55,3 +55,11 @@ class ParallelConfig:
     """Overlap the data-parallel gradient reduction with the backward pass, bucket by bucket."""
     sequence_parallel: bool = False
     """Split LayerNorm and dropout activations along the sequence over TP ranks."""
+    gradient_accumulation_fusion: bool = True
+    """Disable fusing the weight-gradient GEMM with the accumulation into main_grad. Accepted
+    for Megatron-LM scripts; no effect here: there is no fused (CUDA/APEX) weight-gradient
+    kernel, weight gradients always come from autograd and are then added into main_grad."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """Disable overlapping the tensor-parallel all-reduce of the input gradient with the
+    weight-gradient GEMM. Accepted for Megatron-LM scripts; no effect here: that all-reduce is
+    always synchronous (same result, no overlap)."""

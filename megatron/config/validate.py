@@ -1,10 +1,14 @@
 """The one place where flag combinations are checked and derived values are set.
 
-Runs before any process group starts. Every error is a ``ValueError`` whose message names the
-flags involved and what to change.
+Runs before any process group starts (so a bad flag costs a second, not a rendezvous and a model
+build). Every error is a ``ValueError`` whose message names the flags involved, the offending
+value or path, and what to change.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 
@@ -25,6 +29,7 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
     ("parallel", "standalone_embedding_stage"): "--standalone-embedding-stage",
     ("parallel", "pipeline_model_parallel_split_rank"): "--pipeline-model-parallel-split-rank",
+    ("data", "retriever_seq_length"): "--retriever-seq-length",
 }
 
 _DEPRECATED = {
@@ -49,14 +54,18 @@ def validate(cfg, world_size: int, require_model: bool = True) -> None:
     """
     _check_deprecated(cfg)
     _derive_parallel_sizes(cfg, world_size)
+    _check_positive_sizes(cfg)
     if require_model:
         _check_model_shape(cfg)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
+    _check_interleaved_schedule(cfg)
     _check_precision(cfg)
     _check_schedule(cfg)
     _check_recompute(cfg)
     _check_misc(cfg)
+    _check_data(cfg)
+    _check_tokenizer(cfg)
     _check_not_implemented(cfg)
 
 
@@ -83,6 +92,27 @@ def _derive_parallel_sizes(cfg, world_size: int) -> None:
     if par.distributed_backend == "nccl" and not device.accelerator_available():
         raise ValueError("--distributed-backend nccl needs CUDA, which this machine lacks; "
                          "use --distributed-backend gloo")
+
+
+def _check_positive_sizes(cfg) -> None:
+    """Sizes that must be >= 1 when given (0 or negative values would otherwise pass the
+    divisibility checks below and fail deep inside the model or the data pipeline)."""
+    m, d, t, tok = cfg.model, cfg.data, cfg.training, cfg.tokenizer
+    for flag, value in (
+            ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+            ("--ffn-hidden-size", m.ffn_hidden_size),
+            ("--num-attention-heads", m.num_attention_heads), ("--kv-channels", m.kv_channels),
+            ("--max-position-embeddings", m.max_position_embeddings),
+            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+            ("--seq-length", d.seq_length), ("--encoder-seq-length", d.encoder_seq_length),
+            ("--decoder-seq-length", d.decoder_seq_length),
+            ("--global-batch-size", t.global_batch_size), ("--vocab-size", tok.vocab_size),
+            ("--num-layers-per-virtual-pipeline-stage",
+             cfg.parallel.num_layers_per_virtual_pipeline_stage)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be a positive integer")
+    if d.num_workers < 0:
+        raise ValueError(f"--num-workers ({d.num_workers}) must be >= 0")
 
 
 def _check_model_shape(cfg) -> None:
@@ -131,14 +161,20 @@ def _check_pipeline_layers(cfg) -> None:
                          f"--pipeline-model-parallel-size ({pp})")
     per_virtual = par.num_layers_per_virtual_pipeline_stage
     if per_virtual is not None:
-        if pp < 2:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage needs "
-                             f"--pipeline-model-parallel-size >= 2, got {pp}")
-        if per_virtual < 1 or (layers // pp) % per_virtual != 0:
+        # Megatron-LM 23.06 (arguments.py and core/parallel_state.py): the interleaved schedule
+        # needs more than two stages.
+        if pp <= 2:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_virtual}) "
+                             "(interleaved schedule) needs --pipeline-model-parallel-size > 2, "
+                             f"got {pp}")
+        if (layers // pp) % per_virtual != 0:
             raise ValueError(
                 f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size "
                 f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
         cfg.virtual_pipeline_model_parallel_size = (layers // pp) // per_virtual
+    else:
+        # As Megatron-LM: p2p overlap only exists in the interleaved schedule.
+        par.overlap_p2p_comm = False
 
 
 def _check_batch(cfg) -> None:
@@ -161,6 +197,21 @@ def _check_batch(cfg) -> None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive")
 
 
+def _check_interleaved_schedule(cfg) -> None:
+    """Megatron-LM's interleaved 1F1B schedule runs the micro-batches in groups of PP."""
+    if cfg.virtual_pipeline_model_parallel_size is None or cfg.training.rampup_batch_size:
+        return
+    t, pp = cfg.training, cfg.parallel.pipeline_model_parallel_size
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * cfg.data_parallel_size)
+    if num_microbatches % pp != 0:
+        raise ValueError(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the number "
+            f"of micro-batches ({num_microbatches} = --global-batch-size ({t.global_batch_size}) "
+            f"/ (--micro-batch-size ({t.micro_batch_size}) x data-parallel size "
+            f"({cfg.data_parallel_size}))) to be divisible by --pipeline-model-parallel-size "
+            f"({pp})")
+
+
 def _check_precision(cfg) -> None:
     p = cfg.precision
     if p.fp16 and p.bf16:
@@ -176,9 +227,11 @@ def _check_precision(cfg) -> None:
     if p.loss_scale is not None and p.loss_scale <= 0:
         raise ValueError(f"--loss-scale ({p.loss_scale}) must be positive")
     if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
-            and cfg.parallel.ddp_impl != "local":
+            and (cfg.parallel.ddp_impl != "local"
+                 or not cfg.parallel.use_contiguous_buffers_in_local_ddp):
         raise ValueError("--accumulate-allreduce-grads-in-fp32, --bf16 and "
-                         "--use-distributed-optimizer need --DDP-impl local")
+                         "--use-distributed-optimizer need --DDP-impl local with contiguous "
+                         "buffers (drop --no-contiguous-buffers-in-local-ddp)")
 
 
 def _check_schedule(cfg) -> None:
@@ -242,14 +295,79 @@ def _check_misc(cfg) -> None:
         raise ValueError(f"--eval-iters ({cfg.training.eval_iters}) must be >= 0")
 
 
-def _check_not_implemented(cfg) -> None:
-    import dataclasses
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
+
+def _check_data(cfg) -> None:
+    """--split, the dataset prefixes and their combination, as the dataset builders read them
+    (megatron.data.utils), but before any process group starts."""
+    from megatron.data.indexed_dataset import data_file_path, index_file_path
+    from megatron.data.utils import get_blend_from_list, parse_and_normalize_split
+
+    d = cfg.data
+    parse_and_normalize_split(d.split)  # ValueError naming --split and its value
+    per_split = {f"--{name}-data-path": getattr(d, f"{name}_data_path")
+                 for name in ("train", "valid", "test")}
+    given = [flag for flag, paths in per_split.items() if paths]
+    if d.data_path and given:
+        raise ValueError(f"--data-path cannot be combined with {'/'.join(given)}: use --data-path "
+                         "with --split, or per-split paths")
+    for flag, paths in {"--data-path": d.data_path, **per_split}.items():
+        if not paths:
+            continue
+        if len(paths) % 2 == 1 and any(_is_number(p) for p in paths):
+            raise ValueError(f"{flag} {' '.join(paths)}: {len(paths)} values with numeric "
+                             "weights; give 'weight prefix' pairs, e.g. 0.3 a 0.7 b")
+        prefixes, _ = get_blend_from_list(paths, flag)
+        if d.mock_data:
+            continue  # --mock-data ignores the paths
+        for prefix in prefixes:
+            missing = [path for path in (data_file_path(prefix), index_file_path(prefix))
+                       if not os.path.isfile(path)]
+            if missing:
+                raise ValueError(f"{flag}: no dataset at prefix {prefix!r} "
+                                 f"({' and '.join(missing)} not found; give the path without "
+                                 ".bin/.idx)")
+
+
+def _check_tokenizer(cfg) -> None:
+    """Every file (or size) the --tokenizer-type needs is given, and the files exist."""
+    from megatron.tokenizer.build import _NEEDS  # the builder's own table, so the two agree
+
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None:
+        return
+    for name in _NEEDS.get(tok.tokenizer_type, ()):
+        flag, value = "--" + name.replace("_", "-"), getattr(tok, name)
+        if value is None:
+            raise ValueError(f"--tokenizer-type {tok.tokenizer_type} needs {flag}")
+        if name != "vocab_size" and not os.path.exists(value):
+            raise ValueError(f"{flag} {value}: no such file (needed by --tokenizer-type "
+                             f"{tok.tokenizer_type})")
+
+
+def _check_not_implemented(cfg) -> None:
     for (section, name), flag in NOT_IMPLEMENTED.items():
         sec = getattr(cfg, section)
         default = {f.name: f.default for f in dataclasses.fields(sec)}[name]
         if getattr(sec, name) != default:
             raise ValueError(f"{flag} is a Megatron-LM flag this framework does not implement yet")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    # Checked last, so that a layout that could never work names its real problem first.
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage: the interleaved pipeline "
+                         "schedule is not implemented yet; drop the flag and use "
+                         "--pipeline-model-parallel-size 1")
+    if pp > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {pp}: pipeline-parallel schedules are "
+                         "not implemented yet (the process groups and rank layout are); use "
+                         "--pipeline-model-parallel-size 1 and --tensor-model-parallel-size or "
+                         "data parallelism instead")
     if cfg.model.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, "
                          "which this framework does not use; use --transformer-impl local")

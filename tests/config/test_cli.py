@@ -70,12 +70,20 @@ def test_bf16_forces_fp32_grad_accumulation():
 
 
 def test_derived_parallel_sizes():
-    cfg = parse("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-                "--global-batch-size 16", world_size=8)
-    assert cfg.data_parallel_size == 2 and cfg.world_size == 8
-    cfg = parse("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
-                world_size=2)
-    assert cfg.virtual_pipeline_model_parallel_size == 2
+    cfg = parse("--tensor-model-parallel-size 2 --global-batch-size 16", world_size=8)
+    assert cfg.data_parallel_size == 4 and cfg.world_size == 8
+
+
+def test_derived_pipeline_sizes():
+    """PP layouts are derived (and checked) before PP > 1 is refused as not built yet."""
+    from megatron.config.validate import _check_pipeline_layers, _derive_parallel_sizes
+
+    cfg = parse_args(BASE + "--pipeline-model-parallel-size 4 --tensor-model-parallel-size 2 "
+                     "--num-layers 8 --num-layers-per-virtual-pipeline-stage 1".split(),
+                     world_size=16, validate_config=False)
+    _derive_parallel_sizes(cfg, 16)
+    _check_pipeline_layers(cfg)
+    assert cfg.data_parallel_size == 2 and cfg.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize("extra,world,flags", [
@@ -86,8 +94,25 @@ def test_derived_parallel_sizes():
     ("--tensor-model-parallel-size 2 --num-attention-heads 2 --ffn-hidden-size 99", 2,
      ["--ffn-hidden-size (99)"]),
     ("--pipeline-model-parallel-size 3", 3, ["--num-layers (4)", "--pipeline-model-parallel-size (3)"]),
-    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
-     ["--num-layers-per-virtual-pipeline-stage (3)"]),
+    ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 3",
+     4, ["--num-layers (8)", "--num-layers-per-virtual-pipeline-stage (3)"]),
+    # Megatron-LM 23.06: the interleaved schedule needs PP > 2 ...
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 2,
+     ["--num-layers-per-virtual-pipeline-stage (1)", "--pipeline-model-parallel-size > 2"]),
+    # ... and a number of micro-batches divisible by PP.
+    ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 6", 4, ["micro-batches (3", "--pipeline-model-parallel-size (4)"]),
+    # Valid layouts, but the schedules are not built: refused here, not at the first step.
+    ("--pipeline-model-parallel-size 2", 2,
+     ["--pipeline-model-parallel-size 2", "not implemented yet"]),
+    ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 8", 4, ["--num-layers-per-virtual-pipeline-stage", "interleaved",
+                                  "not implemented yet"]),
+    ("--num-layers 0", 1, ["--num-layers (0)", "positive"]),
+    ("--hidden-size -8", 1, ["--hidden-size (-8)", "positive"]),
+    ("--num-attention-heads 0", 1, ["--num-attention-heads (0)"]),
+    ("--global-batch-size 0", 1, ["--global-batch-size (0)"]),
+    ("--bf16 --no-contiguous-buffers-in-local-ddp", 1, ["--no-contiguous-buffers-in-local-ddp"]),
     ("--global-batch-size 6", 2, ["--global-batch-size (6)", "--micro-batch-size (2)"]),
     ("--seq-length 128", 1, ["--seq-length (128)", "--max-position-embeddings (64)"]),
     ("--fp16 --bf16", 1, ["--fp16", "--bf16"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def test_layout_partitions(world, tp, pp):
 @pytest.mark.parametrize("args,match", [
     ((6, 4, 1), "not divisible"),
     ((8, 2, 3), "not divisible"),
-    ((8, 1, 1, 2), "pipeline-model-parallel-size >= 2"),
+    ((8, 1, 1, 2), "pipeline-model-parallel-size > 2"),
+    ((8, 1, 2, 2), "pipeline-model-parallel-size > 2"),  # Megatron-LM: interleaving needs PP > 2
     ((8, 1, 4, None, 4), "split-rank"),
 ])
 def test_layout_rejects_impossible_sizes(args, match):
@@ -112,6 +114,73 @@ def test_cli_prints_layout():
     assert bad.returncode == 2 and "--tensor-model-parallel-size" in bad.stderr
 
 
+def test_cli_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "megatron.core.parallel_state", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    text = " ".join(out.split())
+    for phrase in ("--world-size N Total number of ranks",
+                   "--tensor-model-parallel-size N Ranks each layer is split over",
+                   "--pipeline-model-parallel-size N Number of pipeline stages",
+                   "--virtual-pipeline-model-parallel-size N Model chunks per pipeline stage",
+                   "--pipeline-model-parallel-split-rank R Pipeline stage where the decoder"):
+        assert phrase in text, phrase
+
+
+def test_getters_before_initialization():
+    """TP/PP/DP sizes and ranks answer as for one process (gpt_model_from, get_checkpoint_name
+    and get_megatron_optimizer rely on that); every other getter raises clearly."""
+    assert not ps.model_parallel_is_initialized()
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (1, 0)
+    assert (ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank()) == (1, 0)
+    assert (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()) == (1, 0)
+    assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    for getter in (ps.get_model_parallel_world_size, ps.get_model_parallel_rank,
+                   ps.get_embedding_group_world_size, ps.get_embedding_group_rank,
+                   ps.get_position_embedding_group_world_size,
+                   ps.get_position_embedding_group_rank, ps.get_tensor_model_parallel_group,
+                   ps.get_data_parallel_group, ps.get_embedding_group):
+        with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+            getter()
+
+
+def _embedding_sizes_and_ranks(rank, world_size, pp, split):
+    ps.initialize_model_parallel(1, pp, pipeline_model_parallel_split_rank=split)
+    out = {}
+    for kind, size, rank_of, member in (
+            ("embedding", ps.get_embedding_group_world_size, ps.get_embedding_group_rank,
+             ps.is_rank_in_embedding_group(ignore_virtual=True)),
+            ("position_embedding", ps.get_position_embedding_group_world_size,
+             ps.get_position_embedding_group_rank, ps.is_rank_in_position_embedding_group())):
+        try:
+            out[kind] = (size(), rank_of())
+        except RuntimeError as err:
+            out[kind] = str(err)
+        out[kind + "_member"] = member
+    return out
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_embedding_group_size_and_rank(split):
+    """PP=4 (DP=2): the first and last stages (and the split stage) share the word embedding;
+    the first stage (and the split stage) hold a position embedding. Other ranks get a clear
+    error. Runs on the pooled 8-rank world."""
+    layout = rank_layout(8, 1, 4, None, split)
+    results = run_distributed(8, _embedding_sizes_and_ranks, 4, split)
+    for rank, out in enumerate(results):
+        for kind in ("embedding", "position_embedding"):
+            ranks = layout.group_of(kind, rank)
+            assert out[kind + "_member"] == bool(ranks), (rank, kind)
+            if ranks:
+                assert out[kind] == (len(ranks), ranks.index(rank)), (rank, kind, out)
+            else:
+                assert "is in no" in out[kind] and f"rank {rank}" in out[kind], out[kind]
+    assert results[0]["embedding"] == (3 if split else 2, 0)
+    assert results[6]["embedding"] == ((3, 2) if split else (2, 1))
+    assert "is in no embedding group" in results[2]["embedding"]
+    assert results[0]["position_embedding"] == ((2, 0) if split else (1, 0))
+
+
 def _sum_in_each_group(rank, world_size):
     ps.initialize_model_parallel(2, 2)
     sums = {}
@@ -130,7 +199,9 @@ def _sum_in_each_group(rank, world_size):
         first=ps.is_pipeline_first_stage(), last=ps.is_pipeline_last_stage(),
         next=ps.get_pipeline_model_parallel_next_rank(),
         prev=ps.get_pipeline_model_parallel_prev_rank(),
-        in_embedding=ps.is_rank_in_embedding_group())
+        in_embedding=ps.is_rank_in_embedding_group(),
+        embedding=(ps.get_embedding_group_world_size(), ps.get_embedding_group_rank()),
+        model=(ps.get_model_parallel_world_size(), ps.get_model_parallel_rank()))
     return sums, info
 
 
@@ -147,6 +218,9 @@ def test_real_groups_on_eight_ranks():
         assert info["first"] == (rank < 4) and info["last"] == (rank >= 4)
         assert info["next"] == (rank + 4) % 8 and info["prev"] == (rank - 4) % 8
         assert info["in_embedding"]
+        assert info["embedding"] == (2, rank // 4)
+        model_group = layout.group_of("model", rank)
+        assert info["model"] == (4, model_group.index(rank))
 
 
 def _raise_on_rank_one(rank, world_size):
@@ -166,3 +240,72 @@ def _sum_world(rank, world_size):
     value = torch.tensor([rank + 1])
     torch.distributed.all_reduce(value)
     return int(value.item())
+
+
+def _draw_random(rank, world_size):
+    """Draws from every RNG a test might use without seeding, and the tracker's streams."""
+    import random
+
+    import numpy as np
+
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+
+    return (random.random(), float(np.random.rand()), float(torch.rand(1)),
+            sorted(get_rng_tracker().get_states()))
+
+
+def _reseed_everything(rank, world_size):
+    import random
+
+    import numpy as np
+
+    from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+
+    random.seed(99 + rank)
+    np.random.seed(99 + rank)
+    model_parallel_manual_seed(99 + rank, rank)  # seeds torch and adds a tracker stream
+    return float(torch.rand(1))
+
+
+def test_harness_resets_rngs_between_calls():
+    """A test that seeds (or adds a model-parallel stream) does not leak into the next one."""
+    import random
+
+    import numpy as np
+
+    from tests.multiprocess import RESET_SEED
+
+    first = run_distributed(2, _draw_random)
+    run_distributed(2, _reseed_everything)
+    assert run_distributed(2, _draw_random) == first
+    random.seed(RESET_SEED)
+    np.random.seed(RESET_SEED)
+    expected = (random.random(), float(np.random.rand()),
+                float(torch.rand(1, generator=torch.Generator().manual_seed(RESET_SEED))), [])
+    assert first == [expected, expected]
+
+
+def _hang_on_rank_one(rank, world_size):
+    import time
+
+    if rank == 1:
+        time.sleep(60)  # no exception, no collective: only the timeout can notice
+    return rank
+
+
+def test_harness_reports_hung_rank_and_replaces_world():
+    from tests import multiprocess
+
+    assert run_distributed(2, _sum_world) == [3, 3]
+    old = multiprocess._WORLDS[2]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as exc:
+        run_distributed(2, _hang_on_rank_one, timeout=3)
+    elapsed = time.monotonic() - start
+    message = str(exc.value)
+    assert "ranks [1] did not finish within 3 s: hung" in message, message
+    assert "ranks [0] returned and waited" in message, message
+    assert elapsed < 15, f"hang reported after {elapsed:.1f} s with a 3 s timeout"
+    assert not old.alive(), "the hung world must be killed"
+    assert run_distributed(2, _sum_world) == [3, 3]
+    assert multiprocess._WORLDS[2] is not old
