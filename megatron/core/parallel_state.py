@@ -77,9 +77,10 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
             f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
     if virtual_pipeline_model_parallel_size is not None:
-        if pp < 2:
+        # Megatron-LM (23.06 and later): the interleaved schedule needs more than two stages.
+        if pp <= 2:
             raise ValueError("an interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
-                             f"needs --pipeline-model-parallel-size >= 2, got {pp}")
+                             f"needs --pipeline-model-parallel-size > 2, got {pp}")
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError("virtual pipeline size must be positive, got "
                              f"{virtual_pipeline_model_parallel_size}")
@@ -231,43 +232,100 @@ def get_position_embedding_group() -> dist.ProcessGroup | None:
 
 
 # Sizes and ranks ----------------------------------------------------------------------------
-def _size_and_rank(kind: str) -> tuple[int, int]:
+# The TP/PP/DP size and rank getters answer (1, 0) before initialize_model_parallel, as for a
+# single process: gpt_model_from (tools/generate.py, single-process model tests),
+# checkpointing.get_checkpoint_name and get_megatron_optimizer rely on it. Every other getter
+# raises, as Megatron-LM's do, because no sensible answer exists without the groups.
+def _size_and_rank(kind: str, single_process_default: bool = False) -> tuple[int, int]:
     if _STATE is None:
-        return 1, 0
+        if single_process_default:
+            return 1, 0
+        get_state()  # raises, naming initialize_model_parallel
     ranks = _STATE.ranks(kind)
+    if _STATE.rank not in ranks:
+        members = {"embedding": "the first and last pipeline stages and the split stage",
+                   "position_embedding": "the first pipeline stage and the split stage"}
+        raise RuntimeError(f"rank {_STATE.rank} is in no {kind.replace('_', '-')} group (only "
+                           f"{members.get(kind, 'some ranks')} are): check "
+                           f"is_rank_in_{kind}_group() first")
     return len(ranks), ranks.index(_STATE.rank)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _size_and_rank("tensor")[0]
+    """Number of ranks in this rank's tensor-model-parallel group (1 before initialization)."""
+    return _size_and_rank("tensor", single_process_default=True)[0]
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _size_and_rank("tensor")[1]
+    """This rank's index in its tensor-model-parallel group (0 before initialization)."""
+    return _size_and_rank("tensor", single_process_default=True)[1]
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _size_and_rank("pipeline")[0]
+    """Number of ranks in this rank's pipeline-model-parallel group (1 before initialization)."""
+    return _size_and_rank("pipeline", single_process_default=True)[0]
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _size_and_rank("pipeline")[1]
+    """This rank's index in its pipeline-model-parallel group (0 before initialization)."""
+    return _size_and_rank("pipeline", single_process_default=True)[1]
 
 
 def get_data_parallel_world_size() -> int:
-    return _size_and_rank("data")[0]
+    """Number of ranks in this rank's data-parallel group (1 before initialization)."""
+    return _size_and_rank("data", single_process_default=True)[0]
 
 
 def get_data_parallel_rank() -> int:
-    return _size_and_rank("data")[1]
+    """This rank's index in its data-parallel group (0 before initialization)."""
+    return _size_and_rank("data", single_process_default=True)[1]
 
 
 def get_model_parallel_world_size() -> int:
+    """Ranks in this rank's model-parallel group (TP x PP). Raises before initialization."""
     return _size_and_rank("model")[0]
 
 
 def get_model_parallel_rank() -> int:
+    """This rank's index in its model-parallel group. Raises before initialization."""
     return _size_and_rank("model")[1]
+
+
+def get_embedding_group_world_size() -> int:
+    """Ranks sharing this rank's tied word embedding (first and last stage, plus the split
+    stage if any).
+
+    Raises:
+        RuntimeError: not initialized, or this rank holds no word embedding.
+    """
+    return _size_and_rank("embedding")[0]
+
+
+def get_embedding_group_rank() -> int:
+    """This rank's index in its embedding group (0 on the first pipeline stage).
+
+    Raises:
+        RuntimeError: not initialized, or this rank holds no word embedding.
+    """
+    return _size_and_rank("embedding")[1]
+
+
+def get_position_embedding_group_world_size() -> int:
+    """Ranks sharing this rank's position embedding (first stage, plus the split stage).
+
+    Raises:
+        RuntimeError: not initialized, or this rank holds no position embedding.
+    """
+    return _size_and_rank("position_embedding")[0]
+
+
+def get_position_embedding_group_rank() -> int:
+    """This rank's index in its position-embedding group.
+
+    Raises:
+        RuntimeError: not initialized, or this rank holds no position embedding.
+    """
+    return _size_and_rank("position_embedding")[1]
 
 
 def get_embedding_group_ranks() -> list[int]:
@@ -403,11 +461,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron.core.parallel_state", allow_abbrev=False,
         description="Print how ranks are grouped, without launching anything.")
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
+    parser.add_argument("--world-size", type=int, required=True, metavar="N",
+                        help="Total number of ranks (torchrun's nnodes x nproc-per-node).")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                        help="Ranks each layer is split over; the fastest-varying dimension "
+                             "(default: 1).")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="N",
+                        help="Number of pipeline stages; the slowest-varying dimension "
+                             "(default: 1). Data parallelism takes what is left.")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                        metavar="N",
+                        help="Model chunks per pipeline stage (interleaved schedule; needs "
+                             "--pipeline-model-parallel-size > 2). Training derives it from "
+                             "--num-layers-per-virtual-pipeline-stage.")
+    parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                        metavar="R",
+                        help="Pipeline stage where the decoder starts (encoder-decoder models); "
+                             "it joins the embedding and position-embedding groups.")
     args = parser.parse_args(argv)
     try:
         layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
