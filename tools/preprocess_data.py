@@ -31,6 +31,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -188,14 +189,20 @@ class Encoder:
             from megatron.tokenizer.sentences import build_sentence_splitter
             self.splitter = build_sentence_splitter(self.args.lang, self.args.keep_newlines)
 
-    def _sentences(self, value: object, where: str, key: str) -> list[str]:
+    def _sentences(self, value: object, where: str, key: str, may_have_surrogates: bool
+                   ) -> list[str]:
         if isinstance(value, list):  # pre-split by the user: one sequence per string
             if not all(isinstance(s, str) for s in value):
                 raise InputError(f"{where}: key {key!r} is a list with non-string items")
+            if may_have_surrogates:
+                for s in value:
+                    _check_no_surrogate(s, where, key)
             return value
         if not isinstance(value, str):
             raise InputError(f"{where}: key {key!r} is a {type(value).__name__}, expected a "
                              "string or a list of strings")
+        if may_have_surrogates:
+            _check_no_surrogate(value, where, key)
         if self.splitter is not None:
             from megatron.tokenizer.sentences import split_sentences
             return split_sentences(self.splitter, value)
@@ -228,9 +235,12 @@ class Encoder:
         for lineno, line in zip(batch.linenos, batch.lines):
             where = f"{batch.path}:{lineno}"
             doc = self._parse(line, where)
+            # A lone surrogate can only come from a "\\udXXX" escape or from UTF-8-encoded
+            # surrogate bytes (0xED 0xA0..0xBF, which json.loads lets through): look only then.
+            may_have_surrogates = b"\\u" in line or b"\xed" in line
             for key, (tokens, seq_lengths, seqs_per_doc) in out.items():
                 lengths = []
-                for sentence in self._sentences(doc[key], where, key):
+                for sentence in self._sentences(doc[key], where, key, may_have_surrogates):
                     ids = self._tokenize(sentence, where, key)
                     if ids:  # Megatron drops empty sentences
                         tokens.extend(ids)
@@ -243,6 +253,18 @@ class Encoder:
         keys = {k: EncodedKey(np.array(t, dtype=self.dtype), np.array(s, dtype=np.int64),
                               np.array(d, dtype=np.int64)) for k, (t, s, d) in out.items()}
         return EncodedBatch(sum(len(line) for line in batch.lines), keys)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_no_surrogate(text: str, where: str, key: str) -> None:
+    """Raises InputError on a lone surrogate (not Unicode text: no tokenizer can encode it)."""
+    match = _SURROGATE.search(text)
+    if match is not None:
+        raise InputError(f"{where}: key {key!r} holds a lone surrogate U+{ord(match.group()):04X} "
+                         f"at character {match.start()} (not valid Unicode: a \\u escape of "
+                         "half a surrogate pair?)")
 
 
 _ENCODER: Encoder | None = None

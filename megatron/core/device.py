@@ -7,8 +7,10 @@ gloo. Nothing else in the library calls ``torch.cuda`` directly, except ``tensor
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import platform
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,45 @@ def memory_stats() -> dict[str, float]:
     }
 
 
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_HOST_ALLOCATOR_ENV = "MEGATRON_TUNE_HOST_MALLOC"
+_host_allocator_tuned = False
+
+
+def tune_host_allocator() -> bool:
+    """Make glibc keep freed host memory for reuse instead of returning it to the kernel.
+
+    By default glibc serves every block above 32 MiB with a fresh ``mmap`` and unmaps it on
+    free, so each training step page-faults (and the kernel zeroes) every large activation,
+    logits and gradient tensor again: about 2 GiB of faults per step for a 2-layer GPT-2-small
+    on CPU, a third of the step. With mmap off and trimming raised, the heap keeps those pages
+    and later steps reuse them (PyTorch's CPU tuning guide recommends jemalloc/tcmalloc for
+    the same reason; this needs no extra library). The cost is that the process keeps its peak
+    host memory. Set ``MEGATRON_TUNE_HOST_MALLOC=0`` to leave the allocator alone.
+
+    Returns:
+        True if the allocator was tuned (glibc on Linux, not disabled), else False.
+    """
+    global _host_allocator_tuned
+    if _host_allocator_tuned:
+        return True
+    if os.environ.get(_HOST_ALLOCATOR_ENV, "1") == "0":
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success; the threshold is an int, so 2 GiB is the most it takes.
+    _host_allocator_tuned = bool(mallopt(_M_MMAP_MAX, 0)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return _host_allocator_tuned
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> None:
     """Initialize torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_*).
 
@@ -93,6 +134,8 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     if accelerator_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    else:
+        tune_host_allocator()  # before the model and its activations are allocated
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -43,7 +43,8 @@ def _use_cpp(use_cpp: bool | None) -> bool:
 # Sample index
 # ---------------------------------------------------------------------------------------------
 
-def _num_samples(total_tokens: int, seq_length: int, drop_last: bool, extra: int) -> int:
+def num_samples_of(total_tokens: int, seq_length: int, drop_last: bool, extra: int) -> int:
+    """Samples the sample index holds for ``total_tokens`` (Megatron-Core's count)."""
     if drop_last:
         return (total_tokens - extra) // seq_length
     # The reference computes this ceil in single precision; keep it bit-identical.
@@ -65,7 +66,7 @@ def build_sample_idx_numpy(sizes: np.ndarray, document_index: np.ndarray, seq_le
         ``[num_samples + 1, 2]`` array of (index into document_index, offset in document).
     """
     extra = int(add_extra_token_to_sequence)
-    num_samples = _num_samples(num_epochs * tokens_per_epoch, seq_length,
+    num_samples = num_samples_of(num_epochs * tokens_per_epoch, seq_length,
                                drop_last_partial_sequence, extra)
     # [n_docs] end position of each document in the flattened stream
     doc_lengths = np.asarray(sizes)[np.asarray(document_index)].astype(np.int64)

@@ -1,10 +1,20 @@
 """BERT WordPiece (``BertWordPieceLowerCase`` / ``BertWordPieceCase``) on top of HF tokenizers.
 
-The ids are those of Google's ``tokenization.py`` ``FullTokenizer`` (which Megatron-LM copies):
-clean control characters, pad CJK characters with spaces, split on whitespace, (lowercase and
-strip accents), split on punctuation, then greedy longest-match WordPiece with ``##``
-continuations; words over 100 characters become ``[UNK]``. HF ``tokenizers`` implements the
-same steps in Rust. We assemble the pipeline by hand rather than with
+The ids are exactly those of Google's ``tokenization.py`` ``FullTokenizer``, which Megatron-LM's
+``bert_tokenization.py`` copies: clean the text (drop NUL, U+FFFD and characters of category Cc
+or Cf except tab/newline/carriage return), put spaces around CJK ideographs, split on
+whitespace, (lowercase and strip accents: NFD, drop category Mn), split off every punctuation
+character, then greedy longest-match WordPiece with ``##`` continuations; words over 200
+characters become ``[UNK]``.
+
+HF ``tokenizers``' own ``BertNormalizer``/``BertPreTokenizer`` differ from Google's in corners:
+their ``clean_text`` also drops private-use and unassigned characters, their WordPiece default is
+100 characters, their CJK table misses U+2B820..U+2B91F and their Unicode tables (punctuation,
+lowercase) are another Unicode version than Python's. So every character class here comes from
+Python's ``unicodedata`` (Megatron-LM's tables): the cleaning, lowercasing and NFD run in
+Python (C-speed ``re``/``str`` calls), and HF runs, in Rust, only the deletion of Mn characters,
+the whitespace split, the isolation of punctuation and CJK characters (as explicit code-point
+classes) and WordPiece. We assemble the pipeline by hand rather than with
 ``BertWordPieceTokenizer`` because that class registers ``[CLS]``/``[SEP]``... as added tokens,
 so a literal "[SEP]" in the text would become one id, where Google's tokenizer splits it into
 ``[``, ``sep``, ``]``.
@@ -15,14 +25,24 @@ Like Megatron-LM, ``[BOS]`` and ``[EOS]`` are appended to the vocabulary (bert-b
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import re
 import unicodedata
 
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from megatron.tokenizer.base import AbstractTokenizer
 
-_MAX_INPUT_CHARS_PER_WORD = 100  # Google's WordpieceTokenizer default
+_MAX_INPUT_CHARS_PER_WORD = 200  # Megatron-LM's bert_tokenization.py (Google's default is 100)
+# Google's CJK ideograph blocks (not Hangul, Hiragana or Katakana).
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+# Stands in for a lone surrogate (which Rust strings cannot hold): like the surrogate, it is
+# neither whitespace, punctuation, control nor a mark, so its word becomes [UNK].
+_SURROGATE_STAND_IN = "\U0010FFFF"
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def load_vocab(vocab_file: str | os.PathLike) -> dict[str, int]:
@@ -89,23 +109,39 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer.encode(self._prepare(text), add_special_tokens=False).ids
+        text = self._prepare(text)
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # a lone surrogate: Rust strings cannot hold one
+            text = _SURROGATES.sub(_SURROGATE_STAND_IN, text)
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         texts = [self._prepare(t) for t in texts]
-        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        try:
+            encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        except TypeError:
+            texts = [_SURROGATES.sub(_SURROGATE_STAND_IN, t) for t in texts]
+            encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings]
 
     def _prepare(self, text: str) -> str:
-        """Lowercase in Python where HF's per-character lowercase would differ from Google's.
+        """The Python half of Google's basic tokenizer: clean, then lowercase and decompose.
 
-        Google lowercases each whitespace-separated word with ``str.lower``, which writes a
-        word-final capital sigma as "ς"; HF maps every "Σ" to "σ". Only then do we pay for the
-        Python pass (the rest of the pipeline is idempotent on its output).
+        Lowercasing the whole text equals Google's per-word ``str.lower`` (the only
+        context-sensitive rule, final sigma, looks no further than the neighbouring whitespace
+        or CJK character), and NFD of the whole text equals NFD per word.
         """
-        if not self.lower_case or "Σ" not in text:
-            return text
-        return " ".join(word.lower() for word in _clean_text(text).split())
+        classes = _char_classes()
+        if not text.isascii():
+            text = classes.control.sub("", text)
+        elif classes.ascii_control.search(text):
+            text = classes.ascii_control.sub("", text)
+        if self.lower_case:
+            text = text.lower()
+            if not text.isascii():
+                text = unicodedata.normalize("NFD", text)
+        return text
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Google's ``convert_tokens_to_string``: join with spaces, glue ``##`` pieces."""
@@ -147,24 +183,63 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         return [self._vocab[t] for t in self.additional_special_tokens]
 
 
+@dataclasses.dataclass(frozen=True)
+class _CharClasses:
+    """Google's character classes, from Python's ``unicodedata``."""
+
+    control: re.Pattern  # Python regex: NUL, U+FFFD, Cc/Cf except \t \n \r (dropped)
+    ascii_control: re.Pattern  # the same restricted to ASCII (fast path)
+    nonspacing_marks: str  # Oniguruma class: category Mn (dropped after NFD when lowercasing)
+    split_alone: str  # Oniguruma class: punctuation and CJK ideographs (each its own word)
+
+
+def _ranges(code_points: list[int]) -> list[tuple[int, int]]:
+    """Sorted code points -> inclusive (first, last) runs."""
+    runs: list[tuple[int, int]] = []
+    for cp in code_points:
+        if runs and runs[-1][1] == cp - 1:
+            runs[-1] = (runs[-1][0], cp)
+        else:
+            runs.append((cp, cp))
+    return runs
+
+
+def _python_class(code_points: list[int]) -> str:
+    return "[" + "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
+                         for a, b in _ranges(code_points)) + "]"
+
+
+def _oniguruma_class(code_points: list[int]) -> str:
+    return "[" + "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}"
+                         for a, b in _ranges(code_points)) + "]"
+
+
+@functools.cache
+def _char_classes() -> _CharClasses:
+    # One pass over every code point (~0.3 s, once per process).
+    categories = list(map(unicodedata.category, map(chr, range(0x110000))))
+    control = [cp for cp, cat in enumerate(categories)
+               if (cat in ("Cc", "Cf") and cp not in (0x09, 0x0A, 0x0D)) or cp == 0xFFFD]
+    marks = [cp for cp, cat in enumerate(categories) if cat == "Mn"]
+    alone = {cp for cp, cat in enumerate(categories) if cat[0] == "P"}
+    # Every printable non-alphanumeric ASCII character counts as punctuation ("$", "^", "`").
+    alone.update(cp for lo, hi in ((33, 47), (58, 64), (91, 96), (123, 126))
+                 for cp in range(lo, hi + 1))
+    alone.update(cp for lo, hi in _CJK_RANGES for cp in range(lo, hi + 1))
+    return _CharClasses(control=re.compile(_python_class(control)),
+                        ascii_control=re.compile(_python_class([cp for cp in control if cp < 128])),
+                        nonspacing_marks=_oniguruma_class(marks),
+                        split_alone=_oniguruma_class(sorted(alone)))
+
+
 def _wordpiece_pipeline(vocab: dict[str, int], lower_case: bool) -> Tokenizer:
+    """HF's half: (drop Mn), whitespace split, isolate punctuation/CJK, WordPiece."""
+    classes = _char_classes()
     tokenizer = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]",
                                            max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD))
-    tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    if lower_case:
+        tokenizer.normalizer = normalizers.Replace(Regex(classes.nonspacing_marks), "")
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(classes.split_alone), behavior="isolated")])
     return tokenizer
-
-
-def _clean_text(text: str) -> str:
-    """Google's ``_clean_text``: drop NUL, U+FFFD and control characters; whitespace -> space."""
-    out = []
-    for ch in text:
-        if ch in "\t\n\r":
-            out.append(" ")
-            continue
-        category = unicodedata.category(ch)
-        if ch in "\x00\ufffd" or category.startswith("C"):
-            continue
-        out.append(" " if ch == " " or category == "Zs" else ch)
-    return "".join(out)

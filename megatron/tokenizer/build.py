@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from megatron.config.data import TokenizerConfig
 from megatron.core.log import log_rank_0
 from megatron.tokenizer.base import AbstractTokenizer
@@ -15,6 +17,7 @@ _NEEDS = {
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
+_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
@@ -37,7 +40,8 @@ def create_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
     """The tokenizer of ``cfg``, without logging or padding (for worker processes).
 
     Raises:
-        ValueError: unknown type, or a file/size flag the type needs is missing.
+        ValueError: unknown type, a file/size flag the type needs is missing, or a tokenizer
+            file does not exist or cannot be read (naming the flag and the path).
     """
     kind = cfg.tokenizer_type
     if kind not in _NEEDS:
@@ -45,6 +49,21 @@ def create_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
     for field in _NEEDS[kind]:
         if getattr(cfg, field) is None:
             raise ValueError(f"--tokenizer-type {kind} needs --{field.replace('_', '-')}")
+    for field in _NEEDS[kind]:
+        flag, value = f"--{field.replace('_', '-')}", getattr(cfg, field)
+        # HuggingFaceTokenizer checks its own path (a file or a directory).
+        if field in _FILE_FLAGS and kind != "HuggingFaceTokenizer" and not os.path.isfile(value):
+            what = "is a directory, not a file" if os.path.isdir(value) else "does not exist"
+            raise ValueError(f"{flag} {value} {what} (--tokenizer-type {kind})")
+    try:
+        return _create(kind, cfg)
+    except OSError as err:  # unreadable file: name it instead of a traceback
+        path = err.filename or "a tokenizer file"
+        raise ValueError(f"--tokenizer-type {kind}: cannot read {path} ({err.strerror or err})"
+                         ) from err
+
+
+def _create(kind: str, cfg: TokenizerConfig) -> AbstractTokenizer:
     # Imported lazily: each backend library costs start-up time only when used.
     if kind == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2 import GPT2BPETokenizer

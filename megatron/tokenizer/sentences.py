@@ -8,7 +8,8 @@ Megatron-LM splits with NLTK's trained English Punkt model, which it downloads a
 2. otherwise NLTK's Punkt algorithm with no training, given a fixed list of common English
    abbreviations (below) so that "Mr. Darcy" or "e.g. this" do not end a sentence. The
    result differs from trained Punkt on rare abbreviations and initials; it is deterministic
-   and needs no data files.
+   and needs no data files. A warning (once per language and process) says so whenever this
+   fallback is used.
 
 ``keep_newlines`` is Megatron-LM's variant that keeps the newline whitespace after a
 sentence end inside the sentence (its ``CustomLanguageVars``).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from nltk.tokenize import punkt
 
-from megatron.core.log import get_logger
+from megatron.core.log import warn_rank_0
 
 # Lowercase, without the final period (Punkt's abbreviation types).
 ENGLISH_ABBREVIATIONS = frozenset("""
@@ -47,6 +48,9 @@ class _KeepNewlinesLanguageVars(punkt.PunktLanguageVars):
     _period_context_fmt = _KEEP_NEWLINES_PERIOD_CONTEXT
 
 
+_FALLBACK_WARNED: set[str] = set()  # languages already warned about (once per process)
+
+
 def _trained_params(lang: str) -> punkt.PunktParameters | None:
     """The trained Punkt parameters if NLTK has them locally; never downloads."""
     try:
@@ -65,9 +69,13 @@ def build_sentence_splitter(lang: str = "english", keep_newlines: bool = False
     """
     params = _trained_params(lang)
     if params is None:
-        if lang != "english":
-            get_logger().warning(f"no local Punkt model for --lang {lang}; splitting with "
-                                 "untrained Punkt and English abbreviations")
+        if lang not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(lang)
+            warn_rank_0(f"NLTK's trained Punkt model for --lang {lang} (punkt_tab) is not "
+                        "installed; splitting sentences with untrained Punkt and a list of "
+                        "English abbreviations, so the sentences, and the output files, may "
+                        "differ from Megatron-LM's. Install it for identical output: "
+                        "python -m nltk.downloader punkt_tab (or point NLTK_DATA at it)")
         params = punkt.PunktParameters()
         params.abbrev_types = set(ENGLISH_ABBREVIATIONS)
     lang_vars = _KeepNewlinesLanguageVars() if keep_newlines else punkt.PunktLanguageVars()

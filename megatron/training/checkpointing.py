@@ -7,18 +7,23 @@ Layout (``--ckpt-format torch``)::
     <save>/iter_0000100/mp_rank_01_002/model_optim_rng.pt     PP > 1: mp_rank_{tp:02d}_{pp:03d}
     <save>/iter_0000100/mp_rank_00/distrib_optim.pt           --use-distributed-optimizer
 
-Every file is written under a temporary name, synced, then renamed; the tracker file is rewritten
-the same way by global rank 0 after every rank has finished, so a crash at any moment leaves the
+Every file is written under a temporary name, synced, then renamed, and the directories holding
+the renamed files are synced; the tracker file is rewritten the same way by global rank 0 after
+every rank has finished (then the save root is synced), so a crash at any moment leaves the
 previous checkpoint loadable and the tracker never points at a partial one.
 
 Loading uses ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM
-checkpoint holds (``argparse.Namespace`` for ``args``, numpy's RNG state arrays), so a checkpoint
-that would run code is refused with a clear error.
+checkpoint holds (``argparse.Namespace`` for ``args``, numpy's RNG state arrays, and Megatron's
+enums such as ``args.model_type``, read as inert stand-ins), so a checkpoint that would run code
+is refused with a clear error. Checkpoints older than version 2.0 have another QKV row order and
+are converted on load (Megatron-LM's ``fix_query_key_value_ordering``).
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import errno
 import os
 import random
 import re
@@ -74,12 +79,59 @@ def get_checkpoint_tracker_filename(root: str | os.PathLike) -> Path:
 
 
 # Safe loading ---------------------------------------------------------------------------------
+class MegatronEnum(enum.Enum):
+    """Inert stand-in for an enum Megatron-LM pickles into ``args`` (``args.model_type =
+    ModelType.encoder_or_decoder``, ``args.attention_backend = AttnBackend.auto``...).
+
+    Unpickling calls ``EnumClass(value)``; these classes only hold the value (unknown values of
+    newer Megatron versions become pseudo-members), so nothing from Megatron-LM is imported or
+    run, and the checks on load never read them.
+    """
+
+    @classmethod
+    def _missing_(cls, value):
+        member = object.__new__(cls)
+        member._name_, member._value_ = f"unknown_{value}", value
+        return member
+
+
+def _stub_enum(name: str, members: str) -> type[MegatronEnum]:
+    return MegatronEnum(name, [(m, i) for i, m in enumerate(members.split(), start=1)],
+                        module=__name__)
+
+
+# Megatron-LM's enums (23.06 and core_v0.13 values) under every module path they have lived at.
+_MODEL_TYPE = _stub_enum("ModelType", "encoder_or_decoder encoder_and_decoder retro_encoder "
+                                      "retro_decoder")
+_LAYER_TYPE = _stub_enum("LayerType", "encoder decoder retro_encoder retro_decoder "
+                                      "retro_decoder_with_retriever")
+_ATTN_TYPE = _stub_enum("AttnType", "self_attn cross_attn")
+_ATTN_MASK_TYPE = _stub_enum("AttnMaskType", "padding causal no_mask padding_causal arbitrary")
+_ATTN_BACKEND = _stub_enum("AttnBackend", "flash fused unfused local auto")
+_POSITION_EMBEDDING_TYPE = _stub_enum("PositionEmbeddingType", "rotary absolute")
+_FP8_RECIPE = _stub_enum("Fp8Recipe", "delayed tensorwise mxfp8")
+_MEGATRON_ENUMS = {
+    "megatron.core.enums": {"ModelType": _MODEL_TYPE, "Fp8Recipe": _FP8_RECIPE},
+    "megatron.core.transformer.enums": {
+        "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
+        "AttnMaskType": _ATTN_MASK_TYPE, "AttnBackend": _ATTN_BACKEND},
+    "megatron.model.enums": {
+        "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
+        "AttnMaskType": _ATTN_MASK_TYPE, "PositionEmbeddingType": _POSITION_EMBEDDING_TYPE},
+    "megatron.legacy.model.enums": {
+        "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE, "AttnMaskType": _ATTN_MASK_TYPE},
+}
+
+
 def _safe_globals() -> list:
     """Types a Megatron-LM checkpoint legitimately pickles (none of them can run code)."""
     allowed: list = [argparse.Namespace]
     multiarray = getattr(np, "_core", None) or np.core
     allowed += [multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
     allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]
+    # (stand-in, "module.Name"): torch resolves the pickled global by that name.
+    allowed += [(stub, f"{module}.{name}") for module, stubs in _MEGATRON_ENUMS.items()
+                for name, stub in stubs.items()]
     return allowed
 
 
@@ -151,6 +203,25 @@ def _atomic_torch_save(obj, path: Path) -> None:
     _atomic_write(lambda tmp: torch.save(obj, tmp), path)
 
 
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory, so the renames and new entries in it survive a power loss.
+
+    Skipped where directories cannot be opened (no ``os.O_DIRECTORY``, e.g. Windows) or synced
+    (file systems answering EINVAL / ENOTSUP).
+    """
+    flag = getattr(os, "O_DIRECTORY", None)
+    if flag is None:
+        return
+    fd = os.open(path, os.O_RDONLY | flag)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
 # RNG ------------------------------------------------------------------------------------------
 def _rng_state() -> dict:
     return {"random_rng_state": random.getstate(),
@@ -165,8 +236,19 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     device.set_accelerator_rng_state(state.get("cuda_rng_state"))
-    if state.get("rng_tracker_states"):
-        get_rng_tracker().set_states(state["rng_tracker_states"])
+    saved = state.get("rng_tracker_states")
+    if saved:
+        tracker = get_rng_tracker()
+        current = tracker.get_states()
+        if any(name in current and value.numel() != current[name].numel()
+               for name, value in saved.items()):
+            # A CUDA generator state (a Megatron-LM GPU run) cannot seed the CPU generator, or
+            # the reverse: keep the freshly seeded streams rather than fail at the first dropout.
+            warn_rank_0("the checkpoint's model-parallel RNG tracker states belong to another "
+                        "device type; keeping the seeded ones (dropout will not replay the "
+                        "saved run; --no-load-rng silences this)")
+            return
+        tracker.set_states(saved)
 
 
 def _as_python_random_state(state):
@@ -236,10 +318,15 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
         if rng_states is not None:
             sd["rng_state"] = rng_states
         _atomic_torch_save(sd, name)
+        # The renames (and the new mp_rank / iter directories) must be durable before the
+        # tracker can point at them.
+        for directory in (name.parent, name.parent.parent, root):
+            _fsync_dir(directory)
     comm.barrier()
     if dist.get_rank() == 0 if dist.is_initialized() else True:
         _atomic_write(lambda tmp: tmp.write_text(str(iteration)),
                       get_checkpoint_tracker_filename(root))
+        _fsync_dir(root)
     comm.barrier()
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return checkpoint_dir(root, iteration)
@@ -253,6 +340,9 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
     diffs = []
     for name in _PARALLEL_ARGS + _ARCHITECTURE_ARGS:
         theirs = getattr(ckpt_args, name, None)
+        if theirs is None and name == "tensor_model_parallel_size":
+            # checkpoint_version < 3.0 named the TP size model_parallel_size.
+            theirs = getattr(ckpt_args, "model_parallel_size", None)
         mine = getattr(ours, name, None)
         if theirs is None or mine is None or theirs == mine:
             continue
@@ -313,6 +403,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         raise CheckpointError(f"checkpoint file {name} is missing")
     sd = load_checkpoint_file(name)
     _check_compatible(sd.get("args"), cfg, name)
+    fix_query_key_value_ordering(sd, _checkpoint_version(sd, name), cfg, name)
     _load_model_chunks(model, sd, strict, name)
 
     if release or ck.finetune:
@@ -321,19 +412,11 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
     load_optim = not (release or ck.finetune or ck.no_load_optim)
     if load_optim and optimizer is not None:
-        if "optimizer" not in sd:
-            raise CheckpointError(f"{name} holds no optimizer state (saved with "
-                                  "--no-save-optim?): pass --no-load-optim or --finetune")
-        optimizer.load_state_dict(sd["optimizer"])
-        if cfg.parallel.use_distributed_optimizer:
-            # Every rank reads the gathered state and keeps its own shard (re-sharding when the
-            # data-parallel size differs from the one that saved it).
-            optimizer.load_parameter_state(
-                load_checkpoint_file(name.with_name(DISTRIB_OPTIM_FILENAME)))
-        if scheduler is not None:
-            key = "opt_param_scheduler" if "opt_param_scheduler" in sd else "lr_scheduler"
-            if key in sd:
-                scheduler.load_state_dict(sd[key])
+        _load_optimizer(optimizer, scheduler, sd, cfg, name)
+    elif optimizer is not None:
+        # The optimizer was built before the load: its fp32 main params still hold the initial
+        # weights, and the first step would copy them back over the loaded ones.
+        optimizer.reload_model_params()
     if not (release or ck.finetune or ck.no_load_rng) and sd.get("rng_state"):
         states = sd["rng_state"]
         index = parallel_state.get_data_parallel_rank() \
@@ -347,6 +430,108 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     comm.barrier()
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
+
+
+def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path) -> None:
+    """Optimizer (+ ``distrib_optim.pt``) and scheduler state of a checkpoint.
+
+    Raises:
+        CheckpointError: no optimizer state, state of the other optimizer kind (distributed or
+            not), or state that does not fit this model.
+    """
+    if "optimizer" not in sd:
+        raise CheckpointError(f"{name} holds no optimizer state (saved with "
+                              "--no-save-optim?): pass --no-load-optim or --finetune")
+    distrib_file = name.with_name(DISTRIB_OPTIM_FILENAME)
+    saved_distributed = getattr(sd.get("args"), "use_distributed_optimizer", None)
+    if saved_distributed is None:
+        saved_distributed = distrib_file.is_file()
+    ours = cfg.parallel.use_distributed_optimizer
+    if bool(saved_distributed) != ours:
+        how = ("with --use-distributed-optimizer (its per-parameter state is in "
+               f"{DISTRIB_OPTIM_FILENAME})") if saved_distributed else \
+            "without --use-distributed-optimizer"
+        raise CheckpointError(
+            f"{name} was saved {how}, and this run "
+            f"{'uses' if ours else 'does not use'} it: the optimizer states do not convert; "
+            f"{'drop' if ours else 'add'} --use-distributed-optimizer, or pass --no-load-optim "
+            "to load the weights only")
+    try:
+        optimizer.load_state_dict(sd["optimizer"])
+        if ours:
+            # Every rank reads the gathered state and keeps its own shard (re-sharding when the
+            # data-parallel size differs from the one that saved it).
+            optimizer.load_parameter_state(load_checkpoint_file(distrib_file))
+    except (KeyError, ValueError, RuntimeError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"the optimizer state in {name} does not fit this run's "
+                              f"optimizer ({type(err).__name__}: {err}); pass --no-load-optim "
+                              "to load the weights only") from None
+    if scheduler is not None:
+        key = "opt_param_scheduler" if "opt_param_scheduler" in sd else "lr_scheduler"
+        if key in sd:
+            scheduler.load_state_dict(sd[key])
+
+
+# QKV row order by checkpoint_version (FORMATS.md 2d): 0 -> [3, np, hn], 1.0 -> [np, hn, 3],
+# >= 2.0 -> [np, 3, hn] (what the attention reads); np, hn are this TP rank's heads / head size.
+def _checkpoint_version(sd: dict, name: Path) -> float:
+    if "checkpoint_version" not in sd:
+        # Megatron-LM reads a missing version as 0 (its oldest QKV order) as well.
+        warn_rank_0(f"{name} has no checkpoint_version: reading it as version 0 (QKV rows "
+                    "[3, np, hn]), as Megatron-LM does")
+        return 0.0
+    return float(sd["checkpoint_version"])
+
+
+def fix_query_key_value_ordering(sd: dict, version: float, cfg, name: Path) -> None:
+    """Reorder the fused QKV rows of a checkpoint older than version 2.0, in place.
+
+    Raises:
+        CheckpointError: a version other than 0, 1.0 or >= 2.0.
+    """
+    if version >= 2.0:
+        return
+    if version not in (0.0, 1.0):
+        raise CheckpointError(f"{name} has checkpoint_version {version}: only 0, 1.0 and "
+                              ">= 2.0 exist (this run writes 3.0); the QKV row order is unknown")
+    heads = cfg.model.num_attention_heads // cfg.parallel.tensor_model_parallel_size
+    splits_first = version == 0.0
+    converted = 0
+
+    def walk(node: dict, prefix: str) -> None:
+        nonlocal converted
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, path + ".")
+            elif path.endswith((".query_key_value.weight", ".query_key_value.bias",
+                                ".key_value.weight", ".key_value.bias")):
+                splits = 3 if ".query_key_value." in path else 2
+                if value.shape[0] % (splits * heads):
+                    raise CheckpointError(
+                        f"{path} in {name} has {value.shape[0]} rows, not a multiple of "
+                        f"{splits} x {heads} heads per TP rank: check --num-attention-heads "
+                        "and --tensor-model-parallel-size")
+                node[key] = _reorder_rows(value, splits, heads, splits_first)
+                converted += 1
+
+    for key in [k for k in sd if k == "model" or re.fullmatch(r"model\d+", k)]:
+        walk(sd[key], "")
+    log_rank_0(f"  converted {converted} QKV tensors of {name} from checkpoint version "
+               f"{version} to the [np, 3, hn] row order")
+
+
+def _reorder_rows(t: torch.Tensor, splits: int, heads: int, splits_first: bool) -> torch.Tensor:
+    """[splits*np*hn, ...] in order [splits, np, hn] (or [np, hn, splits]) -> [np, splits, hn]."""
+    head_dim = t.shape[0] // (splits * heads)
+    rest = tuple(t.shape[1:])
+    if splits_first:
+        out = t.view(splits, heads, head_dim, *rest).transpose(0, 1)  # [np, splits, hn, ...]
+    else:
+        out = t.view(heads, head_dim, splits, *rest).transpose(1, 2)  # [np, splits, hn, ...]
+    return out.contiguous().view(t.shape)
 
 
 def _load_model_chunks(model: Sequence[torch.nn.Module], sd: dict, strict: bool,

@@ -243,3 +243,121 @@ def test_missing_prefix_errors(tmp_path):
         build_train_valid_test_datasets(cfg, TOKENIZER, [10, 1, 1], 1)
     with pytest.raises(ValueError, match="--split"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="1,2,3,4")
+
+
+# --------------------------------------------------------------------------------------------
+# Mock data and token ids against the vocabulary
+# --------------------------------------------------------------------------------------------
+
+def test_mock_ids_stay_below_a_small_vocab():
+    from megatron.data.gpt_dataset import MockGPTLowLevelDataset
+
+    tok = types.SimpleNamespace(eod=99, vocab_size=100)  # NullTokenizer --vocab-size 99
+    low = MockGPTLowLevelDataset(tok)
+    for i in range(0, 2000, 37):
+        doc = low[i]
+        assert doc.max() < 100 and doc.min() >= 1 and doc[-1] == 99
+        assert (doc[:-1] != 99).all()
+        np.testing.assert_array_equal(low.get(i, 3, 5), doc[3:8])
+    mock = DataConfig(mock_data=True, seq_length=512)
+    train = build_train_valid_test_datasets(mock, tok, [10, 5, 5], 1)[0]
+    assert max(int(train[i]["tokens"].max()) for i in range(10)) < 100
+    with pytest.raises(ValueError, match="--vocab-size"):
+        MockGPTLowLevelDataset(types.SimpleNamespace(eod=1, vocab_size=2))
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 50257])
+def test_mock_ids_are_megatron_cores_for_vocab_4096_and_up(vocab_size):
+    from megatron.data.gpt_dataset import MockGPTLowLevelDataset
+
+    tok = types.SimpleNamespace(eod=vocab_size - 1, vocab_size=vocab_size)
+    low = MockGPTLowLevelDataset(tok)
+    lengths = np.random.default_rng(0).integers(1, 4096, size=100000, dtype=np.int32)
+    np.testing.assert_array_equal(low.sequence_lengths, lengths)
+    longest = int(np.argmax(lengths))
+    for i in (0, 1, 17, longest):
+        expected = np.concatenate([np.arange(lengths[i] - 1) + 1, [vocab_size - 1]])
+        np.testing.assert_array_equal(low[i], expected)
+
+
+def test_ids_beyond_padded_vocab_are_an_error(corpus, tmp_path):
+    cfg = DataConfig(data_path=[str(corpus / "shakes")], seq_length=32, split="90,8,2",
+                     data_cache_path=str(tmp_path / "c"))
+    small = types.SimpleNamespace(eod=100, vocab_size=101, padded_vocab_size=128, name="GPT2 BPE")
+    with pytest.raises(ValueError, match=r"shakes holds token id 256.*GPT2 BPE tokenizer"):
+        build_train_valid_test_datasets(cfg, small, [100, 20, 5], 1)
+    # ids up to 256 fit a padded vocabulary of 384 (dummy ids are valid embedding rows)
+    padded = types.SimpleNamespace(eod=100, vocab_size=300, padded_vocab_size=384, name="x")
+    assert len(build_train_valid_test_datasets(cfg, padded, [100, 20, 5], 1)[0]) >= 100
+
+
+# --------------------------------------------------------------------------------------------
+# Stale index caches
+# --------------------------------------------------------------------------------------------
+
+def _remade(corpus, root, docs_slice):
+    text = (corpus / "shakes.bin").read_bytes()  # any bytes: re-made with other documents
+    docs = [bytes(np.frombuffer(text, np.uint16)[i:i + 50].astype(np.uint8))
+            for i in range(0, 40_000, 50)][docs_slice]
+    _make_dataset(root / "data", docs)
+
+
+def _train(root, cache, num_samples=400):
+    cfg = DataConfig(data_path=[str(root / "data")], seq_length=64, split="90,8,2",
+                     data_cache_path=str(cache))
+    return build_train_valid_test_datasets(cfg, TOKENIZER, [num_samples, 0, 0], 5)[0]
+
+
+def test_stale_cache_is_rebuilt(corpus, tmp_path, monkeypatch):
+    from megatron.data import index_cache
+
+    warnings = []
+    monkeypatch.setattr(index_cache, "warn_rank_0", warnings.append)
+    _remade(corpus, tmp_path, slice(0, 800))
+    first = _train(tmp_path, tmp_path / "cache")
+    assert first[0]["tokens"].shape == (64,) and not warnings
+    _remade(corpus, tmp_path, slice(0, 300))  # same prefix, fewer (and other) documents
+    again = _train(tmp_path, tmp_path / "cache")
+    fresh = _train(tmp_path, tmp_path / "fresh-cache")
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(fresh, name))
+    assert any("GPTDataset-train" in w for w in warnings)  # (and valid/test: one per split)
+    assert all("does not match the dataset" in w and str(tmp_path / "cache") in w for w in warnings)
+    for i in range(len(again)):
+        assert again[i]["tokens"].shape == (64,)
+    seen = len(warnings)
+    assert _train(tmp_path, tmp_path / "cache").document_index.tolist() == \
+        fresh.document_index.tolist() and len(warnings) == seen  # now valid: loaded, no warning
+
+
+@pytest.mark.parametrize("change", ["fewer", "same-count-other-lengths"])
+def test_stale_cache_on_other_rank_is_a_clear_error(corpus, tmp_path, monkeypatch, change):
+    from megatron.data import index_cache
+
+    _remade(corpus, tmp_path, slice(0, 800))
+    _train(tmp_path, tmp_path / "cache")
+    if change == "fewer":
+        _remade(corpus, tmp_path, slice(0, 500))
+    else:  # as many documents, each one token shorter: only the token counts change
+        text = [bytes(IndexedDataset(tmp_path / "data")[i][:-2].astype(np.uint8))
+                for i in range(800)]
+        _make_dataset(tmp_path / "data", text)
+    monkeypatch.setattr(index_cache, "_rank", lambda: 1)  # rank 0 did not rebuild (own disk)
+    with pytest.raises(ValueError, match=r"cache.*GPTDataset-train-\*\.npy does not match.*delete"):
+        _train(tmp_path, tmp_path / "cache")
+
+
+def test_validate_gpt_indices_accepts_fresh_indices(corpus):
+    from megatron.data.gpt_dataset import validate_gpt_indices
+
+    ds = IndexedDataset(corpus / "small")
+    docs = np.arange(len(ds), dtype=np.int32)
+    for num_samples, drop_last in ((300, True), (1, True), (50, False), (None, True)):
+        arrays = build_gpt_indices(ds.sizes, docs, num_samples, 32, 7, drop_last)
+        assert validate_gpt_indices(arrays, ds.sizes, docs, num_samples, 32, drop_last) is None
+    arrays = build_gpt_indices(ds.sizes, docs, None, 32, 7)
+    assert "samples" in validate_gpt_indices(arrays, ds.sizes, docs, None, 20)
+    assert "documents" in validate_gpt_indices(arrays, ds.sizes, docs[:-1], None, 32)
+    shorter = np.array(ds.sizes)
+    shorter[np.argmax(shorter)] = 1  # same documents, fewer tokens
+    assert validate_gpt_indices(arrays, shorter, docs, None, 32) is not None

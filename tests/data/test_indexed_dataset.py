@@ -163,3 +163,20 @@ def test_truncated_files(tmp_path):
         IndexedDataset(tmp_path / "t")
     with pytest.raises(ValueError, match="missing.idx"):
         IndexedDataset(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_token_id_range_full_and_sampled(tmp_path, mmap):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 1000, size=3_000_000).astype(np.uint16)
+    tokens[1_234_567] = 60_000
+    b = IndexedDatasetBuilder(tmp_path / "d.bin", dtype=np.uint16)
+    b.add_document(tokens, [1_000_000, 2_000_000])
+    b.finalize(tmp_path / "d.idx")
+    ds = IndexedDataset(tmp_path / "d", mmap=mmap)
+    assert ds.token_id_range() == (0, 60_000, True)
+    lo, hi, exhaustive = ds.token_id_range(max_bytes=1 << 20)  # one 4 MiB chunk at most
+    assert not exhaustive and lo == 0 and 990 <= hi <= 60_000
+    b = IndexedDatasetBuilder(tmp_path / "e.bin", dtype=np.int32)
+    b.finalize(tmp_path / "e.idx")
+    assert IndexedDataset(tmp_path / "e").token_id_range() == (0, -1, True)

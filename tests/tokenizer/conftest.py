@@ -24,6 +24,13 @@ HARD_CASES = [
     "Punct!!! ... ??? --- ((( ))) \"quoted\" 'single' `back` ~tilde^caret$dollar",
     "a" * 150 + " " + "supercalifragilisticexpialidocious" * 4,
     "\u3000ideographic\u3000space and\u00a0nbsp and\u2009thin",
+    # BERT corners where HF's BertNormalizer differs from Google's tokenization.py: words of
+    # 101..200 characters, private-use / unassigned characters (kept by Google), CJK Extension
+    # E (U+2B820..), punctuation newer than HF's Unicode tables, line/paragraph separators.
+    "b" * 101 + " " + "c" * 200 + " " + "d" * 201 + " " + "ab" * 99 + "!",
+    "x\ue000y private\U000F0000use \U00100001 unassigned\u0378here\U0003FFFD",
+    "ext-E \U0002B820\U0002B8FFx and new punct a\u2E43b\u2E5Dc\u061Dd\U00011C70e",
+    "line\u2028sep\u2029para \x1c\x1d\x1e\x1f unit\x0bsep\x0cff\x85nel",
 ]
 
 

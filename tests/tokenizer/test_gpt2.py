@@ -75,3 +75,37 @@ def test_missing_eod_is_an_error(tmp_path, gpt2_files):
     path.write_text(json.dumps(vocab), encoding="utf-8")
     with pytest.raises(ValueError, match="endoftext"):
         GPT2BPETokenizer(path, merge_file)
+
+
+def _write_bpe(tmp_path, merges: list[tuple[str, str]]) -> tuple[str, str]:
+    """A byte-level vocab.json + merges.txt: the 256 bytes, one id per new merge result, EOD."""
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tmp_path / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    return str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+
+
+@pytest.mark.parametrize("merges, fast", [
+    ([("a", "b"), ("ab", "c"), ("b", "c")], True),  # consistent: tiktoken kept
+    # "abc": OpenAI merges (b, c) first and stops at [a, bc]; tiktoken merges a+bc -> abc
+    ([("b", "c"), ("a", "b"), ("ab", "c")], False),
+    ([("a", "b"), ("ab", "c"), ("b", "c"), ("a", "bc")], False),  # abc made twice
+    ([("ab", "c"), ("a", "b")], False),  # "ab" used before a merge makes it
+], ids=["consistent", "other-pair", "repeated-result", "order"])
+def test_merges_that_are_not_rank_consistent(tmp_path, merges, fast):
+    vocab_file, merge_file = _write_bpe(tmp_path, merges)
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    reference = ReferenceGPT2(vocab_file, merge_file)
+    assert tok.uses_tiktoken is fast
+    for text in ("abc", "xabcab abcbc cab", " abcabc\n\nbca  a b c ab bc"):
+        assert tok.tokenize(text) == reference.encode(text), text
+        assert tok.tokenize_to_array(text).tolist() == reference.encode(text)
+        assert tok.detokenize(tok.tokenize(text)) == text
+
+
+def test_gpt2_files_are_rank_consistent(gpt2):
+    assert gpt2.uses_tiktoken  # the fast path: tiktoken

@@ -185,6 +185,9 @@ def test_large_vocab_uses_int32(tmp_path):
     ('{"title": "no text"}', r"in\.jsonl:3: missing key\(s\) \['text'\]"),
     ('["a list"]', r"in\.jsonl:3: expected a JSON object"),
     ('{"text": 5}', r"in\.jsonl:3: key 'text' is a int"),
+    # JSON escapes of half a surrogate pair: not text (was silently encoded as U+FFFD)
+    ('{"text": "ok \\ud800 bad"}', r"in\.jsonl:3: key 'text' holds a lone surrogate U\+D800 at character 3"),
+    ('{"text": ["fine", "x\\uDC00"]}', r"in\.jsonl:3: key 'text' holds a lone surrogate U\+DC00"),
 ])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_input_names_file_and_line(tmp_path, capsys, gpt2_args, bad_line, message, workers):
@@ -197,6 +200,48 @@ def test_bad_input_names_file_and_line(tmp_path, capsys, gpt2_args, bad_line, me
 
     assert re.search(message, capsys.readouterr().err)
     assert os.listdir(out) == []  # no half-written file under any name
+
+
+def test_surrogates_in_utf8_bytes_and_valid_pairs(tmp_path, capsys, gpt2_args, reference):
+    good = '{"text": "emoji \\ud83d\\ude00 pair"}\n'.encode()  # a valid pair: one character
+    (tmp_path / "in.jsonl").write_bytes(good + b'{"text": "raw \xed\xa0\x80 bytes"}\n')
+    assert run(["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "o", *gpt2_args,
+                "--workers", 1]) == 1
+    assert "in.jsonl:2: key 'text' holds a lone surrogate U+D800" in capsys.readouterr().err
+    (tmp_path / "in.jsonl").write_bytes(good)
+    assert run(["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "o", *gpt2_args,
+                "--workers", 1]) == 0
+    docs = [[reference.encode("emoji \U0001F600 pair")]]
+    assert read(tmp_path / "o_text_document") == megatron_dataset_bytes(docs, 8, "uint16")
+
+
+@pytest.mark.parametrize("flag", ["--vocab-file", "--merge-file"])
+def test_missing_tokenizer_file_is_one_line(tmp_path, capsys, gpt2_args, flag):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}])
+    args = list(gpt2_args)
+    missing = tmp_path / "nowhere" / "file.txt"
+    args[args.index(flag) + 1] = str(missing)
+    assert run(["--input", src, "--output-prefix", tmp_path / "o", *args, "--workers", 1]) == 1
+    err = capsys.readouterr().err
+    assert err == f"preprocess_data.py: error: {flag} {missing} does not exist " \
+                  "(--tokenizer-type GPT2BPETokenizer)\n"
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_missing_tokenizer_file_exit_code(tmp_path, shared_data):
+    """As a user runs it: exit status 1 and one line on stderr, no traceback."""
+    import subprocess
+    import sys
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}])
+    tool = Path(preprocess_data.__file__)
+    proc = subprocess.run([sys.executable, str(tool), "--input", src, "--output-prefix",
+                           str(tmp_path / "o"), "--tokenizer-type", "BertWordPieceLowerCase",
+                           "--vocab-file", str(tmp_path / "vocab.txt"), "--workers", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"preprocess_data.py: error: --vocab-file {tmp_path / 'vocab.txt'} "
+                                   "does not exist (--tokenizer-type BertWordPieceLowerCase)")
 
 
 def test_untokenizable_text_names_line(tmp_path, capsys):

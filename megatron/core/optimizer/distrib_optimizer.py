@@ -133,6 +133,15 @@ class DistributedOptimizer(MegatronOptimizer):
             grad = piece.buffer.data[piece.world_start:piece.world_end]
             piece.main.grad = grad if grad.dtype == torch.float32 else grad.float()
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy this rank's slice of every model param into its main param (fp32 model params
+        are their own main params: their views need no copy)."""
+        for piece in self.pieces:
+            flat = piece.model_param.detach().view(-1)[piece.param_start:piece.param_end]
+            if flat.data_ptr() != piece.main.data_ptr():
+                piece.main.copy_(flat)
+
     def step(self):  # noqa: D102 - documented on the base class
         result = super().step()
         if result[0]:
@@ -195,7 +204,9 @@ class DistributedOptimizer(MegatronOptimizer):
         if len(saved) != len(inner["param_groups"]):
             raise ValueError(f"the checkpoint has {len(saved)} optimizer param groups, this model "
                              f"{len(inner['param_groups'])}")
-        groups = [{**{k: v for k, v in s.items() if k != "step"}, "params": g["params"]}
+        # Options missing from the saved groups (apex FusedAdam has no decoupled_weight_decay,
+        # foreach...) keep this optimizer's values, as in adapt_torch_state_dict.
+        groups = [{**g, **{k: v for k, v in s.items() if k not in ("step", "params")}}
                   for s, g in zip(saved, inner["param_groups"])]
         self._num_steps = int(saved[0].get("step", 0)) if saved else 0
         state = {}

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from megatron.core.log import warn_rank_0
-from megatron.core.optimizer.optimizer import (MegatronOptimizer, copy_param_attributes,
-                                               model_grad)
+from megatron.core.optimizer.optimizer import (MegatronOptimizer, adapt_torch_state_dict,
+                                               copy_param_attributes, model_grad)
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -103,7 +103,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         Raises:
             ValueError: the saved main params do not match this model's.
         """
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(adapt_torch_state_dict(self.optimizer,
+                                                              state_dict["optimizer"]))
         if self.grad_scaler is not None:
             if "grad_scaler" in state_dict:
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])

@@ -8,6 +8,7 @@ Every Megatron optimizer wraps a torch optimizer (AdamW or SGD) and offers::
     optimizer.param_groups          # 'lr', 'weight_decay', 'lr_mult', 'wd_mult' per group
     optimizer.get_loss_scale()      # a 1-element fp32 tensor
     optimizer.state_dict() / optimizer.load_state_dict(sd)
+    optimizer.reload_model_params() # after loading weights without the optimizer state
 
 ``step()`` = copy the model gradients (``param.main_grad`` from the DDP buffers, else
 ``param.grad``) to the main gradients; with a loss scaler, unscale them, find inf/nan (MAX over the
@@ -47,6 +48,33 @@ def model_grad(param: torch.Tensor) -> torch.Tensor | None:
     return grad if grad is not None else param.grad
 
 
+def adapt_torch_state_dict(optimizer: torch.optim.Optimizer,
+                           state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A saved torch optimizer state dict, made loadable into ``optimizer`` (a new dict).
+
+    Megatron-LM trains with apex ``FusedAdam``, which keeps ``step`` in each param group instead
+    of each parameter's state: torch's Adam then raises ``KeyError: 'step'``, so the group's step
+    is copied into every parameter state that lacks one. Group options the saved dict lacks
+    (``FusedAdam`` has no ``fused``, ``foreach``, ``decoupled_weight_decay``...) are taken from
+    ``optimizer``'s own groups rather than torch's load-time defaults (which would, e.g., drop
+    the fused CPU kernel chosen at build time).
+    """
+    current = optimizer.param_groups
+    groups = []
+    for index, saved in enumerate(state_dict.get("param_groups", [])):
+        mine = current[index] if index < len(current) else {}
+        groups.append({**{k: v for k, v in mine.items() if k != "params"}, **saved})
+    state = {key: dict(value) for key, value in state_dict.get("state", {}).items()}
+    for group in groups:
+        if "step" not in group:
+            continue
+        for param_id in group["params"]:
+            if param_id in state and state[param_id] and "step" not in state[param_id]:
+                state[param_id]["step"] = torch.tensor(float(group["step"]),
+                                                       dtype=torch.float32)
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
 class MegatronOptimizer:
     """Base of the Megatron optimizers: loss scaling, inf check, clipping, zero counting.
 
@@ -84,6 +112,12 @@ class MegatronOptimizer:
         raise NotImplementedError
 
     def _copy_main_params_to_model_params(self) -> None:
+        raise NotImplementedError
+
+    def reload_model_params(self) -> None:
+        """Copy the model params into the main params (after a load without optimizer state:
+        ``--finetune``, ``--no-load-optim``, release checkpoints), so the first step does not
+        write the initial weights back over the loaded ones."""
         raise NotImplementedError
 
     # The step ------------------------------------------------------------------------------
@@ -168,6 +202,9 @@ class FP32Optimizer(MegatronOptimizer):
         for param in self.main_params():
             param.grad = model_grad(param)  # an alias of the DDP buffer, no copy
 
+    def reload_model_params(self) -> None:
+        """Nothing to do: the model params are the main params."""
+
     def _copy_main_params_to_model_params(self) -> None:
         # The params were stepped in place. Drop the aliases, so the next backward's
         # AccumulateGrad does not add into the DDP buffer behind the hooks' back.
@@ -178,4 +215,5 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Load a torch (or apex FusedAdam, see :func:`adapt_torch_state_dict`) state dict."""
+        self.optimizer.load_state_dict(adapt_torch_state_dict(self.optimizer, state_dict))
