@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_train.py [--quick] [--shapes small|gpt2|all]
         [--precisions fp32,bf16] [--tp 1,2] [--no-hf] [--ours-args "--num-workers 0"]
+        [--tune-baseline-malloc]
 
 For every shape x precision it measures, one after the other in this process's run:
 
@@ -190,7 +191,14 @@ def main() -> None:
     parser.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
     parser.add_argument("--force-bf16", action="store_true",
                         help="run bf16 even where this CPU has no native bf16 GEMMs")
+    parser.add_argument("--tune-baseline-malloc", action="store_true",
+                        help="give the in-process baselines the host-allocator tuning that "
+                             "pretrain_gpt.py applies on CPU (MEGATRON_TUNE_HOST_MALLOC=0 turns "
+                             "ours off), to separate its effect from the rest")
     args = parser.parse_args()
+    if args.tune_baseline_malloc:
+        from megatron.core.device import tune_host_allocator
+        print(f"# baselines' host allocator tuned: {tune_host_allocator()}", flush=True)
     torch.set_num_threads(2)
     shapes = list(SHAPES.values()) if args.shapes == "all" else [SHAPES[args.shapes]]
     precisions = args.precisions.split(",")

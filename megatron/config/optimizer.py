@@ -78,7 +78,9 @@ class MixedPrecisionConfig:
     fp32_residual_connection: bool = False
     """Keep the residual stream in fp32."""
     attention_softmax_in_fp32: bool = False
-    """Compute the attention softmax in fp32 with fp16/bf16 parameters."""
+    """Compute the attention softmax in fp32 with fp16/bf16 parameters. Acts on the unfused
+    attention path (--attention-backend unfused); torch's SDPA already accumulates fp16/bf16
+    scores and softmax in fp32 internally, as Megatron's fused kernels do."""
     accumulate_allreduce_grads_in_fp32: bool = False
     """Accumulate and all-reduce gradients in fp32 (always on with --bf16)."""
     fp16_lm_cross_entropy: bool = False
