@@ -66,3 +66,32 @@ class AbstractTokenizer(abc.ABC):
     @property
     def mask(self) -> int:
         raise self._missing("MASK")
+
+
+class VocabTokenizer(AbstractTokenizer):
+    """A tokenizer whose vocabulary is a token -> id dict held here (all but the Null one)."""
+
+    def _set_vocab(self, vocab: dict[str, int]) -> None:
+        self._vocab = vocab
+        self._inv_vocab = {i: t for t, i in vocab.items()}
+
+    def _add_token(self, token: str) -> int:
+        """The id of ``token``, appended first if new (Megatron-LM's ``add_token``: the next id
+        is the current vocabulary length)."""
+        if token not in self._vocab:
+            new_id = len(self._vocab)
+            self._vocab[token] = new_id
+            self._inv_vocab[new_id] = token
+        return self._vocab[token]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab

@@ -33,7 +33,7 @@ import unicodedata
 
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from megatron.tokenizer.base import AbstractTokenizer
+from megatron.tokenizer.base import VocabTokenizer
 
 _MAX_INPUT_CHARS_PER_WORD = 200  # Megatron-LM's bert_tokenization.py (Google's default is 100)
 # Google's CJK ideograph blocks (not Hangul, Hiragana or Katakana).
@@ -57,7 +57,7 @@ def load_vocab(vocab_file: str | os.PathLike) -> dict[str, int]:
     return vocab
 
 
-class BertWordPieceTokenizer(AbstractTokenizer):
+class BertWordPieceTokenizer(VocabTokenizer):
     """Google BERT tokenization with Megatron-LM's added ``[BOS]``/``[EOS]``/``<extra_id_N>``.
 
     Args:
@@ -72,14 +72,13 @@ class BertWordPieceTokenizer(AbstractTokenizer):
     def __init__(self, vocab_file: str | os.PathLike, lower_case: bool = True,
                  vocab_extra_ids: int = 0) -> None:
         super().__init__("BERT Lower Case" if lower_case else "BERT Upper Case")
-        self._vocab = load_vocab(vocab_file)
+        self._set_vocab(load_vocab(vocab_file))
         missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in self._vocab]
         if missing:
             raise ValueError(f"{vocab_file}: BERT vocabulary lacks {missing}")
         # Built before the additions: the WordPiece model never produces [BOS]/[EOS]/extra ids.
         self.lower_case = lower_case
         self._tokenizer = _wordpiece_pipeline(dict(self._vocab), lower_case)
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self.cls_id, self.sep_id = self._vocab["[CLS]"], self._vocab["[SEP]"]
         self.pad_id, self.mask_id = self._vocab["[PAD]"], self._vocab["[MASK]"]
         self._bos_token_id = self._add_token("[BOS]")
@@ -87,26 +86,6 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         self.additional_special_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
         for token in self.additional_special_tokens:
             self._add_token(token)
-
-    def _add_token(self, token: str) -> int:
-        if token not in self._vocab:
-            # Megatron-LM's add_token: the next id is the current vocabulary length.
-            new_id = len(self._vocab)
-            self._vocab[token] = new_id
-            self._inv_vocab[new_id] = token
-        return self._vocab[token]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
         text = self._prepare(text)

@@ -27,7 +27,7 @@ import numpy as np
 import tiktoken
 
 from megatron.core.log import warn_rank_0
-from megatron.tokenizer.base import AbstractTokenizer
+from megatron.tokenizer.base import VocabTokenizer
 
 # OpenAI's pattern, verbatim from encoder.py.
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -95,7 +95,7 @@ def load_merges(merge_file: str | os.PathLike) -> list[tuple[str, str]]:
     return merges
 
 
-class GPT2BPETokenizer(AbstractTokenizer):
+class GPT2BPETokenizer(VocabTokenizer):
     """OpenAI GPT-2 BPE from ``vocab.json`` + ``merges.txt``; EOD is ``<|endoftext|>``.
 
     Args:
@@ -110,10 +110,9 @@ class GPT2BPETokenizer(AbstractTokenizer):
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
         super().__init__("GPT2 BPE")
         with open(vocab_file, encoding="utf-8") as f:
-            self._vocab: dict[str, int] = json.load(f)
+            self._set_vocab(json.load(f))
         if EOD_TOKEN not in self._vocab:
             raise ValueError(f"{vocab_file}: no {EOD_TOKEN} token (is it a GPT-2 vocab.json?)")
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self.eod_id = self._vocab[EOD_TOKEN]
         merges = load_merges(merge_file)
         ranks, rank_to_id = self._ranks(merges, vocab_file)
@@ -165,18 +164,6 @@ class GPT2BPETokenizer(AbstractTokenizer):
             return token_to_bytes(token)
         except ValueError:  # an added token written in plain text
             return token.encode("utf-8")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
         if self._exact is not None:

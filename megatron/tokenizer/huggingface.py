@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from megatron.tokenizer.base import AbstractTokenizer
+from megatron.tokenizer.base import VocabTokenizer
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
@@ -25,7 +25,7 @@ def _special_token(config: dict, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class HuggingFaceTokenizer(AbstractTokenizer):
+class HuggingFaceTokenizer(VocabTokenizer):
     """A ``tokenizers`` JSON tokenizer; EOD = ``eos_token`` of ``tokenizer_config.json``.
 
     Args:
@@ -46,8 +46,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         self._tokenizer = Tokenizer.from_file(str(file))
         config_file = file.parent / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._set_vocab(self._tokenizer.get_vocab(with_added_tokens=True))
         eos = _special_token(config, "eos_token")
         if eos is None:
             eos = next((t for t in _EOS_CANDIDATES if t in self._vocab), None)
@@ -58,14 +57,6 @@ class HuggingFaceTokenizer(AbstractTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids

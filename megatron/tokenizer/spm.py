@@ -13,10 +13,10 @@ import re
 
 import sentencepiece
 
-from megatron.tokenizer.base import AbstractTokenizer
+from megatron.tokenizer.base import VocabTokenizer
 
 
-class SentencePieceTokenizer(AbstractTokenizer):
+class SentencePieceTokenizer(VocabTokenizer):
     """Megatron-LM's SentencePiece wrapper with its special tokens.
 
     Args:
@@ -36,8 +36,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
             self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=os.fspath(model_file))
         except (OSError, RuntimeError) as err:
             raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({err})") from err
-        self._vocab = {self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))}
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._set_vocab({self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))})
         self._special_tokens: dict[str, int] = {}
         self._t5_tokens: list[str] = []
         self._add_specials(vocab_extra_ids)
@@ -45,12 +44,8 @@ class SentencePieceTokenizer(AbstractTokenizer):
                             if self._special_tokens else None)
 
     def _add_special_token(self, token: str) -> int:
-        if token not in self._vocab:
-            new_id = len(self._vocab)
-            self._vocab[token] = new_id
-            self._inv_vocab[new_id] = token
-        self._special_tokens[token] = self._vocab[token]
-        return self._vocab[token]
+        self._special_tokens[token] = self._add_token(token)
+        return self._special_tokens[token]
 
     def _model_piece(self, piece_id: int, fallback: str) -> str:
         # sentencepiece reports a disabled special piece as id -1 (IndexError in id_to_piece).
@@ -67,18 +62,6 @@ class SentencePieceTokenizer(AbstractTokenizer):
         for i in range(vocab_extra_ids):
             self._t5_tokens.append(f"<extra_id_{i}>")
             self._add_special_token(self._t5_tokens[-1])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
         if self._special_re is None:

@@ -43,7 +43,25 @@ from megatron.core.distributed.grad_buffer import GradBuffer
 DEFAULT_BUCKET_SIZE = 4_000_000
 
 
-class DistributedDataParallel(torch.nn.Module):
+class _ModuleStateDict(torch.nn.Module):
+    """State dict passthrough for a wrapper with a ``module``: checkpoints hold the bare
+    module's keys, whichever wrapper trained it."""
+
+    module: torch.nn.Module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def state_dict_for_save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's ``state_dict_for_save_checkpoint`` (Megatron's nested keys) if any."""
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        return inner(*args, **kwargs) if inner else self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+class DistributedDataParallel(_ModuleStateDict):
     """Megatron's local data-parallel wrapper with contiguous, bucketed gradient buffers.
 
     Args:
@@ -133,20 +151,8 @@ class DistributedDataParallel(torch.nn.Module):
         """True once any bucket's reduction has been launched this iteration."""
         return any(b.started for buf in self.grad_buffers.values() for b in buf.buckets)
 
-    # State dict: a passthrough, so checkpoints hold the bare module's keys.
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
 
-    def state_dict_for_save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The module's ``state_dict_for_save_checkpoint`` (Megatron's nested keys) if any."""
-        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
-        return inner(*args, **kwargs) if inner else self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict)
-
-
-class TorchDistributedDataParallel(torch.nn.Module):
+class TorchDistributedDataParallel(_ModuleStateDict):
     """``--DDP-impl torch``: PyTorch's DDP behind the local wrapper's methods.
 
     PyTorch reduces during backward, so ``finish_grad_sync`` only exposes ``param.grad`` as
@@ -191,13 +197,3 @@ class TorchDistributedDataParallel(torch.nn.Module):
 
     def grad_sync_started(self) -> bool:
         return True
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
-
-    def state_dict_for_save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
-        return inner(*args, **kwargs) if inner else self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict)
