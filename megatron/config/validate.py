@@ -226,12 +226,30 @@ def _check_precision(cfg) -> None:
         raise ValueError("--fp32-residual-connection needs --fp16 or --bf16")
     if p.loss_scale is not None and p.loss_scale <= 0:
         raise ValueError(f"--loss-scale ({p.loss_scale}) must be positive")
+    if p.fp16 and p.loss_scale is None:
+        _check_dynamic_loss_scale(p)
     if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
             and (cfg.parallel.ddp_impl != "local"
                  or not cfg.parallel.use_contiguous_buffers_in_local_ddp):
         raise ValueError("--accumulate-allreduce-grads-in-fp32, --bf16 and "
                          "--use-distributed-optimizer need --DDP-impl local with contiguous "
                          "buffers (drop --no-contiguous-buffers-in-local-ddp)")
+    if cfg.parallel.overlap_grad_reduce and cfg.parallel.ddp_impl == "local" \
+            and not cfg.parallel.use_contiguous_buffers_in_local_ddp:
+        raise ValueError("--overlap-grad-reduce reduces the contiguous gradient buffer bucket by "
+                         "bucket: drop --no-contiguous-buffers-in-local-ddp")
+
+
+def _check_dynamic_loss_scale(p) -> None:
+    # The dynamic scaler's own invariants, checked here so that a bad value fails before any
+    # process group starts instead of on every rank when the optimizer is built.
+    if not 0 < p.min_loss_scale <= p.initial_loss_scale:
+        raise ValueError(f"--min-loss-scale ({p.min_loss_scale}) must be positive and at most "
+                         f"--initial-loss-scale ({p.initial_loss_scale})")
+    if p.loss_scale_window <= 0:
+        raise ValueError(f"--loss-scale-window ({p.loss_scale_window}) must be positive")
+    if p.hysteresis <= 0:
+        raise ValueError(f"--hysteresis ({p.hysteresis}) must be positive")
 
 
 def _check_schedule(cfg) -> None:

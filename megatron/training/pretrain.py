@@ -116,7 +116,8 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
         module, data_parallel_group=group,
         accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)]
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        use_contiguous_buffers=cfg.parallel.use_contiguous_buffers_in_local_ddp)]
 
 
 def compute_train_iters(cfg: MegatronConfig) -> int:

@@ -123,6 +123,12 @@ def test_derived_pipeline_sizes():
     ("--recompute-granularity full", 1, ["--recompute-method"]),
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy"]),
     ("--swiglu", 1, ["--swiglu", "does not implement"]),
+    ("--overlap-grad-reduce --no-contiguous-buffers-in-local-ddp", 1,
+     ["--overlap-grad-reduce", "--no-contiguous-buffers-in-local-ddp"]),
+    ("--fp16 --hysteresis 0", 1, ["--hysteresis (0)"]),
+    ("--fp16 --loss-scale-window 0", 1, ["--loss-scale-window (0.0)"]),
+    ("--fp16 --initial-loss-scale 4 --min-loss-scale 8", 1,
+     ["--min-loss-scale (8.0)", "--initial-loss-scale (4.0)"]),
 ])
 def test_impossible_combinations_name_the_flags(extra, world, flags, capsys):
     with pytest.raises(SystemExit) as exc:

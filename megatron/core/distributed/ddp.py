@@ -22,6 +22,10 @@ data-parallel group: all-reduce, or reduce-scatter with the distributed optimize
 ``overlap_grad_reduce`` a bucket's collective is launched asynchronously as soon as all its
 gradients of the last micro-batch are in, and ``finish_grad_sync`` waits for them.
 
+``--no-contiguous-buffers-in-local-ddp`` keeps the gradients in ``param.grad`` instead and
+all-reduces them per dtype at ``finish_grad_sync`` through a temporary flattened copy (Megatron-LM
+23.06's non-contiguous path); ``main_grad`` is then ``param.grad`` itself.
+
 After a distributed-optimizer step the buffer's memory is reused to all-gather the parameters, so
 ``zero_grad_buffer()`` must run before the next backward (the training loop does it every
 iteration, as Megatron-LM's does).
@@ -73,13 +77,25 @@ class DistributedDataParallel(_ModuleStateDict):
         use_distributed_optimizer: pad buffers to a multiple of the DP size and reduce-scatter.
         bucket_size: elements per bucket when overlapping (None: one bucket per buffer);
             without overlap each buffer is one bucket, as in Megatron-LM.
+        use_contiguous_buffers: False (``--no-contiguous-buffers-in-local-ddp``) keeps the
+            gradients in ``param.grad`` and all-reduces them per dtype through a temporary
+            flattened copy, as Megatron-LM 23.06 does; incompatible with fp32 accumulation,
+            overlap and the distributed optimizer, which need the buffer.
+
+    Raises:
+        ValueError: ``use_contiguous_buffers=False`` with an option that needs the buffer.
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
                  accumulate_allreduce_grads_in_fp32: bool, overlap_grad_reduce: bool,
                  use_distributed_optimizer: bool,
-                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                 use_contiguous_buffers: bool = True) -> None:
         super().__init__()
+        if not use_contiguous_buffers and (accumulate_allreduce_grads_in_fp32
+                                           or overlap_grad_reduce or use_distributed_optimizer):
+            raise ValueError("fp32 grad accumulation, overlapped reduction and the distributed "
+                             "optimizer need the contiguous gradient buffer")
         self.module = module
         self.data_parallel_group = data_parallel_group
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
@@ -87,14 +103,21 @@ class DistributedDataParallel(_ModuleStateDict):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.bucket_size = bucket_size if overlap_grad_reduce else None
         self._is_last_microbatch = True
+        self.use_contiguous_buffers = use_contiguous_buffers
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.grad_buffers: dict[torch.dtype, GradBuffer] = {}
+        self.param_to_grad_buffer: dict[torch.nn.Parameter, GradBuffer] = {}
+        self._hooks = []
+        if use_contiguous_buffers:
+            self._build_grad_buffers()
 
+    def _build_grad_buffers(self) -> None:
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in self.module.parameters():
-            if param.requires_grad:
-                by_dtype.setdefault(self._grad_dtype(param), []).append(param)
-        self.grad_buffers: dict[torch.dtype, GradBuffer] = {
-            dtype: GradBuffer(params, dtype, data_parallel_group, self.bucket_size,
-                              use_distributed_optimizer)
+        for param in self._params:
+            by_dtype.setdefault(self._grad_dtype(param), []).append(param)
+        self.grad_buffers = {
+            dtype: GradBuffer(params, dtype, self.data_parallel_group, self.bucket_size,
+                              self.use_distributed_optimizer)
             for dtype, params in by_dtype.items()}
         self.param_to_grad_buffer = {p: buf for buf in self.grad_buffers.values()
                                      for p in buf.params}
@@ -129,8 +152,10 @@ class DistributedDataParallel(_ModuleStateDict):
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer and reset the buckets (start of an iteration)."""
-        for param in self.param_to_grad_buffer:
+        for param in self._params:
             param.grad = None
+            if not self.use_contiguous_buffers:
+                param.main_grad = None
         for buffer in self.grad_buffers.values():
             buffer.reset()
 
@@ -143,9 +168,28 @@ class DistributedDataParallel(_ModuleStateDict):
 
     def finish_grad_sync(self) -> None:
         """Complete the DP reduction: afterwards ``main_grad`` holds the averaged gradients."""
+        if not self.use_contiguous_buffers:
+            self._allreduce_param_grads()
+            return
         for buffer in self.grad_buffers.values():
             for bucket in buffer.buckets:
                 bucket.finish_grad_sync()
+
+    def _allreduce_param_grads(self) -> None:
+        """Without the buffer: average ``param.grad`` per dtype through one flattened copy."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self._params:
+            if param.grad is not None:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+            param.main_grad = param.grad
+        if comm.world_size(self.data_parallel_group) == 1:
+            return
+        for grads in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(grads)
+            flat.div_(comm.world_size(self.data_parallel_group))  # before the sum: fp16 range
+            comm.all_reduce(flat, self.data_parallel_group, "sum")
+            for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
 
     def grad_sync_started(self) -> bool:
         """True once any bucket's reduction has been launched this iteration."""

@@ -20,16 +20,29 @@ def _check_dp_equals_single(rank, world_size):
     ref, ref_opt = tiny_model.build(single, single)
     ref_losses, _ = tiny_model.train(ref, ref_opt, STEPS, single, micro_batches=2 * world_size)
     variants = {"plain": {}, "overlap": dict(overlap=True, bucket_size=100),
-                "fp32-accumulate-overlap": dict(overlap=True, bucket_size=1, accumulate=True)}
+                "fp32-accumulate-overlap": dict(overlap=True, bucket_size=1, accumulate=True),
+                "no-contiguous-buffers": dict(contiguous=False)}
     for name, kwargs in variants.items():
         ddp, opt = tiny_model.build(dp, single, **kwargs)
-        if name != "plain":
+        check = None
+        if kwargs.get("overlap"):
             assert len(next(iter(ddp.grad_buffers.values())).buckets) > 1
-        losses, _ = tiny_model.train(ddp, opt, STEPS, dp)
+            check = _check_overlap_launches_during_backward
+        losses, _ = tiny_model.train(ddp, opt, STEPS, dp, after_backward=check)
         out[name] = (max(abs(a - b) for a, b in zip(losses, ref_losses)),
                      tiny_model.max_param_diff(ddp.module, ref.module))
     out["ref_losses"] = ref_losses
     return out
+
+
+def _check_overlap_launches_during_backward(last_micro_batch, ddp):
+    # Inside no_sync nothing may be launched; after the last backward every bucket must already
+    # be in flight, before finalize_model_grads (else the "overlap" is a synchronous reduction).
+    buckets = [b for buf in ddp.grad_buffers.values() for b in buf.buckets]
+    if last_micro_batch:
+        assert all(b.started for b in buckets)
+    else:
+        assert not ddp.grad_sync_started()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -45,7 +45,7 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=False,
           bucket_size=None, accumulate=None, precision=None, clip=1.0, optimizer="adam",
-          seed=0, lr=1e-2, ddp_impl="local"):
+          seed=0, lr=1e-2, ddp_impl="local", contiguous=True):
     """A DDP-wrapped TinyLM and its Megatron optimizer."""
     torch.manual_seed(seed)
     model = TinyLM().to(dtype)
@@ -57,7 +57,8 @@ def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=Fal
         ddp = DistributedDataParallel(model, data_parallel_group=dp_group,
                                       accumulate_allreduce_grads_in_fp32=accumulate,
                                       overlap_grad_reduce=overlap,
-                                      use_distributed_optimizer=distopt, bucket_size=bucket_size)
+                                      use_distributed_optimizer=distopt, bucket_size=bucket_size,
+                                      use_contiguous_buffers=contiguous)
     precision = precision or MixedPrecisionConfig(bf16=dtype == torch.bfloat16,
                                                   fp16=dtype == torch.float16)
     opt = get_megatron_optimizer(
@@ -69,7 +70,7 @@ def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=Fal
 
 
 def train(ddp, opt, steps, dp_group, micro_batches=2, micro_batch_size=2, first_step=0,
-          before_step=None):
+          before_step=None, after_backward=None):
     """Run ``steps`` iterations; returns the DP-averaged losses and the step results."""
     dp_size, dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
     losses, results = [], []
@@ -85,6 +86,8 @@ def train(ddp, opt, steps, dp_group, micro_batches=2, micro_batch_size=2, first_
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = ddp(tokens[span], labels[span]) / micro_batches
                 opt.scale_loss(loss).backward()
+            if after_backward is not None:
+                after_backward(last, ddp)
             total += loss.detach().float()
         finalize_model_grads([ddp])
         if before_step is not None:
