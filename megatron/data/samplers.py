@@ -7,6 +7,7 @@ in checkpoints), so a restarted run continues the same order.
 
 from __future__ import annotations
 
+import signal
 from typing import Iterator
 
 import torch
@@ -168,4 +169,17 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
     generator = torch.Generator().manual_seed(0)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=_accelerator_present(),
-                                       persistent_workers=num_workers > 0, generator=generator)
+                                       persistent_workers=num_workers > 0, generator=generator,
+                                       worker_init_fn=_ignore_sigterm if num_workers else None)
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """Loader workers leave SIGTERM to the training process.
+
+    torchrun and SLURM signal a rank's whole process group, workers included. A worker killed by
+    it makes the rank fail ("DataLoader worker ... is killed by signal") before
+    --exit-signal-handler can finish the iteration and save. The workers still stop when the
+    loader shuts them down or when their parent process is gone.
+    """
+    del worker_id
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

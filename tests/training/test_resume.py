@@ -86,8 +86,10 @@ def _launch_rank(rank: int, port: int, argv: list[str], log: Path) -> subprocess
                LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:
+        # A session of its own, as torchrun gives each rank: signals can target its group.
         return subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _wait_for(log: Path, text: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -109,16 +111,19 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(gpt2_corpus, tmp_path):
     from tests.multiprocess import _free_port
 
     save = tmp_path / "ckpt"
+    # Loader workers on: torchrun and SLURM signal the rank's whole process group, workers
+    # included, and a killed worker must not take the rank down before it saves.
     argv = e2e.gpt_argv(gpt2_corpus, **SIGTERM_SHAPE, extra=[
         "--exit-signal-handler", "--save", save, "--save-interval", "1000",
-        "--log-interval", "1"])
+        "--log-interval", "1", "--num-workers", "2"])
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     port = _free_port()
     procs = [_launch_rank(r, port, argv, logs[r]) for r in range(2)]
     try:
         # The last rank prints the iteration lines.
         _wait_for(logs[1], " iteration        3/", procs, timeout=120)
-        procs[1].send_signal(signal.SIGTERM)  # one rank only: the others learn it collectively
+        # One rank's process group only: the other rank learns it collectively.
+        os.killpg(procs[1].pid, signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
     finally:
         for p in procs:
