@@ -15,6 +15,11 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 TP=${TP:-2}
 BACKEND=${BACKEND:-gloo}
+# The global batch must be a multiple of micro batch x data-parallel size (world / TP): by
+# default one micro-batch per data-parallel rank, twice over (gradient accumulation of 2).
+MICRO_BATCH=${MICRO_BATCH:-8}
+DP=$(( GPUS_PER_NODE * NNODES / TP ))
+GLOBAL_BATCH=${GLOBAL_BATCH:-$(( MICRO_BATCH * DP * 2 ))}
 
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-$ROOT/quickstart_out/checkpoints_distributed}
 if [ -z "${DATA_PATH:-}" ]; then
@@ -38,8 +43,8 @@ GPT_ARGS="
     --num-attention-heads ${NUM_HEADS:-8}
     --seq-length 128
     --max-position-embeddings 128
-    --micro-batch-size 8
-    --global-batch-size 16
+    --micro-batch-size $MICRO_BATCH
+    --global-batch-size $GLOBAL_BATCH
     --lr 0.0015
     --train-iters ${TRAIN_ITERS:-100}
     --lr-decay-iters ${TRAIN_ITERS:-100}

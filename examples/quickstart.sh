@@ -33,7 +33,7 @@ echo "== train: GPT 4 layers x 256 hidden, TP=$TP, $ITERS iterations (log every 
     --train-iters "$ITERS" --log-interval 10 --eval-interval 50 --eval-iters 5 \
     --data-path "$OUT/data/corpus_text_document" --split 98,1,1 "${TOKENIZER[@]}" \
     --num-workers 1 --save "$OUT/checkpoints" --save-interval "$ITERS" \
-    --tensorboard-dir "$OUT/tensorboard"
+    --tensorboard-dir "$OUT/tensorboard" --log-validation-ppl-to-tensorboard
 
 echo "== generate: top-p sampling from the checkpoint (TP=$TP)"
 "$ROOT/.venv/bin/torchrun" --standalone --nproc-per-node "$TP" tools/generate.py \

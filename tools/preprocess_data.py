@@ -212,7 +212,11 @@ class Encoder:
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputError(f"{where}: not valid JSON ({err.msg}, column {err.colno})") from None
+            # err.colno counts from the last newline, the line's own one included when the
+            # line is cut short: report the offset within the line instead.
+            length = len(line.rstrip(b"\r\n") if isinstance(line, bytes) else line.rstrip("\r\n"))
+            at = "at the end of the line" if err.pos >= length else f"column {err.pos + 1}"
+            raise InputError(f"{where}: not valid JSON ({err.msg}, {at})") from None
         except UnicodeDecodeError as err:
             raise InputError(f"{where}: not valid UTF-8 ({err.reason})") from None
         if not isinstance(doc, dict):
@@ -394,6 +398,7 @@ def write_batch(encoded: EncodedBatch, outputs: Outputs, progress: Progress,
         seq_start = np.concatenate([[0], np.cumsum(enc.seqs_per_doc)])
         tok_start = np.concatenate([[0], np.cumsum(enc.seq_lengths)])
         starts[key] = (seq_start.tolist(), tok_start[seq_start].tolist())
+    progress.bytes += encoded.num_bytes  # first, so the progress lines of this batch count it
     for d in range(num_docs):
         partition = _partition(progress.docs, args)
         for key, enc in keys:
@@ -401,7 +406,6 @@ def write_batch(encoded: EncodedBatch, outputs: Outputs, progress: Progress,
             outputs.add(key, partition, enc.tokens[tok_start[d]:tok_start[d + 1]],
                         enc.seq_lengths[seq_start[d]:seq_start[d + 1]])
         progress.document()
-    progress.bytes += encoded.num_bytes
 
 
 def preprocess(args: argparse.Namespace) -> list[str]:

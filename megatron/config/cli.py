@@ -122,7 +122,7 @@ def parse_args(argv: Sequence[str] | None = None,
 
 
 def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
-                     require_model: bool = True) -> None:
+                     require_model: bool = True, require_train_length: bool = False) -> None:
     """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2."""
     from megatron.config.validate import validate
 
@@ -130,7 +130,8 @@ def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     parser = getattr(cfg, "_parser", None) or build_parser()
     try:
-        validate(cfg, world_size, require_model=require_model)
+        validate(cfg, world_size, require_model=require_model,
+                 require_train_length=require_train_length)
     except ValueError as err:
         parser.print_usage(sys.stderr)
         parser.exit(2, f"{parser.prog}: error: {err}\n")

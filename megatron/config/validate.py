@@ -41,13 +41,16 @@ _DEPRECATED = {
 }
 
 
-def validate(cfg, world_size: int, require_model: bool = True) -> None:
+def validate(cfg, world_size: int, require_model: bool = True,
+             require_train_length: bool = False) -> None:
     """Check ``cfg`` for a run of ``world_size`` ranks and fill in its derived values.
 
     Args:
         cfg: the :class:`~megatron.config.cli.MegatronConfig` to check (modified in place).
         world_size: number of ranks of the run.
         require_model: the architecture flags must be present (training, evaluation).
+        require_train_length: the script trains (pretrain()): --train-iters or --train-samples
+            must be given unless --skip-train.
 
     Raises:
         ValueError: an impossible or unsupported combination, naming the flags.
@@ -62,6 +65,8 @@ def validate(cfg, world_size: int, require_model: bool = True) -> None:
     _check_interleaved_schedule(cfg)
     _check_precision(cfg)
     _check_schedule(cfg)
+    if require_train_length:
+        _check_train_length(cfg)
     _check_recompute(cfg)
     _check_misc(cfg)
     _check_data(cfg)
@@ -267,6 +272,8 @@ def _check_schedule(cfg) -> None:
     if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
         raise ValueError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are "
                          "mutually exclusive")
+    if o.lr is not None and o.lr < 0:
+        raise ValueError(f"--lr ({o.lr}) must not be negative")
     if o.lr is not None and o.min_lr > o.lr:
         raise ValueError(f"--min-lr ({o.min_lr}) is larger than --lr ({o.lr})")
     if o.weight_decay_incr_style == "constant":
@@ -280,6 +287,13 @@ def _check_schedule(cfg) -> None:
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler and "
                          "--use-checkpoint-opt_param-scheduler are mutually exclusive")
+
+
+def _check_train_length(cfg) -> None:
+    t = cfg.training
+    if t.train_iters is None and t.train_samples is None and not t.skip_train:
+        raise ValueError("give the run's length with --train-iters or --train-samples "
+                         "(or --skip-train to only evaluate)")
 
 
 def _check_recompute(cfg) -> None:

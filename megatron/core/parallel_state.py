@@ -79,8 +79,8 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
     if virtual_pipeline_model_parallel_size is not None:
         # Megatron-LM (23.06 and later): the interleaved schedule needs more than two stages.
         if pp <= 2:
-            raise ValueError("an interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
-                             f"needs --pipeline-model-parallel-size > 2, got {pp}")
+            raise ValueError("virtual pipeline stages (the interleaved schedule) need "
+                             f"--pipeline-model-parallel-size > 2, got {pp}")
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError("virtual pipeline size must be positive, got "
                              f"{virtual_pipeline_model_parallel_size}")

@@ -24,7 +24,7 @@ from megatron.core.log import log_rank_0
 from megatron.data import helpers
 from megatron.data.index_cache import cached_arrays
 from megatron.data.indexed_dataset import IndexedDataset, data_file_path
-from megatron.data.utils import Split, parse_and_normalize_split, split_indices, split_matrix
+from megatron.data.utils import Split, parse_and_normalize_split, split_matrix
 
 _PAD_TOKEN_ID = -1  # marks padding inside a sample; mapped to token 0 with loss_mask 0
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
@@ -284,6 +284,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
         self._pad = _PAD_TOKEN_ID
         self._cached_masks: tuple | None = None
+        self._check_split_has_tokens()
         indices_ = self._build_indices()
         # Keep the np.memmap objects alive (file mapping) but index through plain ndarray
         # views of the same pages: np.memmap indexing is ~10x slower per element.
@@ -291,6 +292,21 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = np.asarray(indices_["document_index"])
         self.sample_index = np.asarray(indices_["sample_index"])
         self.shuffle_index = np.asarray(indices_["shuffle_index"])
+
+    def _check_split_has_tokens(self) -> None:
+        # On every rank, before the rank-0-only index build: a failure there would leave the
+        # other ranks waiting at its barrier.
+        if self.num_samples is None:
+            return
+        extra = int(self.config.add_extra_token_to_sequence)
+        lengths = np.asarray(self.dataset.sequence_lengths)
+        tokens = int(np.sum(lengths[self.indices], dtype=np.int64))
+        if tokens <= extra:
+            raise ValueError(
+                f"the {self.index_split.name} split of {self.dataset_path or 'the mock data'} "
+                f"holds {len(self.indices)} documents, {tokens} tokens: too few for one sample "
+                f"of --seq-length {self.config.sequence_length}; give that split more documents "
+                f"with --split (now {self.config.split})")
 
     def _cache_dir(self) -> str | None:
         if self.config.path_to_cache:

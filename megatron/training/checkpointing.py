@@ -231,6 +231,28 @@ def _rng_state() -> dict:
             "rng_tracker_states": get_rng_tracker().get_states()}
 
 
+_LEGACY_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state")
+
+
+def _load_rng_state(sd: dict, cfg, name: Path) -> None:
+    """This rank's RNG states from ``rng_state`` (one per DP rank), or the top-level keys of
+    checkpoints older than Megatron-LM's ``rng_state`` list.
+
+    Raises:
+        CheckpointError: no RNG state at all, as Megatron-LM refuses (not silently reseeded).
+    """
+    states = sd.get("rng_state")
+    if states:
+        index = parallel_state.get_data_parallel_rank() \
+            if cfg.model.data_parallel_random_init and len(states) > 1 else 0
+        _set_rng_state(states[index])
+    elif all(key in sd for key in _LEGACY_RNG_KEYS):
+        _set_rng_state(sd)
+    else:
+        raise CheckpointError(f"{name} holds no RNG state (saved with --no-save-rng?): pass "
+                              "--no-load-rng or --finetune to load it without")
+
+
 def _set_rng_state(state: dict) -> None:
     random.setstate(_as_python_random_state(state["random_rng_state"]))
     np.random.set_state(state["np_rng_state"])
@@ -350,8 +372,9 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
-                              + "\n(change the flags, or convert the checkpoint with "
-                                "tools/checkpoint_util.py when TP/PP sizes differ)")
+                              + "\n(change the flags to the checkpoint's, or pass "
+                                "--use-checkpoint-args; converting a checkpoint to other TP/PP "
+                                "sizes is not available yet)")
 
 
 def _find_any_shard(iter_dir: Path) -> Path | None:
@@ -417,11 +440,8 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         # The optimizer was built before the load: its fp32 main params still hold the initial
         # weights, and the first step would copy them back over the loaded ones.
         optimizer.reload_model_params()
-    if not (release or ck.finetune or ck.no_load_rng) and sd.get("rng_state"):
-        states = sd["rng_state"]
-        index = parallel_state.get_data_parallel_rank() \
-            if cfg.model.data_parallel_random_init and len(states) > 1 else 0
-        _set_rng_state(states[index])
+    if not (release or ck.finetune or ck.no_load_rng):
+        _load_rng_state(sd, cfg, name)
     ckpt_args = sd.get("args")
     consumed_train = 0 if ck.finetune or release else \
         int(getattr(ckpt_args, "consumed_train_samples", 0))

@@ -17,7 +17,8 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 
 def initialize_megatron(argv: Sequence[str] | None = None,
                         extra_args_provider: ExtraArgsProvider | None = None,
-                        require_model: bool = True) -> MegatronConfig:
+                        require_model: bool = True,
+                        require_train_length: bool = False) -> MegatronConfig:
     """Validate flags (before any process group exists), then initialize everything.
 
     Returns:
@@ -26,7 +27,7 @@ def initialize_megatron(argv: Sequence[str] | None = None,
     cfg = parse_args(argv, extra_args_provider=extra_args_provider, validate_config=False)
     if cfg.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(cfg)
-    validate_or_exit(cfg, require_model=require_model)
+    validate_or_exit(cfg, require_model=require_model, require_train_length=require_train_length)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg

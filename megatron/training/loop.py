@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -148,6 +149,7 @@ class Trainer:
         self.writer = writer
         self.acc = _LogAccumulator()
         self.start_time = time.time() if start_time is None else start_time
+        self._iters_since_log = 0
 
     def save(self) -> None:
         s = self.state
@@ -181,19 +183,32 @@ class Trainer:
                               "grad norm": grad_norm if grad_norm is not None else float("nan"),
                               "learning rate": self._learning_rate(),
                               "global batch size": float(batch)})
+            self._iters_since_log += 1
             self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
             if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
                     and valid_iterator is not None and cfg.training.eval_iters > 0:
-                evaluate_and_print(f"iteration {s.iteration}", self.forward_step_func,
-                                   valid_iterator, self.model, cfg, self.microbatches,
-                                   self.writer, s, cfg.training.eval_iters)
+                with self._interval_timer_paused():
+                    evaluate_and_print(f"iteration {s.iteration}", self.forward_step_func,
+                                       valid_iterator, self.model, cfg, self.microbatches,
+                                       self.writer, s, cfg.training.eval_iters)
                 s.consumed_valid_samples += cfg.training.eval_iters * batch
             if self._should_exit(signal_handler):
                 return True
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     s.iteration % cfg.checkpoint.save_interval == 0:
-                self.save()
+                with self._interval_timer_paused():
+                    self.save()
         return False
+
+    @contextlib.contextmanager
+    def _interval_timer_paused(self):
+        """Evaluation and checkpoint saves stay out of the logged time per iteration and
+        tokens/s (as later Megatron-LM releases do): they report training speed only."""
+        self.timers("interval-time").stop()
+        try:
+            yield
+        finally:
+            self.timers("interval-time", log_level=0).start(barrier=True)
 
     def _should_exit(self, signal_handler) -> bool:
         """Megatron's three independent exit checks, in its order: signal, duration, interval.
@@ -233,7 +248,11 @@ class Trainer:
                 tokens_per_sec=None, tflops=None, world_size=cfg.world_size)
         if s.iteration % cfg.logging.log_interval != 0:
             return
-        elapsed = self.timers("interval-time").elapsed(reset=True) / cfg.logging.log_interval
+        # Megatron divides by the iterations run since the last log line, which is fewer than
+        # --log-interval on the first line after a resume from a non-multiple iteration.
+        iters = max(1, self._iters_since_log)
+        self._iters_since_log = 0
+        elapsed = self.timers("interval-time").elapsed(reset=True) / iters
         tokens_per_sec = batch * cfg.data.seq_length / elapsed if elapsed > 0 else 0.0
         tflops = None
         if self.flops_per_batch is not None and elapsed > 0:
@@ -249,7 +268,7 @@ class Trainer:
         # Reducing the timers is a collective: every rank does it once, here, whether or not it
         # holds the writer; the TensorBoard scalars and the timer line are both made from it.
         timer_values = self.timers.elapsed_ms(["forward-backward", "grads-all-reduce",
-                                               "optimizer"], normalizer=cfg.logging.log_interval)
+                                               "optimizer"], normalizer=iters)
         if self.writer is not None:
             self.writer.add_scalar("iteration-time", elapsed, s.iteration)
             self.writer.add_scalar("tokens-per-second", tokens_per_sec, s.iteration)

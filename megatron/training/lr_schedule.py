@@ -102,6 +102,7 @@ class OptimizerParamScheduler:
 
     def _check_and_set(self, name: str, ours, theirs):
         if self.override_opt_param_scheduler:
+            log_rank_0(f" > overriding {name} value to {ours}")  # Megatron-LM's line
             return ours
         if not self.use_checkpoint_opt_param_scheduler and ours != theirs:
             raise ValueError(

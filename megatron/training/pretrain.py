@@ -46,7 +46,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """
     # Megatron's _TRAIN_START_TIME: --exit-duration-in-mins counts set-up time too.
     start_time = time.time()
-    cfg = initialize_megatron(argv, extra_args_provider)
+    cfg = initialize_megatron(argv, extra_args_provider, require_train_length=True)
     timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
     tokenizer = tokenizer_builder(cfg) if tokenizer_builder is not None else None
     model = build_model(cfg, model_provider)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.config import build_parser, parse_args
-from megatron.config.cli import SECTIONS
+from megatron.config.cli import SECTIONS, validate_or_exit
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
         "--max-position-embeddings 64 --micro-batch-size 2").split()
@@ -123,6 +123,7 @@ def test_derived_pipeline_sizes():
     ("--recompute-granularity full", 1, ["--recompute-method"]),
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy"]),
     ("--swiglu", 1, ["--swiglu", "does not implement"]),
+    ("--lr -1", 1, ["--lr (-1.0)", "negative"]),
     ("--overlap-grad-reduce --no-contiguous-buffers-in-local-ddp", 1,
      ["--overlap-grad-reduce", "--no-contiguous-buffers-in-local-ddp"]),
     ("--fp16 --hysteresis 0", 1, ["--hysteresis (0)"]),
@@ -137,6 +138,17 @@ def test_impossible_combinations_name_the_flags(extra, world, flags, capsys):
     err = capsys.readouterr().err
     for flag in flags:
         assert flag in err, (flag, err)
+
+
+def test_training_needs_a_length_unless_skip_train(capsys):
+    cfg = parse_args(BASE, validate_config=False)
+    with pytest.raises(SystemExit) as exc:
+        validate_or_exit(cfg, 1, require_train_length=True)
+    assert exc.value.code == 2
+    assert "--train-iters or --train-samples" in capsys.readouterr().err
+    for extra in (["--skip-train"], ["--train-iters", "3"], ["--train-samples", "30"]):
+        validate_or_exit(parse_args(BASE + extra, validate_config=False), 1,
+                         require_train_length=True)
 
 
 def test_missing_architecture_flag():

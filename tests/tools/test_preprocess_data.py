@@ -181,7 +181,8 @@ def test_large_vocab_uses_int32(tmp_path):
 
 
 @pytest.mark.parametrize("bad_line, message", [
-    ("{not json", r"in\.jsonl:3: not valid JSON"),
+    ("{not json", r"in\.jsonl:3: not valid JSON \(.*column 2\)"),
+    ('{"text": "cut short"', r"in\.jsonl:3: not valid JSON \(.*at the end of the line\)"),
     ('{"title": "no text"}', r"in\.jsonl:3: missing key\(s\) \['text'\]"),
     ('["a list"]', r"in\.jsonl:3: expected a JSON object"),
     ('{"text": 5}', r"in\.jsonl:3: key 'text' is a int"),

@@ -165,7 +165,7 @@ def _fp16_argv(corpus, tb, extra=()):
 def dirs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("load_modes")
     names = ("distopt", "bf16_distopt", "fp16", "single", "bf16", "tb_straight", "tb_a", "tb_b",
-             "tb_c")
+             "tb_c", "no_rng")
     return {name: base / name for name in names}
 
 
@@ -232,6 +232,12 @@ def single(gpt2_corpus, dirs, two):
         "dp1_bf16_distopt": {"argv": e2e.gpt_argv(c, **BF16_SHAPE, extra=[
             "--bf16", "--use-distributed-optimizer", "--load", d["bf16_distopt"]])},
         "distopt_into_plain": {"argv": e2e.gpt_argv(c, **SHAPE, extra=["--load", d["distopt"]])},
+        "no_rng_save": {"argv": e2e.gpt_argv(c, **SHAPE, extra=[
+            "--no-save-rng", "--save", d["no_rng"], "--save-interval", "1000",
+            "--exit-interval", "2"])},
+        "no_rng_load": {"argv": e2e.gpt_argv(c, **SHAPE, extra=["--load", d["no_rng"]])},
+        "no_rng_load_without": {"argv": e2e.gpt_argv(c, **SHAPE, extra=[
+            "--load", d["no_rng"], "--no-load-rng"])},
     }
     return {name: ranks[0] for name, ranks in
             _pooled(1, runs, expect_error=(CheckpointError,)).items()}
@@ -384,6 +390,14 @@ def test_distributed_optimizer_state_into_plain_optimizer_is_refused(single):
     assert error is not None and error.startswith("CheckpointError")
     assert "--use-distributed-optimizer" in error and "--no-load-optim" in error
     assert "model_optim_rng.pt" in error
+
+
+def test_checkpoint_without_rng_state_needs_no_load_rng(single):
+    # Megatron-LM refuses too, rather than silently training on from freshly seeded streams.
+    _no_error(single["no_rng_save"], single["no_rng_load_without"])
+    error = single["no_rng_load"]["error"]
+    assert error is not None and error.startswith("CheckpointError")
+    assert "no RNG state" in error and "--no-load-rng" in error
 
 
 # ---------------------------------------------------------------------------------------------
