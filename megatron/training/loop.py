@@ -14,10 +14,23 @@ from megatron.core import comm, device, parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.timers import Timers
 from megatron.training import log_line
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.microbatches import NumMicroBatchesCalculator
-from megatron.training.timers import Timers
+
+
+# The timers of Megatron-LM's training log, in its order (those never started, e.g. the pipeline
+# send/recv ones without pipeline parallelism or those above --timing-log-level, are left out).
+TIMERS_TO_LOG = [
+    "forward-backward", "forward-compute", "backward-compute", "batch-generator",
+    "forward-recv", "forward-send", "backward-recv", "backward-send",
+    "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
+    "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "grads-all-reduce",
+    "grads-reduce-scatter", "params-all-gather", "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",
+    "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer"]
 
 
 @dataclasses.dataclass
@@ -85,11 +98,14 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=microbatches.get(), seq_length=cfg.data.seq_length,
         micro_batch_size=cfg.training.micro_batch_size, forward_only=False,
-        grad_scale_func=optimizer.scale_loss)
+        grad_scale_func=optimizer.scale_loss, timers=timers)
     timers("forward-backward").stop()
-    timers("grads-all-reduce", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
+    # Megatron-LM names the DP reduction after its collective.
+    reduce_timer = "grads-reduce-scatter" if cfg.parallel.use_distributed_optimizer \
+        else "grads-all-reduce"
+    timers(reduce_timer, log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
     finalize_model_grads(model)
-    timers("grads-all-reduce").stop()
+    timers(reduce_timer).stop()
     timers("optimizer", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
     timers("optimizer").stop()
@@ -267,8 +283,7 @@ class Trainer:
         log_rank_last(line)
         # Reducing the timers is a collective: every rank does it once, here, whether or not it
         # holds the writer; the TensorBoard scalars and the timer line are both made from it.
-        timer_values = self.timers.elapsed_ms(["forward-backward", "grads-all-reduce",
-                                               "optimizer"], normalizer=iters)
+        timer_values = self.timers.elapsed_ms(TIMERS_TO_LOG, normalizer=iters)
         if self.writer is not None:
             self.writer.add_scalar("iteration-time", elapsed, s.iteration)
             self.writer.add_scalar("tokens-per-second", tokens_per_sec, s.iteration)

@@ -22,6 +22,7 @@ from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.log import log_rank_0
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.timers import Timers
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training import log_line
 from megatron.training.checkpointing import load_checkpoint
@@ -30,7 +31,6 @@ from megatron.training.loop import Trainer, TrainState, evaluate_and_print
 from megatron.training.lr_schedule import OptimizerParamScheduler
 from megatron.training.microbatches import NumMicroBatchesCalculator
 from megatron.training.signals import DistributedSignalHandler
-from megatron.training.timers import Timers
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -56,7 +56,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         params_dtype=cfg.params_dtype,
         data_parallel_group=parallel_state.get_data_parallel_group(),
         model_parallel_group=parallel_state.get_model_parallel_group(),
-        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, timers=timers,
+        barrier_with_l1_time=cfg.logging.barrier_with_L1_time)
     train_iters = compute_train_iters(cfg)
     scheduler = build_scheduler(cfg, optimizer, train_iters)
     state = TrainState()

@@ -132,7 +132,7 @@ def runs(gpt2_corpus, tmp_path_factory):
         "log": {"argv": e2e.gpt_argv(c, iters=4, extra=[
             "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
             "--tensorboard-dir", tb, "--tensorboard-log-interval", "1",
-            "--log-timers-to-tensorboard", "--timing-log-level", "1"])},
+            "--log-timers-to-tensorboard", "--timing-log-level", "2"])},
         # 44 samples of 8: 5 iterations; linear schedule over samples (warm-up 16, decay 32).
         "samples": {"argv": samples_argv(c, 44, extra=[
             "--log-interval", "1", "--lr-warmup-samples", "16", "--lr-decay-samples", "32",
@@ -185,11 +185,21 @@ def test_eval_interval_writes_validation_lines(runs):
 
 def test_timers_to_tensorboard_on_two_ranks(runs):
     scalars = runs["tensorboard"]
-    for name in ("forward-backward", "grads-all-reduce", "optimizer"):
+    # Megatron-LM's names: level 1 (the step and the optimizer's parts), level 2 (compute).
+    names = ("forward-backward", "forward-compute", "backward-compute", "batch-generator",
+             "grads-all-reduce", "optimizer-copy-to-main-grad", "optimizer-clip-main-grad",
+             "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer")
+    for name in names:
         assert sorted(scalars[f"{name}-time"]) == [1, 2, 3, 4], sorted(scalars)
     rank0_log = runs["log"][0]["log"]
     assert rank0_log.count("(min, max) time across ranks (ms):") == 4
-    assert any(line.startswith("    forward-backward ") for line in rank0_log)
+    timer_lines = [line.split()[0] for line in rank0_log if line.startswith("    ")
+                   and "..." in line]
+    assert timer_lines[:len(names)] == list(names)  # Megatron's order
+    # Not started in this run (no loss scaler, no zero counting, no distributed optimizer).
+    for absent in ("optimizer-unscale-and-check-inf", "optimizer-count-zeros",
+                   "grads-reduce-scatter", "params-all-gather"):
+        assert f"{absent}-time" not in scalars
 
 
 def expected_lr(samples: int) -> float:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron.training.timers import Timers
+from megatron.core.timers import Timers
 from tests.multiprocess import run_distributed
 
 

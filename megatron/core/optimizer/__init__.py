@@ -40,6 +40,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+from megatron.core.timers import Timers
 
 __all__ = ["ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer",
            "Float16OptimizerWithFloat16Params", "MegatronOptimizer", "get_megatron_optimizer",
@@ -108,7 +109,9 @@ def get_megatron_optimizer(optimizer_config: OptimizerConfig,
                            data_parallel_group: comm.ProcessGroup | None,
                            model_parallel_group: comm.ProcessGroup | None,
                            log_num_zeros_in_grad: bool = False,
-                           tensor_model_parallel_rank: int | None = None) -> MegatronOptimizer:
+                           tensor_model_parallel_rank: int | None = None,
+                           timers: Timers | None = None,
+                           barrier_with_l1_time: bool = False) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (module docstring says which class).
 
     Args:
@@ -123,6 +126,8 @@ def get_megatron_optimizer(optimizer_config: OptimizerConfig,
         log_num_zeros_in_grad: count zero gradient elements each step.
         tensor_model_parallel_rank: TP rank for the duplicate filter of the norm; read from
             ``parallel_state`` when None.
+        timers: times the parts of each step (Megatron's level-1 optimizer timers).
+        barrier_with_l1_time: ``--barrier-with-L1-time`` for those timers.
 
     Raises:
         ValueError: an unknown optimizer, or a precision flag that contradicts ``params_dtype``.
@@ -139,7 +144,8 @@ def get_megatron_optimizer(optimizer_config: OptimizerConfig,
                   log_num_zeros_in_grad=log_num_zeros_in_grad,
                   grad_scaler=_build_grad_scaler(precision_config),
                   model_parallel_group=model_parallel_group,
-                  tensor_model_parallel_rank=tensor_model_parallel_rank)
+                  tensor_model_parallel_rank=tensor_model_parallel_rank,
+                  timers=timers, barrier_with_l1_time=barrier_with_l1_time)
     if use_distributed_optimizer:
         return DistributedOptimizer(groups, factory, model_chunks, data_parallel_group, **common)
     if half:

@@ -155,10 +155,11 @@ class DistributedOptimizer(MegatronOptimizer):
         by_bucket: dict[int, list[ShardPiece]] = {}
         for piece in self.pieces:
             by_bucket.setdefault(id(piece.bucket), []).append(piece)
-        for chunk in self.model_chunks:
-            for buffer in chunk.grad_buffers.values():
-                for bucket in buffer.buckets:
-                    self._gather_bucket_params(buffer, bucket, by_bucket.get(id(bucket), []))
+        with self._timed("params-all-gather"):
+            for chunk in self.model_chunks:
+                for buffer in chunk.grad_buffers.values():
+                    for bucket in buffer.buckets:
+                        self._gather_bucket_params(buffer, bucket, by_bucket.get(id(bucket), []))
 
     def _gather_bucket_params(self, buffer: GradBuffer, bucket: Bucket,
                               pieces: list[ShardPiece]) -> None:

@@ -28,6 +28,7 @@ import torch
 from megatron.core import comm
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+from megatron.core.timers import Timers, timed
 
 StepResult = tuple[bool, float | None, int | None]
 
@@ -85,18 +86,24 @@ class MegatronOptimizer:
         grad_scaler: the fp16 loss scaler, or None.
         model_parallel_group: group the norm / inf flag are reduced over.
         tensor_model_parallel_rank: this rank's TP rank (TP duplicates count on rank 0 only).
+        timers: times the parts of each step under Megatron-LM's level-1 names
+            (``optimizer-copy-to-main-grad``, ``optimizer-unscale-and-check-inf``, ...).
+        barrier_with_l1_time: ``--barrier-with-L1-time`` for those timers.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float,
                  log_num_zeros_in_grad: bool, grad_scaler: ConstantGradScaler | None,
                  model_parallel_group: comm.ProcessGroup | None,
-                 tensor_model_parallel_rank: int) -> None:
+                 tensor_model_parallel_rank: int, timers: Timers | None = None,
+                 barrier_with_l1_time: bool = False) -> None:
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.grad_scaler = grad_scaler
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tensor_model_parallel_rank
+        self.timers = timers
+        self.barrier_with_l1_time = barrier_with_l1_time
         self._unit_scale = torch.tensor([1.0], dtype=torch.float32)
 
     # Hooks the subclasses fill in ---------------------------------------------------------
@@ -172,17 +179,29 @@ class MegatronOptimizer:
             (update_successful, grad_norm or None when not clipping / skipped,
             num_zeros_in_grad or None when not counting / skipped).
         """
-        self._copy_model_grads_to_main_grads()
+        with self._timed("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check_for_nan()
+            with self._timed("optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_and_check_for_nan()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0 else None
-        num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        grad_norm = num_zeros = None
+        if self.clip_grad > 0:
+            with self._timed("optimizer-clip-main-grad"):
+                grad_norm = self.clip_grad_norm(self.clip_grad)
+        if self.log_num_zeros_in_grad:
+            with self._timed("optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        with self._timed("optimizer-inner-step"):
+            self.optimizer.step()
+        with self._timed("optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
+
+    def _timed(self, name: str):
+        return timed(self.timers, name, 1, self.barrier_with_l1_time)
 
 
 class FP32Optimizer(MegatronOptimizer):

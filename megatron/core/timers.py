@@ -2,12 +2,15 @@
 
 ``timers("forward-backward", log_level=1).start()`` ... ``.stop()``; a timer whose level is above
 ``--timing-log-level`` is a no-op. Device work is synchronized before reading the clock so GPU
-timings are real.
+timings are real. Core code (schedules, optimizers) takes an optional ``Timers`` and times its
+steps with :func:`timed`, which does nothing without one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -146,3 +149,19 @@ class Timers:
         values = self.elapsed_ms(names, normalizer, reset)
         if writer is not None:
             self.write_values(values, writer, iteration)
+
+
+@contextlib.contextmanager
+def timed(timers: Timers | None, name: str, log_level: int,
+          barrier: bool = False) -> Iterator[None]:
+    """``with timed(timers, "optimizer-inner-step", 1): ...``: a no-op when ``timers`` is None
+    or the level is above ``--timing-log-level``."""
+    if timers is None:
+        yield
+        return
+    timer = timers(name, log_level=log_level)
+    timer.start(barrier=barrier)
+    try:
+        yield
+    finally:
+        timer.stop()
