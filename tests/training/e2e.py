@@ -12,7 +12,7 @@ A run is a dict::
      "crash_save": (iteration, "shard" | "tracker"),    # die inside that save_checkpoint
      "bucket_size": elements}     # DDP bucket size (no flag sets it; default one 4M bucket)
 
-and its result is ``{"history", "iteration", "params" (on global rank 0), "error"}``; an
+and its result is ``{"history", "iteration", "params" (every rank's copy), "error"}``; an
 exception of the expected kind (``expect_error``) is returned as text instead of raised.
 """
 
@@ -197,8 +197,8 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
         checkpointing._atomic_write = original
         ddp_defaults["bucket_size"] = saved_bucket_size
     if run.get("params"):
-        params = _gather_full_params(built[-1])
-        result["params"] = params if torch.distributed.get_rank() == 0 else None
+        # Every rank's copy: replicas must agree too (a missed all-gather shows up here).
+        result["params"] = _gather_full_params(built[-1])
     return result
 
 
