@@ -113,12 +113,15 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
     group = parallel_state.get_data_parallel_group()
     if cfg.parallel.ddp_impl == "torch":
         return [TorchDistributedDataParallel(module, data_parallel_group=group)]
-    return [DistributedDataParallel(
+    wrapped = DistributedDataParallel(
         module, data_parallel_group=group,
         accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        use_contiguous_buffers=cfg.parallel.use_contiguous_buffers_in_local_ddp)]
+        use_contiguous_buffers=cfg.parallel.use_contiguous_buffers_in_local_ddp)
+    if cfg.model.data_parallel_random_init:
+        wrapped.broadcast_params()  # PyTorch's DDP (above) broadcasts at construction
+    return [wrapped]
 
 
 def compute_train_iters(cfg: MegatronConfig) -> int:

@@ -38,6 +38,8 @@ _TWO = {"tp2": (2, []),
         "dp2": (1, []),
         "dp2_distopt": (1, ["--use-distributed-optimizer"]),
         "dp2_overlap": (1, ["--overlap-grad-reduce"]),
+        # Rank 1 initializes from another seed; DP rank 0's weights are broadcast (dropout 0).
+        "dp2_random_init": (1, ["--data-parallel-random-init"]),
         "dp2_bf16": (1, ["--bf16"]),
         "dp2_bf16_distopt": (1, ["--bf16", "--use-distributed-optimizer"])}
 _FOUR = {"dp4": (1, []),
@@ -87,10 +89,11 @@ def _assert_same_training(reference: dict, run_ranks: list[dict], what: str,
     assert ref[-1] < ref[0] - 0.1, f"the reference run did not train: {ref}"
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "dp2_distopt", "dp2_overlap"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "dp2_distopt", "dp2_overlap", "dp2_random_init"])
 def test_two_ranks_equal_single_process(single, two_ranks, layout):
     """TP=2, DP=2, DP=2 with the distributed optimizer, DP=2 with overlapped bucketed grad
-    reduction: the loss of every iteration and the final parameters of one process."""
+    reduction, DP=2 with --data-parallel-random-init: the loss of every iteration and the final
+    parameters of one process."""
     _assert_same_training(single["reference"], two_ranks[layout], layout)
 
 

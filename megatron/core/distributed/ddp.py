@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import comm
 from megatron.core.distributed.grad_buffer import GradBuffer
@@ -140,6 +141,19 @@ class DistributedDataParallel(_ModuleStateDict):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module."""
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Give every replica data-parallel rank 0's parameters. With
+        ``--data-parallel-random-init`` each DP rank seeds differently and so initializes
+        differently; Megatron-LM then broadcasts once, so that only the RNG streams (dropout)
+        stay per-rank and the replicas train the same weights."""
+        group = self.data_parallel_group
+        if comm.world_size(group) == 1:
+            return
+        src = dist.get_global_rank(group, 0)
+        for param in self.module.parameters():
+            comm.broadcast(param.data, src, group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
