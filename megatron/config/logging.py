@@ -19,7 +19,8 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = False
     """Log the number of zero gradient entries."""
     log_throughput: bool = False
-    """Log model TFLOP/s per GPU on the log line (tokens/s is always logged)."""
+    """Log model TFLOP/s per GPU on the log line. Accepted; here TFLOP/s and tokens/s are always
+    logged."""
     timing_log_level: Literal[0, 1, 2] = 0
     """Timers to log: 0 the iteration only, 1 coarse, 2 fine-grained."""
     barrier_with_L1_time: bool = spec(True, flag="--no-barrier-with-level-1-timing")

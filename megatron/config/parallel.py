@@ -42,9 +42,11 @@ class ParallelConfig:
     local_rank: int | None = spec(None, flag="--local_rank", aliases=("--local-rank",))
     """Local rank passed by the legacy launcher (torchrun passes LOCAL_RANK instead)."""
     lazy_mpu_init: bool | None = spec(None, argtype=lambda s: s.lower() in ("1", "true", "yes"))
-    """Skip the model-parallel initialization (external launchers)."""
+    """Skip the model-parallel initialization (external launchers). Accepted for Megatron-LM
+    scripts; no effect here: initialize_megatron always initializes."""
     use_cpu_initialization: bool | None = spec(None, argtype=None)
-    """Initialize weights on the CPU (the full matrix, then this rank's slice)."""
+    """Initialize weights on the CPU (the full matrix, then this rank's slice). Always the case
+    here, so that runs at different TP sizes start from the same weights: accepted, no effect."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Call the allocator's empty_cache: 0 never, 1 after each step, 2 also after evaluation."""
     standalone_embedding_stage: bool = False
