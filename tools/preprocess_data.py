@@ -214,7 +214,8 @@ class Encoder:
         except json.JSONDecodeError as err:
             # err.colno counts from the last newline, the line's own one included when the
             # line is cut short: report the offset within the line instead.
-            length = len(line.rstrip(b"\r\n") if isinstance(line, bytes) else line.rstrip("\r\n"))
+            text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+            length = len(text.rstrip("\r\n"))  # err.pos counts characters, not bytes
             at = "at the end of the line" if err.pos >= length else f"column {err.pos + 1}"
             raise InputError(f"{where}: not valid JSON ({err.msg}, {at})") from None
         except UnicodeDecodeError as err:

@@ -66,7 +66,7 @@ def validate(cfg, world_size: int, require_model: bool = True,
     _check_precision(cfg)
     _check_schedule(cfg)
     if require_train_length:
-        _check_train_length(cfg)
+        _check_training_run(cfg)
     _check_recompute(cfg)
     _check_misc(cfg)
     _check_data(cfg)
@@ -289,11 +289,19 @@ def _check_schedule(cfg) -> None:
                          "--use-checkpoint-opt_param-scheduler are mutually exclusive")
 
 
-def _check_train_length(cfg) -> None:
+def _check_training_run(cfg) -> None:
     t = cfg.training
-    if t.train_iters is None and t.train_samples is None and not t.skip_train:
+    if t.skip_train:
+        # Evaluation only: the optimizer and LR schedule are never stepped, so their saved
+        # state is not loaded (nor checked against the length and --lr flags, which may be left
+        # out). Megatron-LM 23.06 still demanded a length here and then failed inside.
+        cfg.checkpoint.no_load_optim = True
+        return
+    if t.train_iters is None and t.train_samples is None:
         raise ValueError("give the run's length with --train-iters or --train-samples "
                          "(or --skip-train to only evaluate)")
+    if cfg.optimizer.lr is None:
+        raise ValueError("--lr is required for training")
 
 
 def _check_recompute(cfg) -> None:

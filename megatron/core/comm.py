@@ -73,6 +73,13 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
     return _reduce_scatter_single(output, tensor.contiguous(), group=group, async_op=async_op)
 
 
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s member ``group_rank`` (None: the default group)."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src``."""
     if world_size(group) > 1:

@@ -49,6 +49,10 @@ class Timer:
         self._elapsed = 0.0
         self._started = False
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def elapsed(self, reset: bool = True) -> float:
         """Seconds accumulated so far (a running timer is included up to now)."""
         running = self._started
@@ -104,20 +108,22 @@ class Timers:
                    reset: bool = True) -> dict[str, tuple[float, float]]:
         """Per timer (min over ranks, max over ranks) in milliseconds.
 
-        Collective: every rank must call it with the same ``names`` (a name filtered out by
-        ``--timing-log-level`` is dropped on every rank alike). Compute the values once, then
-        hand them to :meth:`format_values` and :meth:`write_values`, which do no communication.
+        Collective: every rank must call it with the same ``names``. A timer some ranks never
+        started (say, one only the data-loading ranks run) counts on the ranks that have it; a
+        name no rank has (filtered out by ``--timing-log-level``, or never started) is dropped.
+        Compute the values once, then hand them to :meth:`format_values` and
+        :meth:`write_values`, which do no communication.
         """
-        names = [n for n in names if n in self._timers]
-        if not names:
-            return {}
-        local = torch.tensor([self._timers[n].elapsed(reset) * 1000.0 / normalizer
-                              for n in names], dtype=torch.float64)
-        high, low = local.clone(), local.clone()
+        inf = float("inf")
+        mine = [self._timers[n].elapsed(reset) * 1000.0 / normalizer if n in self._timers
+                else None for n in names]
+        high = torch.tensor([-inf if v is None else v for v in mine], dtype=torch.float64)
+        low = torch.tensor([inf if v is None else v for v in mine], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(high, op=dist.ReduceOp.MAX)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)}
+        return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)
+                if high[i] > -inf}
 
     def format_values(self, values: dict[str, tuple[float, float]]) -> str:
         """Megatron's timer line from :meth:`elapsed_ms` values: ``(min, max) time across ranks

@@ -302,11 +302,13 @@ class GPTDataset(torch.utils.data.Dataset):
         lengths = np.asarray(self.dataset.sequence_lengths)
         tokens = int(np.sum(lengths[self.indices], dtype=np.int64))
         if tokens <= extra:
+            fix = (f"give that split more documents with --split (now {self.config.split})"
+                   if self.config.split is not None else
+                   f"give --{self.index_split.name}-data-path more data")
             raise ValueError(
                 f"the {self.index_split.name} split of {self.dataset_path or 'the mock data'} "
-                f"holds {len(self.indices)} documents, {tokens} tokens: too few for one sample "
-                f"of --seq-length {self.config.sequence_length}; give that split more documents "
-                f"with --split (now {self.config.split})")
+                f"holds {len(self.indices)} documents, {tokens} tokens: nothing to draw samples "
+                f"from; {fix}")
 
     def _cache_dir(self) -> str | None:
         if self.config.path_to_cache:

@@ -180,10 +180,19 @@ class Trainer:
 
     def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None) -> bool:
         """Train until ``train_iters``; returns True if an exit condition stopped it early."""
-        cfg, s = self.cfg, self.state
         for chunk in self.model:
             chunk.train()
         self.timers("interval-time", log_level=0).start(barrier=True)
+        try:
+            return self._train_loop(train_iterator, valid_iterator, train_iters, signal_handler)
+        finally:
+            interval = self.timers("interval-time")
+            if interval.started:
+                interval.stop()
+
+    def _train_loop(self, train_iterator, valid_iterator, train_iters: int,
+                    signal_handler) -> bool:
+        cfg, s = self.cfg, self.state
         while s.iteration < train_iters:
             self.microbatches.update(s.consumed_train_samples)
             losses, skipped, grad_norm, num_zeros = train_step(
@@ -221,10 +230,8 @@ class Trainer:
         """Evaluation and checkpoint saves stay out of the logged time per iteration and
         tokens/s (as later Megatron-LM releases do): they report training speed only."""
         self.timers("interval-time").stop()
-        try:
-            yield
-        finally:
-            self.timers("interval-time", log_level=0).start(barrier=True)
+        yield  # an exception propagates at once: no barrier a failed rank's peers never reach
+        self.timers("interval-time", log_level=0).start(barrier=True)
 
     def _should_exit(self, signal_handler) -> bool:
         """Megatron's three independent exit checks, in its order: signal, duration, interval.

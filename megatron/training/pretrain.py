@@ -157,8 +157,8 @@ def compute_train_iters(cfg: MegatronConfig) -> int:
 def build_scheduler(cfg: MegatronConfig, optimizer, train_iters: int) -> OptimizerParamScheduler:
     """Megatron's schedule lengths, counted in samples."""
     t, o = cfg.training, cfg.optimizer
-    if o.lr is None:
-        raise ValueError("--lr is required for training")
+    # --lr may be left out only with --skip-train (validation checks it): no step is taken.
+    max_lr = o.lr if o.lr is not None else o.min_lr
     gbs = t.global_batch_size
     if t.train_samples is None:
         decay_steps = (o.lr_decay_iters if o.lr_decay_iters is not None else train_iters) * gbs
@@ -171,7 +171,7 @@ def build_scheduler(cfg: MegatronConfig, optimizer, train_iters: int) -> Optimiz
         warmup_steps = o.lr_warmup_fraction * decay_steps if o.lr_warmup_fraction is not None \
             else o.lr_warmup_samples
     return OptimizerParamScheduler(
-        optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup_steps,
+        optimizer, max_lr=max_lr, min_lr=o.min_lr, lr_warmup_steps=warmup_steps,
         lr_decay_steps=max(decay_steps, 1), lr_decay_style=o.lr_decay_style,
         start_wd=o.start_weight_decay, end_wd=o.end_weight_decay,
         wd_incr_steps=max(wd_incr_steps, 1), wd_incr_style=o.weight_decay_incr_style,

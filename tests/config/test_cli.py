@@ -140,15 +140,27 @@ def test_impossible_combinations_name_the_flags(extra, world, flags, capsys):
         assert flag in err, (flag, err)
 
 
-def test_training_needs_a_length_unless_skip_train(capsys):
-    cfg = parse_args(BASE, validate_config=False)
+@pytest.mark.parametrize("extra,message", [
+    ([], "--train-iters or --train-samples"),
+    (["--train-iters", "3"], "--lr is required"),
+])
+def test_training_needs_a_length_and_lr(extra, message, capsys):
+    cfg = parse_args(BASE + extra, validate_config=False)
     with pytest.raises(SystemExit) as exc:
         validate_or_exit(cfg, 1, require_train_length=True)
     assert exc.value.code == 2
-    assert "--train-iters or --train-samples" in capsys.readouterr().err
-    for extra in (["--skip-train"], ["--train-iters", "3"], ["--train-samples", "30"]):
-        validate_or_exit(parse_args(BASE + extra, validate_config=False), 1,
-                         require_train_length=True)
+    assert message in capsys.readouterr().err
+
+
+def test_training_length_and_skip_train_accepted():
+    for extra in (["--train-iters", "3", "--lr", "1e-3"], ["--train-samples", "30", "--lr", "1"]):
+        cfg = parse_args(BASE + extra, validate_config=False)
+        validate_or_exit(cfg, 1, require_train_length=True)
+        assert cfg.checkpoint.no_load_optim is None
+    # Evaluation only: no length or --lr needed, and no optimizer state is loaded.
+    cfg = parse_args(BASE + ["--skip-train"], validate_config=False)
+    validate_or_exit(cfg, 1, require_train_length=True)
+    assert cfg.checkpoint.no_load_optim is True
 
 
 def test_missing_architecture_flag():

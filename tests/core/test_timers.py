@@ -73,3 +73,42 @@ def test_write_and_line_from_one_reduction():
     assert sorted(values) == ["fwd", "opt"]
     assert scalars == {f"{n}-time": (values[n][1], 5) for n in ("fwd", "opt")}
     assert line.startswith("(min, max) time across ranks (ms):\n    fwd ")
+
+
+def _timer_on_one_rank_only(rank, world_size):
+    timers = Timers(log_level=2)
+    timers("everywhere").start()
+    timers("everywhere").stop()
+    if rank == 1:  # e.g. only the ranks that load data time batch-generator
+        timers("somewhere", log_level=2).start()
+        time.sleep(0.02)
+        timers("somewhere").stop()
+    return timers.elapsed_ms(["everywhere", "somewhere", "nowhere"])
+
+
+def test_timer_missing_on_some_ranks_counts_where_it_ran():
+    results = run_distributed(2, _timer_on_one_rank_only)
+    assert results[0] == results[1]
+    assert sorted(results[0]) == ["everywhere", "somewhere"]
+    low, high = results[0]["somewhere"]
+    assert low == high and high > 15  # rank 1's value only, not a 0 from rank 0
+
+
+def test_interval_timer_paused_around_evaluation_and_saves(monkeypatch):
+    from megatron.core import timers as timers_module
+    from megatron.training.loop import Trainer
+
+    clock = [0.0]
+    monkeypatch.setattr(timers_module.time, "perf_counter", lambda: clock[0])
+    trainer = Trainer.__new__(Trainer)  # only its timers are used here
+    trainer.timers = Timers(log_level=0)
+    trainer.timers("interval-time", log_level=0).start()
+    clock[0] += 1.0  # a training step
+    with trainer._interval_timer_paused():
+        clock[0] += 100.0  # evaluation or a checkpoint save
+    clock[0] += 1.0
+    assert trainer.timers("interval-time").elapsed() == pytest.approx(2.0)
+    with pytest.raises(KeyError):  # an error inside propagates, the timer is not restarted
+        with trainer._interval_timer_paused():
+            raise KeyError("eval failed")
+    assert not trainer.timers("interval-time").started

@@ -160,7 +160,7 @@ def test_many_epochs_small_dataset(corpus, tmp_path):
 
 def test_split_too_small_for_one_sample_names_split_and_flag(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"the valid split of .*small holds 0 documents, 0 "
-                                         r"tokens.*--split \(now 1000,1,0\)"):
+                                         r"tokens: nothing to draw.*--split \(now 1000,1,0\)"):
         _gpt(corpus, tmp_path, prefix="small", num_samples=10, which=Split.valid,
              split="1000,1,0")
     assert not (tmp_path / "cache").exists()  # refused before any index build

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -14,8 +15,9 @@ def _build_on_every_rank(rank, world_size, cache_dir):
     built = []
 
     def build():
+        # Slow, so that a rank not waiting for rank 0 finds no files yet and builds too.
+        time.sleep(0.5)
         built.append(rank)
-        # Slow enough that a rank not waiting for rank 0 would find no files and build too.
         return {"a": np.arange(1000, dtype=np.int64) * 3, "b": np.full(7, rank, dtype=np.int32)}
 
     arrays = cached_arrays(cache_dir, "abc-GPTDataset-train", "{}", ["a", "b"], build)

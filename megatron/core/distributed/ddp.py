@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import comm
 from megatron.core.distributed.grad_buffer import GradBuffer
@@ -151,7 +150,7 @@ class DistributedDataParallel(_ModuleStateDict):
         group = self.data_parallel_group
         if comm.world_size(group) == 1:
             return
-        src = dist.get_global_rank(group, 0)
+        src = comm.global_rank(group, 0)
         for param in self.module.parameters():
             comm.broadcast(param.data, src, group)
 

@@ -47,14 +47,14 @@ class _TimedIterator:
 def _forward_step(forward_step_func: ForwardStepFunc, data_iterator, model,
                   num_microbatches: int, store: list, collect_non_loss_data: bool,
                   timers: Timers | None = None) -> torch.Tensor:
-    with timed(timers, "forward-compute", 2):
+    with timed(timers, "forward-compute", 2):  # the loss function included, as Megatron's
         output_tensor, loss_func = forward_step_func(data_iterator, model)
-    if collect_non_loss_data:
-        store.append(loss_func(output_tensor, non_loss_data=True))
-        return output_tensor
-    loss, reduced = loss_func(output_tensor)
-    store.append(reduced)
-    return loss / num_microbatches
+        if collect_non_loss_data:
+            store.append(loss_func(output_tensor, non_loss_data=True))
+            return output_tensor
+        loss, reduced = loss_func(output_tensor)
+        store.append(reduced)
+        return loss / num_microbatches
 
 
 def _backward_step(loss: torch.Tensor, grad_scale_func: Callable | None,

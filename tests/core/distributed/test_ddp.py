@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron.config.optimizer import MixedPrecisionConfig
 from megatron.core import parallel_state
 from megatron.core.distributed.grad_buffer import compute_layout
 from tests.core.distributed import tiny_model
@@ -54,6 +56,32 @@ def test_dp_equals_single_process(world_size):
         for name, (loss_diff, param_diff) in rank_result.items():
             assert loss_diff < 1e-5, (name, loss_diff)
             assert param_diff < 1e-5, (name, param_diff)
+
+
+def _check_fp16_without_contiguous_buffers(rank, world_size):
+    # The non-contiguous path reduces param.grad (fp16 here) through a flattened copy, dividing
+    # before the sum; it must take the same steps as the buffer path (same fp16 grads summed).
+    parallel_state.initialize_model_parallel()
+    dp = parallel_state.get_data_parallel_group()
+    single = parallel_state.get_model_parallel_group()
+    precision = MixedPrecisionConfig(fp16=True, initial_loss_scale=1024.0)
+    out = []
+    for contiguous in (True, False):
+        ddp, opt = tiny_model.build(dp, single, dtype=torch.float16, precision=precision,
+                                    contiguous=contiguous)
+        losses, results = tiny_model.train(ddp, opt, STEPS, dp)
+        out.append((losses, [r[0] for r in results], ddp.module))
+    (ref_losses, ref_ok, ref_model), (losses, ok, model) = out
+    return (max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            tiny_model.max_param_diff(model, ref_model), ref_ok, ok)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp16_without_contiguous_buffers_equals_buffers(world_size):
+    for loss_diff, param_diff, ref_ok, ok in run_distributed(world_size,
+                                                             _check_fp16_without_contiguous_buffers):
+        assert ok == ref_ok and all(ok)  # no overflow at this scale: every step taken
+        assert loss_diff < 1e-3 and param_diff < 1e-3, (loss_diff, param_diff)
 
 
 def _check_torch_ddp(rank, world_size):
