@@ -24,7 +24,7 @@ def accelerator_available() -> bool:
 def get_device() -> torch.device:
     """The device this process computes on: its local CUDA device, or the CPU."""
     if accelerator_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device())  # cuda-only
     return torch.device("cpu")
 
 
@@ -36,7 +36,7 @@ def default_backend() -> str:
 def synchronize() -> None:
     """Wait for queued device work (a no-op on the CPU); used by timers."""
     if accelerator_available():
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # cuda-only
 
 
 def empty_cache() -> None:

@@ -9,13 +9,13 @@ steps with :func:`timed`, which does nothing without one.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
-from megatron.core import device
+from megatron.core import comm, device
 
 
 class Timer:
@@ -30,8 +30,8 @@ class Timer:
     def start(self, barrier: bool = False) -> None:
         if self._started:
             raise RuntimeError(f"timer {self.name!r} has already been started")
-        if barrier and dist.is_initialized():
-            dist.barrier()
+        if barrier:
+            comm.barrier()
         device.synchronize()
         self._start_time = time.perf_counter()
         self._started = True
@@ -39,8 +39,8 @@ class Timer:
     def stop(self, barrier: bool = False) -> None:
         if not self._started:
             raise RuntimeError(f"timer {self.name!r} is not started")
-        if barrier and dist.is_initialized():
-            dist.barrier()
+        if barrier:
+            comm.barrier()
         device.synchronize()
         self._elapsed += time.perf_counter() - self._start_time
         self._started = False
@@ -104,6 +104,10 @@ class Timers:
     def names(self) -> list[str]:
         return list(self._timers)
 
+    def active(self, log_level: int) -> bool:
+        """Whether timers of ``log_level`` record (``--timing-log-level`` is at least that)."""
+        return log_level <= self.log_level
+
     def elapsed_ms(self, names: list[str], normalizer: float = 1.0,
                    reset: bool = True) -> dict[str, tuple[float, float]]:
         """Per timer (min over ranks, max over ranks) in milliseconds.
@@ -114,16 +118,17 @@ class Timers:
         Compute the values once, then hand them to :meth:`format_values` and
         :meth:`write_values`, which do no communication.
         """
-        inf = float("inf")
+        # One MAX reduction gives both: [values, -values], missing timers as -inf.
         mine = [self._timers[n].elapsed(reset) * 1000.0 / normalizer if n in self._timers
                 else None for n in names]
-        high = torch.tensor([-inf if v is None else v for v in mine], dtype=torch.float64)
-        low = torch.tensor([inf if v is None else v for v in mine], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        values = torch.tensor([-math.inf if v is None else v for v in mine], dtype=torch.float64)
+        negated = torch.tensor([-math.inf if v is None else -v for v in mine],
+                               dtype=torch.float64)
+        both = torch.cat([values, negated])
+        comm.all_reduce(both, None, "max")
+        high, low = both[:len(names)], -both[len(names):]
         return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)
-                if high[i] > -inf}
+                if high[i] > -math.inf}
 
     def format_values(self, values: dict[str, tuple[float, float]]) -> str:
         """Megatron's timer line from :meth:`elapsed_ms` values: ``(min, max) time across ranks

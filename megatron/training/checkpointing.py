@@ -340,12 +340,13 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
         if rng_states is not None:
             sd["rng_state"] = rng_states
         _atomic_torch_save(sd, name)
-        # The renames (and the new mp_rank / iter directories) must be durable before the
-        # tracker can point at them.
-        for directory in (name.parent, name.parent.parent, root):
-            _fsync_dir(directory)
+        _fsync_dir(name.parent)  # this shard's renames are durable
     comm.barrier()
     if dist.get_rank() == 0 if dist.is_initialized() else True:
+        # Once, after every shard is in: the new mp_rank / iter directories are durable before
+        # the tracker can point at them.
+        for directory in (name.parent.parent, root):
+            _fsync_dir(directory)
         _atomic_write(lambda tmp: tmp.write_text(str(iteration)),
                       get_checkpoint_tracker_filename(root))
         _fsync_dir(root)

@@ -165,7 +165,6 @@ class Trainer:
         self.writer = writer
         self.acc = _LogAccumulator()
         self.start_time = time.time() if start_time is None else start_time
-        self._iters_since_log = 0
 
     def save(self) -> None:
         s = self.state
@@ -208,7 +207,6 @@ class Trainer:
                               "grad norm": grad_norm if grad_norm is not None else float("nan"),
                               "learning rate": self._learning_rate(),
                               "global batch size": float(batch)})
-            self._iters_since_log += 1
             self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
             if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
                     and valid_iterator is not None and cfg.training.eval_iters > 0:
@@ -271,10 +269,9 @@ class Trainer:
                 tokens_per_sec=None, tflops=None, world_size=cfg.world_size)
         if s.iteration % cfg.logging.log_interval != 0:
             return
-        # Megatron divides by the iterations run since the last log line, which is fewer than
-        # --log-interval on the first line after a resume from a non-multiple iteration.
-        iters = max(1, self._iters_since_log)
-        self._iters_since_log = 0
+        # Megatron divides by the iterations run since the last log line (advanced + skipped),
+        # fewer than --log-interval on the first line after a resume from a non-multiple.
+        iters = max(1, self.acc.advanced + self.acc.skipped)
         elapsed = self.timers("interval-time").elapsed(reset=True) / iters
         tokens_per_sec = batch * cfg.data.seq_length / elapsed if elapsed > 0 else 0.0
         tflops = None

@@ -41,7 +41,8 @@ import torch
 
 from megatron.core import comm
 from megatron.core.distributed.grad_buffer import Bucket, GradBuffer, compute_layout
-from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_param_attributes
+from megatron.core.optimizer.optimizer import (MegatronOptimizer, copy_param_attributes,
+                                               merged_param_group)
 
 
 @dataclasses.dataclass
@@ -205,10 +206,9 @@ class DistributedOptimizer(MegatronOptimizer):
         if len(saved) != len(inner["param_groups"]):
             raise ValueError(f"the checkpoint has {len(saved)} optimizer param groups, this model "
                              f"{len(inner['param_groups'])}")
-        # Options missing from the saved groups (apex FusedAdam has no decoupled_weight_decay,
-        # foreach...) keep this optimizer's values, as in adapt_torch_state_dict.
-        groups = [{**g, **{k: v for k, v in s.items() if k not in ("step", "params")}}
-                  for s, g in zip(saved, inner["param_groups"])]
+        # The saved 'step' is the optimizer's step count (below), not a group option.
+        groups = [{k: v for k, v in merged_param_group(g, s, keep=("params",)).items()
+                   if k != "step"} for s, g in zip(saved, inner["param_groups"])]
         self._num_steps = int(saved[0].get("step", 0)) if saved else 0
         state = {}
         if self._num_steps > 0:

@@ -49,6 +49,16 @@ def model_grad(param: torch.Tensor) -> torch.Tensor | None:
     return grad if grad is not None else param.grad
 
 
+def merged_param_group(mine: dict[str, Any], saved: dict[str, Any],
+                       keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A saved param group over this optimizer's own: options the saved group lacks (apex
+    ``FusedAdam`` has no ``fused``, ``foreach``, ``decoupled_weight_decay``...) keep ``mine``'s
+    values instead of torch's load-time defaults; ``keep`` names keys always taken from
+    ``mine``."""
+    return {**{k: v for k, v in mine.items() if k != "params" or "params" in keep},
+            **{k: v for k, v in saved.items() if k not in keep}}
+
+
 def adapt_torch_state_dict(optimizer: torch.optim.Optimizer,
                            state_dict: dict[str, Any]) -> dict[str, Any]:
     """A saved torch optimizer state dict, made loadable into ``optimizer`` (a new dict).
@@ -61,10 +71,8 @@ def adapt_torch_state_dict(optimizer: torch.optim.Optimizer,
     the fused CPU kernel chosen at build time).
     """
     current = optimizer.param_groups
-    groups = []
-    for index, saved in enumerate(state_dict.get("param_groups", [])):
-        mine = current[index] if index < len(current) else {}
-        groups.append({**{k: v for k, v in mine.items() if k != "params"}, **saved})
+    groups = [merged_param_group(current[i] if i < len(current) else {}, saved)
+              for i, saved in enumerate(state_dict.get("param_groups", []))]
     state = {key: dict(value) for key, value in state_dict.get("state", {}).items()}
     for group in groups:
         if "step" not in group:

@@ -88,6 +88,8 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc,
         model = model[0]
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
+    if timers is not None and not timers.active(2):
+        timers = None  # nothing to record: no per-micro-batch timing work
     if timers is not None and data_iterator is not None:
         data_iterator = _TimedIterator(data_iterator, timers)
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
