@@ -21,10 +21,9 @@ import sys
 
 import torch
 
-from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.multiprocess import run_distributed
 
 HIDDEN, LAYERS = 256, 4
@@ -77,11 +76,10 @@ def _measure(rank: int, world_size: int, dtype: torch.dtype, fp32_grads: bool,
     ddp = DistributedDataParallel(_model(dtype), data_parallel_group=dp,
                                   accumulate_allreduce_grads_in_fp32=fp32_grads,
                                   overlap_grad_reduce=False, use_distributed_optimizer=distributed)
-    precision = MixedPrecisionConfig(fp16=dtype == torch.float16, loss_scale=1.0)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3), precision, [ddp],
-                                 use_distributed_optimizer=distributed, params_dtype=dtype,
-                                 data_parallel_group=dp,
-                                 model_parallel_group=parallel_state.get_model_parallel_group())
+    config = OptimizerConfig(lr=1e-3, fp16=dtype == torch.float16, loss_scale=1.0,
+                             params_dtype=dtype, use_distributed_optimizer=distributed)
+    opt = get_megatron_optimizer(config, [ddp], dp_group=dp,
+                                 mp_group=parallel_state.get_model_parallel_group())
     _backward(ddp, opt, dtype)
     assert opt.step()[0], "the measuring step was skipped"
     _backward(ddp, opt, dtype)

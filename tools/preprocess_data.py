@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.base import add_section, build_section  # noqa: E402
-from megatron.config.data import TokenizerConfig  # noqa: E402
+from megatron.tokenizer.config import TokenizerConfig  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype)
 from megatron.tokenizer import create_tokenizer  # noqa: E402

@@ -6,12 +6,13 @@ the parser and validation load it on first use.
 """
 
 from megatron.config.checkpoint import CheckpointConfig
-from megatron.config.data import DataConfig, TokenizerConfig
+from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
 from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
+from megatron.tokenizer.config import TokenizerConfig
 
 __all__ = [
     "CheckpointConfig", "DataConfig", "LoggingConfig", "MegatronConfig", "MixedPrecisionConfig",

@@ -12,12 +12,13 @@ import torch
 
 from megatron.config.base import add_section, build_section
 from megatron.config.checkpoint import CheckpointConfig
-from megatron.config.data import DataConfig, TokenizerConfig
+from megatron.config.data import DataConfig
 from megatron.config.logging import LoggingConfig
 from megatron.config.model import ModelConfig
 from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
+from megatron.tokenizer.config import TokenizerConfig
 
 # (attribute of MegatronConfig, section class, --help group title)
 SECTIONS: tuple[tuple[str, type, str], ...] = (

@@ -1,4 +1,4 @@
-"""Dataset and tokenizer flags."""
+"""Dataset flags (the tokenizer section is megatron.tokenizer.config.TokenizerConfig)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,6 @@ import dataclasses
 from typing import Literal
 
 from megatron.config.base import spec
-
-TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
-                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
-                   "NullTokenizer")
-
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
@@ -65,21 +60,3 @@ class DataConfig:
     mask; only valid without --reset-attention-mask)."""
     mmap_bin_files: bool = spec(True, flag="--no-mmap-bin-files")
     """Read the .bin files with plain file reads instead of mmap."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class TokenizerConfig:
-    """Which tokenizer turns text into ids, and its files."""
-
-    tokenizer_type: str | None = spec(None, choices=TOKENIZER_TYPES)
-    """Tokenizer kind."""
-    vocab_file: str | None = None
-    """Vocabulary file (GPT-2 vocab.json, BERT vocab.txt)."""
-    merge_file: str | None = None
-    """BPE merges file (GPT-2 merges.txt)."""
-    vocab_size: int | None = None
-    """Vocabulary size of the NullTokenizer."""
-    vocab_extra_ids: int = 0
-    """Extra sentinel tokens added to the vocabulary (T5)."""
-    tokenizer_model: str | None = None
-    """SentencePiece model file, or a HuggingFace tokenizer.json / directory."""

@@ -377,12 +377,12 @@ def _check_data(cfg) -> None:
 
 def _check_tokenizer(cfg) -> None:
     """Every file (or size) the --tokenizer-type needs is given, and the files exist."""
-    from megatron.tokenizer.build import _NEEDS  # the builder's own table, so the two agree
+    from megatron.tokenizer.config import REQUIRED_FIELDS  # the builder's table: both agree
 
     tok = cfg.tokenizer
     if tok.tokenizer_type is None:
         return
-    for name in _NEEDS.get(tok.tokenizer_type, ()):
+    for name in REQUIRED_FIELDS.get(tok.tokenizer_type, ()):
         flag, value = "--" + name.replace("_", "-"), getattr(tok, name)
         if value is None:
             raise ValueError(f"--tokenizer-type {tok.tokenizer_type} needs {flag}")

@@ -7,5 +7,7 @@ tokenizer.json), sentencepiece.
 
 from megatron.tokenizer.base import AbstractTokenizer
 from megatron.tokenizer.build import build_tokenizer, create_tokenizer, vocab_size_with_padding
+from megatron.tokenizer.config import TokenizerConfig
 
-__all__ = ["AbstractTokenizer", "build_tokenizer", "create_tokenizer", "vocab_size_with_padding"]
+__all__ = ["AbstractTokenizer", "TokenizerConfig", "build_tokenizer", "create_tokenizer",
+           "vocab_size_with_padding"]

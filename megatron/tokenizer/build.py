@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import os
 
-from megatron.config.data import TokenizerConfig
 from megatron.core.log import log_rank_0
 from megatron.tokenizer.base import AbstractTokenizer
-
-_NEEDS = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "BertWordPieceLowerCase": ("vocab_file",),
-    "BertWordPieceCase": ("vocab_file",),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "HuggingFaceTokenizer": ("tokenizer_model",),
-    "NullTokenizer": ("vocab_size",),
-}
-_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
+from megatron.tokenizer.config import FILE_FIELDS, REQUIRED_FIELDS, TokenizerConfig
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
@@ -44,15 +33,15 @@ def create_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
             file does not exist or cannot be read (naming the flag and the path).
     """
     kind = cfg.tokenizer_type
-    if kind not in _NEEDS:
-        raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {list(_NEEDS)}")
-    for field in _NEEDS[kind]:
+    if kind not in REQUIRED_FIELDS:
+        raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {list(REQUIRED_FIELDS)}")
+    for field in REQUIRED_FIELDS[kind]:
         if getattr(cfg, field) is None:
             raise ValueError(f"--tokenizer-type {kind} needs --{field.replace('_', '-')}")
-    for field in _NEEDS[kind]:
+    for field in REQUIRED_FIELDS[kind]:
         flag, value = f"--{field.replace('_', '-')}", getattr(cfg, field)
         # HuggingFaceTokenizer checks its own path (a file or a directory).
-        if field in _FILE_FLAGS and kind != "HuggingFaceTokenizer" and not os.path.isfile(value):
+        if field in FILE_FIELDS and kind != "HuggingFaceTokenizer" and not os.path.isfile(value):
             what = "is a directory, not a file" if os.path.isdir(value) else "does not exist"
             raise ValueError(f"{flag} {value} {what} (--tokenizer-type {kind})")
     try:

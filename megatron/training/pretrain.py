@@ -18,6 +18,7 @@ import torch
 
 from megatron.config import MegatronConfig
 from megatron.config.cli import ExtraArgsProvider
+from megatron.config.core_configs import optimizer_config
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.log import log_rank_0
@@ -51,13 +52,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     tokenizer = tokenizer_builder(cfg) if tokenizer_builder is not None else None
     model = build_model(cfg, model_provider)
     optimizer = get_megatron_optimizer(
-        cfg.optimizer, cfg.precision, model,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        params_dtype=cfg.params_dtype,
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        model_parallel_group=parallel_state.get_model_parallel_group(),
-        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, timers=timers,
-        barrier_with_l1_time=cfg.logging.barrier_with_L1_time)
+        optimizer_config(cfg), model, dp_group=parallel_state.get_data_parallel_group(),
+        mp_group=parallel_state.get_model_parallel_group(), timers=timers)
     train_iters = compute_train_iters(cfg)
     scheduler = build_scheduler(cfg, optimizer, train_iters)
     state = TrainState()

@@ -7,7 +7,7 @@ import json
 import pytest
 import sentencepiece
 
-from megatron.config.data import TokenizerConfig
+from megatron.tokenizer.config import TokenizerConfig
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.tokenizer.huggingface import HuggingFaceTokenizer
 from megatron.tokenizer.null import NullTokenizer

@@ -3,12 +3,9 @@
 Entry point::
 
     optimizer = get_megatron_optimizer(
-        cfg.optimizer, cfg.precision, model_chunks,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        params_dtype=cfg.params_dtype,
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        model_parallel_group=parallel_state.get_model_parallel_group(),
-        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad)
+        OptimizerConfig(lr=3e-4, bf16=True, params_dtype=torch.bfloat16), model_chunks,
+        dp_group=parallel_state.get_data_parallel_group(),
+        mp_group=parallel_state.get_model_parallel_group())
 
 Which class (as Megatron-LM 23.06 picks):
 
@@ -33,9 +30,9 @@ from typing import Any
 
 import torch
 
-from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.core import comm, parallel_state
 from megatron.core.log import get_logger
+from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
@@ -43,7 +40,8 @@ from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.timers import Timers
 
 __all__ = ["ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer",
-           "Float16OptimizerWithFloat16Params", "MegatronOptimizer", "get_megatron_optimizer",
+           "Float16OptimizerWithFloat16Params", "MegatronOptimizer", "OptimizerConfig",
+           "get_megatron_optimizer",
            "get_param_groups"]
 
 
@@ -91,63 +89,48 @@ def _build_torch_optimizer(config: OptimizerConfig,
         return torch.optim.AdamW(groups, **kwargs)
 
 
-def _build_grad_scaler(precision: MixedPrecisionConfig) -> ConstantGradScaler | None:
-    if not precision.fp16:
+def _build_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | None:
+    if not config.fp16:
         return None  # bf16 has fp32's range: no loss scaling
-    if precision.loss_scale is not None:
-        return ConstantGradScaler(precision.loss_scale)
-    return DynamicGradScaler(initial_scale=precision.initial_loss_scale,
-                             min_scale=precision.min_loss_scale,
-                             growth_interval=int(precision.loss_scale_window),
-                             hysteresis=precision.hysteresis)
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(initial_scale=config.initial_loss_scale,
+                             min_scale=config.min_loss_scale,
+                             growth_interval=int(config.loss_scale_window),
+                             hysteresis=config.hysteresis)
 
 
-def get_megatron_optimizer(optimizer_config: OptimizerConfig,
-                           precision_config: MixedPrecisionConfig,
-                           model_chunks: list[torch.nn.Module], *,
-                           use_distributed_optimizer: bool, params_dtype: torch.dtype,
-                           data_parallel_group: comm.ProcessGroup | None,
-                           model_parallel_group: comm.ProcessGroup | None,
-                           log_num_zeros_in_grad: bool = False,
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module], *,
+                           dp_group: comm.ProcessGroup, mp_group: comm.ProcessGroup,
                            tensor_model_parallel_rank: int | None = None,
-                           timers: Timers | None = None,
-                           barrier_with_l1_time: bool = False) -> MegatronOptimizer:
+                           timers: Timers | None = None) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (module docstring says which class).
 
     Args:
-        optimizer_config: ``--optimizer``, ``--lr``, ``--weight-decay``, ``--clip-grad``,
-            ``--adam-*``, ``--sgd-momentum``.
-        precision_config: ``--fp16``/``--bf16`` and the loss-scale flags.
+        config: optimizer hyper-parameters, precision and loss scaling.
         model_chunks: the DDP-wrapped model chunks of this rank.
-        use_distributed_optimizer: shard main params and state over ``data_parallel_group``.
-        params_dtype: dtype of the model params (checked against the precision flags).
-        data_parallel_group: the DP group (sharding, and the norm with the distributed optimizer).
-        model_parallel_group: the TP x PP group norms and inf flags are reduced over.
-        log_num_zeros_in_grad: count zero gradient elements each step.
+        dp_group: the data-parallel group (sharding, and the norm with the distributed
+            optimizer).
+        mp_group: the model-parallel (TP x PP) group norms and inf flags are reduced over.
         tensor_model_parallel_rank: TP rank for the duplicate filter of the norm; read from
             ``parallel_state`` when None.
         timers: times the parts of each step (Megatron's level-1 optimizer timers).
-        barrier_with_l1_time: ``--barrier-with-L1-time`` for those timers.
 
     Raises:
-        ValueError: an unknown optimizer, or a precision flag that contradicts ``params_dtype``.
+        ValueError: an unknown optimizer.
     """
-    half = precision_config.fp16 or precision_config.bf16
-    if half != (params_dtype in (torch.float16, torch.bfloat16)):
-        raise ValueError(f"params dtype {params_dtype} does not match --fp16 "
-                         f"({precision_config.fp16}) / --bf16 ({precision_config.bf16})")
     if tensor_model_parallel_rank is None:
         tensor_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
-    groups = get_param_groups(model_chunks, optimizer_config.weight_decay)
-    factory = functools.partial(_build_torch_optimizer, optimizer_config)
-    common = dict(clip_grad=optimizer_config.clip_grad,
-                  log_num_zeros_in_grad=log_num_zeros_in_grad,
-                  grad_scaler=_build_grad_scaler(precision_config),
-                  model_parallel_group=model_parallel_group,
+    groups = get_param_groups(model_chunks, config.weight_decay)
+    factory = functools.partial(_build_torch_optimizer, config)
+    common = dict(clip_grad=config.clip_grad,
+                  log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+                  grad_scaler=_build_grad_scaler(config),
+                  model_parallel_group=mp_group,
                   tensor_model_parallel_rank=tensor_model_parallel_rank,
-                  timers=timers, barrier_with_l1_time=barrier_with_l1_time)
-    if use_distributed_optimizer:
-        return DistributedOptimizer(groups, factory, model_chunks, data_parallel_group, **common)
-    if half:
+                  timers=timers, barrier_with_l1_time=config.barrier_with_L1_time)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(groups, factory, model_chunks, dp_group, **common)
+    if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(groups, factory, **common)
     return FP32Optimizer(factory(groups), **common)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.config.optimizer import MixedPrecisionConfig
 from megatron.core import parallel_state
 from megatron.core.distributed.grad_buffer import compute_layout
 from tests.core.distributed import tiny_model
@@ -64,7 +63,7 @@ def _check_fp16_without_contiguous_buffers(rank, world_size):
     parallel_state.initialize_model_parallel()
     dp = parallel_state.get_data_parallel_group()
     single = parallel_state.get_model_parallel_group()
-    precision = MixedPrecisionConfig(fp16=True, initial_loss_scale=1024.0)
+    precision = dict(fp16=True, initial_loss_scale=1024.0)
     out = []
     for contiguous in (True, False):
         ddp, opt = tiny_model.build(dp, single, dtype=torch.float16, precision=precision,

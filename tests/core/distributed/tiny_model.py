@@ -7,11 +7,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.core import comm
 from megatron.core.distributed import (DistributedDataParallel, TorchDistributedDataParallel,
                                         finalize_model_grads)
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 VOCAB, HIDDEN, SEQ = 16, 8, 4
 
@@ -59,13 +58,11 @@ def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=Fal
                                       overlap_grad_reduce=overlap,
                                       use_distributed_optimizer=distopt, bucket_size=bucket_size,
                                       use_contiguous_buffers=contiguous)
-    precision = precision or MixedPrecisionConfig(bf16=dtype == torch.bfloat16,
-                                                  fp16=dtype == torch.float16)
-    opt = get_megatron_optimizer(
-        OptimizerConfig(lr=lr, clip_grad=clip, weight_decay=0.1, optimizer=optimizer),
-        precision, [ddp], use_distributed_optimizer=distopt, params_dtype=dtype,
-        data_parallel_group=dp_group, model_parallel_group=mp_group,
-        tensor_model_parallel_rank=0)
+    precision = precision or dict(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    config = OptimizerConfig(lr=lr, clip_grad=clip, weight_decay=0.1, optimizer=optimizer,
+                             params_dtype=dtype, use_distributed_optimizer=distopt, **precision)
+    opt = get_megatron_optimizer(config, [ddp], dp_group=dp_group, mp_group=mp_group,
+                                 tensor_model_parallel_rank=0)
     return ddp, opt
 
 

@@ -6,10 +6,9 @@ import math
 
 import torch
 
-from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import DynamicGradScaler, get_megatron_optimizer
+from megatron.core.optimizer import DynamicGradScaler, OptimizerConfig, get_megatron_optimizer
 from tests.core.distributed import tiny_model
 from tests.multiprocess import run_distributed
 
@@ -48,8 +47,8 @@ def _check_loss_scaling(rank, world_size):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         dp = parallel_state.get_data_parallel_group()
         mp = parallel_state.get_model_parallel_group()
-        precision = MixedPrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 10,
-                                         min_loss_scale=1.0, loss_scale_window=3, hysteresis=2)
+        precision = dict(fp16=True, initial_loss_scale=2.0 ** 10, min_loss_scale=1.0,
+                         loss_scale_window=3, hysteresis=2)
         ddp, opt = tiny_model.build(dp, mp, dtype=torch.float16, distopt=distopt,
                                     precision=precision, lr=1e-3)
         scales, changed, ok = [], [], []
@@ -67,7 +66,7 @@ def _check_loss_scaling(rank, world_size):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     dp, mp = parallel_state.get_data_parallel_group(), parallel_state.get_model_parallel_group()
     ddp, opt = tiny_model.build(dp, mp, dtype=torch.float16,
-                                precision=MixedPrecisionConfig(fp16=True, loss_scale=128.0))
+                                precision=dict(fp16=True, loss_scale=128.0))
     _, results = tiny_model.train(ddp, opt, 3, dp, before_step=_inject_inf_on_rank_1({1}))
     out["constant"] = dict(ok=[r[0] for r in results], scale=opt.get_loss_scale().item())
     return out
@@ -123,10 +122,9 @@ def _check_clip(rank, world_size):
                                       use_distributed_optimizer=distopt)
         opt = get_megatron_optimizer(
             OptimizerConfig(lr=1.0, clip_grad=0.5, optimizer="sgd", sgd_momentum=0.0,
-                            weight_decay=0.0),
-            MixedPrecisionConfig(), [ddp], use_distributed_optimizer=distopt,
-            params_dtype=torch.float32, data_parallel_group=dp, model_parallel_group=mp,
-            log_num_zeros_in_grad=True)
+                            weight_decay=0.0, use_distributed_optimizer=distopt,
+                            log_num_zeros_in_grad=True),
+            [ddp], dp_group=dp, mp_group=mp)
         ddp.zero_grad_buffer()
         ddp().backward()
         ddp.finish_grad_sync()

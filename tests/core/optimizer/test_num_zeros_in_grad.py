@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.config.optimizer import MixedPrecisionConfig, OptimizerConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.multiprocess import run_distributed
 
 VOCAB, DIM = 8, 3
@@ -71,10 +70,10 @@ def _count(rank, world_size):
                                           overlap_grad_reduce=False,
                                           use_distributed_optimizer=distopt)
             opt = get_megatron_optimizer(
-                OptimizerConfig(lr=0.1, clip_grad=1.0, weight_decay=0.0),
-                MixedPrecisionConfig(bf16=dtype == torch.bfloat16), [ddp],
-                use_distributed_optimizer=distopt, params_dtype=dtype, data_parallel_group=dp,
-                model_parallel_group=mp, log_num_zeros_in_grad=True)
+                OptimizerConfig(lr=0.1, clip_grad=1.0, weight_decay=0.0,
+                                bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                                use_distributed_optimizer=distopt, log_num_zeros_in_grad=True),
+                [ddp], dp_group=dp, mp_group=mp)
             counts = []
             for _ in range(2):  # the second step's count is not polluted by the first
                 ddp.zero_grad_buffer()

@@ -1,0 +1,62 @@
+"""The lower layers' configs, filled from the validated flags by copying fields by name.
+
+Each layer below the CLI owns the typed config it consumes (``megatron.core.optimizer``,
+``megatron.core.distributed``, ``megatron.core.transformer``, ``megatron.tokenizer``,
+``megatron.data``). Their fields carry the flags' names, so one generic copy maps a validated
+:class:`~megatron.config.cli.MegatronConfig` onto any of them; only values whose name or form
+differs are passed explicitly. Nothing below this package imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# MegatronConfig attributes that are sections (searched for fields) rather than derived values.
+_SECTION_ATTRS = ("model", "parallel", "training", "optimizer", "precision", "data", "tokenizer",
+                  "checkpoint", "logging")
+
+
+def flag_values(cfg) -> dict[str, Any]:
+    """Every flag value and derived value of ``cfg`` by field name.
+
+    Raises:
+        AssertionError: two sections declare the same field name (the copy would be ambiguous).
+    """
+    values: dict[str, Any] = {}
+    for attr in _SECTION_ATTRS:
+        for f in dataclasses.fields(getattr(cfg, attr)):
+            assert f.name not in values, f"field {f.name!r} is declared by two flag sections"
+            values[f.name] = getattr(getattr(cfg, attr), f.name)
+    for f in dataclasses.fields(cfg):
+        if f.name not in _SECTION_ATTRS and not f.init:
+            values[f.name] = getattr(cfg, f.name)  # derived by validate()
+    return values
+
+
+def unmapped_fields(cls: type, cfg) -> list[str]:
+    """Fields of ``cls`` that no flag or derived value of ``cfg`` provides (tests keep this
+    list to the fields each builder passes explicitly)."""
+    values = flag_values(cfg)
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values]
+
+
+def from_flags(cls: type[T], cfg, **explicit: Any) -> T:
+    """``cls(...)`` with every init field copied by name from ``cfg``; ``explicit`` wins.
+
+    Fields that no flag provides keep ``cls``'s default.
+    """
+    values = flag_values(cfg)
+    kwargs = {f.name: values[f.name] for f in dataclasses.fields(cls)
+              if f.init and f.name in values}
+    kwargs.update(explicit)
+    return cls(**kwargs)
+
+
+def optimizer_config(cfg):
+    """The optimizer layer's config (hyper-parameters, precision, loss scaling, sharding)."""
+    from megatron.core.optimizer.config import OptimizerConfig
+
+    return from_flags(OptimizerConfig, cfg)
