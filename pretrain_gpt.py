@@ -14,11 +14,11 @@ import functools
 
 import torch
 
+from megatron.config.datasets import gpt_dataset_config
 from megatron.core import comm, device, parallel_state
-from megatron.core.flops import num_floating_point_operations
-from megatron.core.models.gpt import gpt_model_from
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
-from megatron.training.initialize import build_tokenizer_from_config
+from megatron.training.models import gpt_flops_per_sample, gpt_model_from
+from megatron.training import fault
 from megatron.training.pretrain import pretrain
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -31,7 +31,8 @@ def model_provider(cfg, pre_process: bool = True, post_process: bool = True) -> 
 
 def datasets_provider(cfg, tokenizer, num_samples: list[int]):
     """GPT train/valid/test datasets (Megatron-Core GPTDataset indices)."""
-    return build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, cfg.model.seed)
+    config = gpt_dataset_config(cfg.data, tokenizer, cfg.model.seed)
+    return build_train_valid_test_datasets(config, num_samples)
 
 
 def get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
@@ -63,9 +64,10 @@ def forward_step(data_iterator, model):
 
 def flops_per_sample(cfg) -> float:
     """Model FLOPs of one training sample (forward + backward; recomputation not counted)."""
-    return num_floating_point_operations(cfg, batch_size=1)
+    return gpt_flops_per_sample(cfg)
 
 
 if __name__ == "__main__":
-    pretrain(datasets_provider, model_provider, forward_step, flops_per_sample=flops_per_sample,
-             tokenizer_builder=build_tokenizer_from_config)
+    # Any error ends this rank at once (loader workers and all) and stops the other ranks.
+    fault.run_rank(lambda: pretrain(datasets_provider, model_provider, forward_step,
+                                    flops_per_sample=flops_per_sample))

@@ -5,11 +5,13 @@
         --prompt "It was a dark and stormy night" --num-tokens-to-generate 40 --top_p 0.9
 
 The tensor-parallel size must match the checkpoint's (--use-checkpoint-args takes it, and the
-architecture, from the checkpoint: launch that many processes).
+architecture, from the checkpoint: launch that many processes). Without a checkpoint the tool
+refuses to run, unless --random-weights asks for untrained weights (smoke tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -17,47 +19,124 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron.config import parse_args  # noqa: E402
+from megatron.config.base import spec  # noqa: E402
 from megatron.core import device  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
-from megatron.core.models.gpt import gpt_model_from  # noqa: E402
-from megatron.text_generation import generate_text  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.text_generation import (  # noqa: E402
+    check_generation_lengths, check_sampling_options, generate_tokens)
+from megatron.training.checkpointing import (  # noqa: E402
+    get_checkpoint_tracker_filename, load_checkpoint)
 from megatron.training.initialize import (  # noqa: E402
     build_tokenizer_from_config, initialize_megatron)
+from megatron.training.models import gpt_model_from  # noqa: E402
+
+_PROG = "tools/generate.py"
 
 
-def add_generation_args(parser):
-    group = parser.add_argument_group("text generation")
-    group.add_argument("--prompt", action="append", default=None,
-                       help="Prompt to continue (repeat the flag for several prompts).")
-    group.add_argument("--num-tokens-to-generate", type=int, default=30,
-                       help="Tokens to generate per prompt.")
-    group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
-    group.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off, 1 = greedy).")
-    group.add_argument("--top_p", type=float, default=0.0, help="Top-p sampling (0 = off).")
-    group.add_argument("--greedy", action="store_true", help="Greedy decoding.")
-    group.add_argument("--random-seed", type=int, default=1234, help="Sampling seed.")
-    return parser
+@dataclasses.dataclass(kw_only=True)
+class GenerationFlags:
+    """What to generate and how to sample."""
+
+    prompt: list[str] | None = spec(None, repeat=True)
+    """Prompt to continue (repeat the flag for several prompts)."""
+    num_tokens_to_generate: int = 30
+    """Tokens to generate per prompt (>= 0; the prompt plus these must fit
+    --max-position-embeddings)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_k: int = spec(0, flag="--top_k")
+    """Top-k sampling (0 = off, 1 = greedy)."""
+    top_p: float = spec(0.0, flag="--top_p")
+    """Top-p sampling, in [0, 1] (0 = off; exclusive with --top_k)."""
+    greedy: bool = False
+    """Greedy decoding."""
+    random_seed: int = 1234
+    """Sampling seed."""
+    random_weights: bool = False
+    """Generate from untrained, randomly initialized weights instead of a --load checkpoint
+    (smoke tests; the text is noise)."""
+
+
+TOOL_SECTIONS = [(GenerationFlags, "text generation")]
+
+
+def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int | None) -> None:
+    """The tool's own flags, and that a checkpoint will be loaded, before any process group or
+    model exists.
+
+    Args:
+        ex: the parsed tool flags.
+        load: ``--load``. ckpt_step: ``--ckpt-step``.
+
+    Raises:
+        ValueError: naming the flag, the value or path, and what to change.
+    """
+    if ex.num_tokens_to_generate < 0:
+        raise ValueError(f"--num-tokens-to-generate ({ex.num_tokens_to_generate}) must be >= 0")
+    check_sampling_options(top_k=ex.top_k, top_p=ex.top_p, temperature=ex.temperature)
+    if ex.random_weights:
+        if load is not None:
+            raise ValueError(f"--random-weights and --load {load} are mutually exclusive: drop "
+                             "--random-weights to generate from the checkpoint")
+        return
+    if load is None:
+        raise ValueError("--load is required: the checkpoint directory to generate from "
+                         "(--random-weights generates from untrained weights instead)")
+    if not os.path.isdir(load):
+        raise ValueError(f"--load {load}: no such directory")
+    tracker = get_checkpoint_tracker_filename(load)
+    if ckpt_step is None and not tracker.is_file():
+        # load_checkpoint would warn and go on from random weights: text that looks like output.
+        raise ValueError(f"--load {load} holds no checkpoint ({tracker.name} not found): give "
+                         "the directory a training run saved to with --save, or --random-weights "
+                         "to generate from untrained weights")
+
+
+def generate(argv: list[str] | None = None) -> list[str]:
+    """Parse, check, load and generate; returns the texts (prompt included), one per prompt.
+
+    Raises:
+        SystemExit: a bad flag, a missing checkpoint or a prompt too long for the model, with a
+            one-line message, before the model is built.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
+    _or_exit(check_generation_flags, flags.section(GenerationFlags), flags.checkpoint.load,
+             flags.checkpoint.ckpt_step)
+    # Weights only: refuse to start from random weights if the checkpoint vanished meanwhile.
+    extra = [] if flags.section(GenerationFlags).random_weights else \
+        ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
+    cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    ex = cfg.section(GenerationFlags)
+    tokenizer = build_tokenizer_from_config(cfg)
+    prompts = [p if p else tokenizer.detokenize([tokenizer.eod]) for p in ex.prompt or [""]]
+    encoded = [tokenizer.tokenize(p) for p in prompts]
+    max_positions = cfg.model.max_position_embeddings
+    _or_exit(check_generation_lengths, [len(ids) for ids in encoded], ex.num_tokens_to_generate,
+             max_positions)
+    model = gpt_model_from(cfg).to(device.get_device())
+    if not ex.random_weights:
+        load_checkpoint([model], None, None, cfg)
+    out = generate_tokens(model, encoded, ex.num_tokens_to_generate, eod=tokenizer.eod,
+                          vocab_size=tokenizer.vocab_size, max_sequence_length=max_positions,
+                          greedy=ex.greedy, top_k=ex.top_k, top_p=ex.top_p,
+                          temperature=ex.temperature, seed=ex.random_seed)
+    texts = [tokenizer.detokenize(ids) for ids in out]
+    for prompt, text in zip(prompts, texts):
+        log_rank_0(f"--- prompt: {prompt!r}\n{text}\n")
+    return texts
+
+
+def _or_exit(check, *args) -> None:
+    try:
+        check(*args)
+    except ValueError as err:
+        raise SystemExit(f"{_PROG}: error: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    cfg = initialize_megatron(argv, extra_args_provider=add_generation_args)
-    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
-    if cfg.checkpoint.load is None:
-        raise SystemExit("tools/generate.py: error: --load is required")
-    tokenizer = build_tokenizer_from_config(cfg)
-    model = gpt_model_from(cfg).to(device.get_device())
-    load_checkpoint([model], None, None, cfg)
-    ex = cfg.extra
-    prompts = ex.prompt or [""]
-    prompts = [p if p else tokenizer.detokenize([tokenizer.eod]) for p in prompts]
-    texts = generate_text(model, tokenizer, prompts, ex.num_tokens_to_generate,
-                          max_sequence_length=cfg.data.seq_length or
-                          cfg.model.max_position_embeddings,
-                          greedy=ex.greedy, top_k=ex.top_k, top_p=ex.top_p,
-                          temperature=ex.temperature, seed=ex.random_seed)
-    for prompt, text in zip(prompts, texts):
-        log_rank_0(f"--- prompt: {prompt!r}\n{text}\n")
+    texts = generate(argv)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return texts

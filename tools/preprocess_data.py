@@ -120,11 +120,18 @@ def input_files(pattern: str) -> list[str]:
     """The files of ``--input`` (a path or a glob), sorted for a deterministic order.
 
     Raises:
-        ValueError: nothing matches.
+        ValueError: nothing matches, or a match is a directory or unreadable.
     """
     files = [pattern] if os.path.isfile(pattern) else sorted(glob.glob(pattern))
     if not files:
         raise ValueError(f"--input {pattern}: no such file (nor files matching it as a glob)")
+    for path in files:
+        # A directory matches its own name as a glob; opening it would fail mid-run.
+        if os.path.isdir(path):
+            raise ValueError(f"--input {pattern}: {path} is a directory; give a JSON-lines file "
+                             f"or a glob of files, e.g. {os.path.join(path, '*.jsonl')}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"--input {pattern}: {path} is not readable (permission denied)")
     return files
 
 

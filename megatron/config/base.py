@@ -22,10 +22,11 @@ from typing import Any
 
 def spec(default: Any = None, *, flag: str | None = None, aliases: tuple[str, ...] = (),
          choices: tuple | None = None, nargs: str | None = None, metavar: str | None = None,
-         argtype: Any = None, default_factory: Any = None) -> Any:
-    """A dataclass field with CLI details that the name and type cannot express."""
+         argtype: Any = None, default_factory: Any = None, repeat: bool = False) -> Any:
+    """A dataclass field with CLI details that the name and type cannot express
+    (``repeat``: a list flag given once per value, ``--prompt a --prompt b``)."""
     meta = {"flag": flag, "aliases": aliases, "choices": choices, "nargs": nargs,
-            "metavar": metavar, "argtype": argtype}
+            "metavar": metavar, "argtype": argtype, "repeat": repeat}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -102,7 +103,9 @@ def add_section(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
                 kwargs["choices"] = meta["choices"]
             elif typing.get_origin(_strip_none(hint)) is typing.Literal:
                 kwargs["choices"] = typing.get_args(_strip_none(hint))
-            if meta.get("nargs"):
+            if meta.get("repeat"):
+                kwargs["action"] = "append"
+            elif meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
             elif _is_list(hint):
                 kwargs["nargs"] = "+"
@@ -129,3 +132,72 @@ def build_section(cls: type, namespace: argparse.Namespace) -> Any:
     values = {f.name: getattr(namespace, f.name) for f in cli_fields(cls)
               if hasattr(namespace, f.name)}
     return cls(**values)
+
+
+# --- read-only configs ------------------------------------------------------------------------
+# validate() returns the final config; nothing may change it afterwards (values derived later
+# would reach some readers and not others). The section classes stay ordinary dataclasses (the
+# lower layers own several of them), so a validated config's objects are re-classed to
+# read-only subclasses instead.
+_READ_ONLY_CLASSES: dict[type, type] = {}
+
+
+def _refuse_write(self, name: str, value: Any) -> None:
+    if self.__dict__.get("_read_only"):
+        raise dataclasses.FrozenInstanceError(
+            f"cannot set {type(self).__name__}.{name}: a validated config is read-only; derive "
+            "values in megatron.config.validate (or build a new config)")
+    object.__setattr__(self, name, value)
+
+
+def _rebuild_read_only(cls: type, state: dict) -> Any:
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return make_read_only(obj)
+
+
+def _reduce_read_only(self, protocol: int):
+    # Pickle and deepcopy by the ordinary class: the read-only subclasses are made at run time.
+    state = {k: v for k, v in self.__dict__.items() if k != "_read_only"}
+    return _rebuild_read_only, (type(self).__mro__[1], state)
+
+
+def _equal_fields(self, other) -> bool:
+    # A dataclass's own __eq__ wants the very same class; a read-only copy equals a plain one.
+    base = type(self).__mro__[1]
+    if not isinstance(other, base):
+        return NotImplemented
+    return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(base))
+
+
+def _read_only_class(cls: type) -> type:
+    if cls not in _READ_ONLY_CLASSES:
+        _READ_ONLY_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__setattr__": _refuse_write, "__delattr__": _refuse_write, "__eq__": _equal_fields,
+            "__reduce_ex__": _reduce_read_only, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return _READ_ONLY_CLASSES[cls]
+
+
+def make_read_only(obj: Any) -> Any:
+    """Make the dataclass ``obj`` and every dataclass it holds refuse attribute writes.
+
+    Returns ``obj`` itself (its class becomes a read-only subclass, so ``isinstance`` and
+    ``dataclasses.fields`` are unchanged). List values stay lists (checkpoints save them as
+    Megatron-LM does).
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return obj
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        for item in value.values() if isinstance(value, dict) else (value,):
+            make_read_only(item)
+    if type(obj) not in _READ_ONLY_CLASSES.values():
+        obj.__class__ = _read_only_class(type(obj))
+    object.__setattr__(obj, "_read_only", True)
+    return obj
+
+
+def is_read_only(obj: Any) -> bool:
+    """True for a config made read-only by :func:`make_read_only`."""
+    return bool(getattr(obj, "__dict__", {}).get("_read_only"))

@@ -37,3 +37,16 @@ class CheckpointConfig:
     """Load this iteration instead of the latest."""
     ckpt_format: Literal["torch"] = "torch"
     """Checkpoint format: torch (Megatron-LM's legacy per-rank model_optim_rng.pt)."""
+    allow_overwrite_checkpoints: bool = False
+    """Train from random weights although --save already holds checkpoints (no --load, or a
+    --load that holds none): the new run's saves overwrite them and move their tracker back.
+    Without it that start is refused, as a mistyped --load would destroy the run's lineage
+    (not a Megatron-LM flag)."""
+    verify_checkpoint_checksums: bool = True
+    """Load checkpoint files without checking them against the sha256 file saved beside each
+    (by default a file that differs from its checksum is refused; files written by Megatron-LM
+    have no checksum file and load unverified either way; not a Megatron-LM flag)."""
+    allow_resume_without_checkpoint_args: bool = False
+    """Resume training from a checkpoint that holds no args (so no consumed-sample counts):
+    the data order restarts from the first sample. Without it that resume is refused;
+    --finetune needs no such flag (not a Megatron-LM flag)."""

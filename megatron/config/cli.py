@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,11 +38,17 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
 _MEGATRON_DEST = {"ddp_impl": "DDP_impl"}
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+# A script's own typed flag section: (dataclass, --help group title).
+ToolSection = tuple[type, str]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
-    """Every section, plus the values derived from them by :func:`validate`."""
+    """Every section, plus the values derived from them by :func:`validate`.
+
+    A config returned by :func:`parse_args` or :func:`validate` is read-only.
+    """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -52,8 +59,11 @@ class MegatronConfig:
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    tools: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Typed flag sections of the running script (a tool's or task's), by class name: read
+    them with :meth:`section`."""
     extra: argparse.Namespace = dataclasses.field(default_factory=argparse.Namespace)
-    """Flags added by a script's extra_args_provider (tasks, tools)."""
+    """Flags added by a Megatron-LM style ``extra_args_provider`` (third-party scripts)."""
 
     # Derived by validate() -------------------------------------------------------------------
     world_size: int = dataclasses.field(default=1, init=False)
@@ -61,7 +71,16 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = dataclasses.field(default=None, init=False)
     params_dtype: torch.dtype = dataclasses.field(default=torch.float32, init=False)
     padded_vocab_size: int | None = dataclasses.field(default=None, init=False)
-    """Set once the tokenizer is known (megatron.tokenizer)."""
+    """The tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP
+    (None when the script builds no model or names no tokenizer)."""
+
+    def section(self, cls: type[T]) -> T:
+        """The script's flag section of type ``cls`` (given to :func:`parse_args`)."""
+        try:
+            return self.tools[cls.__name__]
+        except KeyError:
+            raise KeyError(f"no {cls.__name__} flags were parsed: pass it in tool_sections "
+                           "when parsing") from None
 
     def to_namespace(self) -> argparse.Namespace:
         """A flat ``argparse.Namespace`` with Megatron-LM's attribute names (saved as ``args``
@@ -70,6 +89,8 @@ class MegatronConfig:
         for attr, _, _ in SECTIONS:
             for key, value in dataclasses.asdict(getattr(self, attr)).items():
                 flat[_MEGATRON_DEST.get(key, key)] = value
+        for section in self.tools.values():
+            flat.update(dataclasses.asdict(section))
         flat.update(vars(self.extra))
         flat.update(world_size=self.world_size, data_parallel_size=self.data_parallel_size,
                     virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
@@ -78,12 +99,15 @@ class MegatronConfig:
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None,
-                 prog: str | None = None) -> argparse.ArgumentParser:
+                 prog: str | None = None,
+                 tool_sections: Sequence[ToolSection] = ()) -> argparse.ArgumentParser:
     """The full parser: one group per config section, no abbreviations."""
     parser = argparse.ArgumentParser(
         prog=prog, description="Megatron-LM compatible arguments", allow_abbrev=False,
         usage="%(prog)s [options]  (see the groups below; every flag keeps Megatron-LM's name)")
     for attr, cls, title in SECTIONS:
+        add_section(parser, cls, title)
+    for cls, title in tool_sections:
         add_section(parser, cls, title)
     # Megatron-LM 23.06 spelled query-key layer scaling as an opt-out switch.
     parser.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling",
@@ -93,46 +117,62 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None,
     return parser
 
 
+def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+                tool_sections: Sequence[ToolSection] = ()) -> MegatronConfig:
+    """The flags as given, not yet validated (a writable config for :func:`validate`)."""
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    cfg = MegatronConfig(**{attr: build_section(cls, namespace) for attr, cls, _ in SECTIONS})
+    cfg.tools = {cls.__name__: build_section(cls, namespace) for cls, _ in tool_sections}
+    owned = {f.name for cls in [c for _, c, _ in SECTIONS] + [c for c, _ in tool_sections]
+             for f in dataclasses.fields(cls)}
+    cfg.extra = argparse.Namespace(**{k: v for k, v in values.items() if k not in owned})
+    _fill_extra_defaults(parser, cfg.extra)
+    return cfg
+
+
 def parse_args(argv: Sequence[str] | None = None,
                extra_args_provider: ExtraArgsProvider | None = None,
                world_size: int | None = None, validate_config: bool = True,
-               require_model: bool = True, prog: str | None = None) -> MegatronConfig:
-    """Parse Megatron-LM flags into a validated :class:`MegatronConfig`.
+               require_model: bool = True, prog: str | None = None,
+               tool_sections: Sequence[ToolSection] = ()) -> MegatronConfig:
+    """Parse Megatron-LM flags into a validated, read-only :class:`MegatronConfig`.
 
     Args:
         argv: arguments (``sys.argv[1:]`` when None).
         extra_args_provider: adds a script's own flags to the parser; they land in ``cfg.extra``.
         world_size: ranks the run will have; defaults to ``$WORLD_SIZE`` (torchrun) or 1.
-        validate_config: run :func:`validate` (exits with a clear message on a bad combination).
+        validate_config: run :func:`validate` (exits with a clear message on a bad combination);
+            without it the flags come back as given, writable.
         require_model: the script builds a model, so the architecture flags are required.
+        tool_sections: the script's own typed flag sections (read with ``cfg.section(cls)``).
 
     Raises:
         SystemExit: unknown flags, bad values or an impossible combination (exit code 2).
     """
-    parser = build_parser(extra_args_provider, prog=prog)
-    namespace = parser.parse_args(argv)
-    values = vars(namespace)
-    cfg = MegatronConfig(**{attr: build_section(cls, namespace) for attr, cls, _ in SECTIONS})
-    owned = {f.name for _, cls, _ in SECTIONS for f in dataclasses.fields(cls)}
-    cfg.extra = argparse.Namespace(**{k: v for k, v in values.items() if k not in owned})
-    _fill_extra_defaults(parser, cfg.extra)
-    cfg._parser = parser
+    parser = build_parser(extra_args_provider, prog=prog, tool_sections=tool_sections)
+    cfg = parse_flags(parser, argv, tool_sections)
     if validate_config:
-        validate_or_exit(cfg, world_size, require_model)
+        cfg = validate_or_exit(cfg, world_size, require_model, parser=parser)
     return cfg
 
 
 def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
-                     require_model: bool = True, require_train_length: bool = False) -> None:
-    """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2."""
+                     require_model: bool = True, require_train_length: bool = False,
+                     parser: argparse.ArgumentParser | None = None) -> MegatronConfig:
+    """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2.
+
+    Returns:
+        The validated, read-only config (``cfg`` itself is left as given).
+    """
     from megatron.config.validate import validate
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    parser = getattr(cfg, "_parser", None) or build_parser()
+    parser = parser or build_parser()
     try:
-        validate(cfg, world_size, require_model=require_model,
-                 require_train_length=require_train_length)
+        return validate(cfg, world_size, require_model=require_model,
+                        require_train_length=require_train_length)
     except ValueError as err:
         parser.print_usage(sys.stderr)
         parser.exit(2, f"{parser.prog}: error: {err}\n")

@@ -55,6 +55,20 @@ def from_flags(cls: type[T], cfg, **explicit: Any) -> T:
     return cls(**kwargs)
 
 
+def transformer_config(cfg):
+    """The model library's config (shape, numerics, dropout, init, recomputation).
+
+    Raises:
+        ValueError: a flag this model does not implement (named, with the fix).
+    """
+    from megatron.core.transformer.config import TransformerConfig
+
+    if cfg.precision.fp32_residual_connection:
+        raise ValueError("--fp32-residual-connection is not implemented by this model yet; "
+                         "drop the flag")
+    return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe))
+
+
 def optimizer_config(cfg):
     """The optimizer layer's config (hyper-parameters, precision, loss scaling, sharding)."""
     from megatron.core.optimizer.config import OptimizerConfig

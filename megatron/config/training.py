@@ -50,3 +50,7 @@ class TrainingConfig:
     """Evaluate on the validation set every this many iterations."""
     skip_train: bool = False
     """Skip training: only evaluate (validation and test) the loaded checkpoint."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Do not stop training on a NaN/inf loss or gradient (later Megatron-LM's switch; the check
+    names the iteration and the rank; with --fp16 overflowing gradients only skip the step, as
+    loss scaling expects)."""

@@ -7,11 +7,14 @@ value or path, and what to change.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import os
 
 import torch
 
+from megatron.config.base import flag_name, make_read_only
 from megatron.core import device
 
 # Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
@@ -41,23 +44,118 @@ _DEPRECATED = {
 }
 
 
-def validate(cfg, world_size: int, require_model: bool = True,
-             require_train_length: bool = False) -> None:
-    """Check ``cfg`` for a run of ``world_size`` ranks and fill in its derived values.
+@dataclasses.dataclass(frozen=True)
+class _Range:
+    """The values a numeric flag allows: an interval; a float must also be finite (argparse's
+    ``float`` accepts "nan" and "inf")."""
+
+    text: str
+    """What the error message says the value must be."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+_POSITIVE_INT = _Range("a positive integer", low=1)
+_NON_NEGATIVE_INT = _Range("an integer >= 0", low=0)
+_POSITIVE = _Range("a finite number > 0", low=0, low_open=True)
+_NON_NEGATIVE = _Range("a finite number >= 0 (not negative)", low=0)
+_PROBABILITY = _Range("a probability in [0, 1]", low=0, high=1)
+_BELOW_ONE = _Range("in [0, 1)", low=0, high=1, high_open=True)
+_FRACTION = _Range("in (0, 1]", low=0, high=1, low_open=True)
+# The C++ index builders take the seed as an int32.
+_SEED = _Range("in [0, 2**31 - 1]", low=0, high=2**31 - 1)
+
+# Every numeric flag with a range, checked first whenever the value is set (not None), so that a
+# value outside it fails here and not as a torch or numpy error after the model is built.
+# tests/config/test_ranges.py checks that every int/float field is listed (the deprecated ones,
+# refused whatever their value, excepted).
+RANGES: dict[tuple[str, str], _Range] = {
+    **{("model", name): _POSITIVE_INT for name in (
+        "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size",
+        "ffn_hidden_size", "num_attention_heads", "kv_channels", "max_position_embeddings",
+        "make_vocab_size_divisible_by", "num_experts")},
+    ("model", "rotary_percent"): _FRACTION,
+    ("model", "layernorm_epsilon"): _POSITIVE,
+    # p = 1 would scale the kept activations by 1 / (1 - p).
+    ("model", "attention_dropout"): _BELOW_ONE,
+    ("model", "hidden_dropout"): _BELOW_ONE,
+    ("model", "seed"): _SEED,
+    ("model", "init_method_std"): _POSITIVE,
+    ("parallel", "tensor_model_parallel_size"): _POSITIVE_INT,
+    ("parallel", "pipeline_model_parallel_size"): _POSITIVE_INT,
+    ("parallel", "pipeline_model_parallel_split_rank"): _NON_NEGATIVE_INT,
+    ("parallel", "num_layers_per_virtual_pipeline_stage"): _POSITIVE_INT,
+    ("parallel", "distributed_timeout_minutes"): _POSITIVE_INT,
+    ("parallel", "local_rank"): _NON_NEGATIVE_INT,
+    **{("training", name): _POSITIVE_INT for name in (
+        "micro_batch_size", "global_batch_size", "recompute_num_layers", "train_iters",
+        "train_samples", "exit_duration_in_mins", "eval_interval")},
+    # 0 means "never", as in Megatron-LM's scripts.
+    ("training", "exit_interval"): _NON_NEGATIVE_INT,
+    ("training", "eval_iters"): _NON_NEGATIVE_INT,
+    ("optimizer", "lr"): _NON_NEGATIVE,
+    ("optimizer", "lr_decay_iters"): _POSITIVE_INT,
+    ("optimizer", "lr_decay_samples"): _POSITIVE_INT,
+    ("optimizer", "lr_warmup_fraction"): _BELOW_ONE,
+    ("optimizer", "lr_warmup_iters"): _NON_NEGATIVE_INT,
+    ("optimizer", "lr_warmup_samples"): _NON_NEGATIVE_INT,
+    **{("optimizer", name): _NON_NEGATIVE for name in (
+        "min_lr", "weight_decay", "start_weight_decay", "end_weight_decay", "clip_grad")},
+    # torch.optim's own bounds (beta = 1 never forgets; momentum = 1 never decays).
+    ("optimizer", "adam_beta1"): _BELOW_ONE,
+    ("optimizer", "adam_beta2"): _BELOW_ONE,
+    ("optimizer", "sgd_momentum"): _BELOW_ONE,
+    ("optimizer", "adam_eps"): _POSITIVE,
+    **{("precision", name): _POSITIVE for name in (
+        "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")},
+    ("precision", "hysteresis"): _POSITIVE_INT,
+    **{("data", name): _POSITIVE_INT for name in (
+        "seq_length", "encoder_seq_length", "decoder_seq_length", "retriever_seq_length")},
+    ("data", "sample_rate"): _FRACTION,
+    ("data", "mask_prob"): _PROBABILITY,
+    ("data", "short_seq_prob"): _PROBABILITY,
+    ("data", "num_workers"): _NON_NEGATIVE_INT,
+    ("tokenizer", "vocab_size"): _POSITIVE_INT,
+    ("tokenizer", "vocab_extra_ids"): _NON_NEGATIVE_INT,
+    ("checkpoint", "save_interval"): _NON_NEGATIVE_INT,
+    ("checkpoint", "ckpt_step"): _NON_NEGATIVE_INT,
+    ("logging", "log_interval"): _POSITIVE_INT,
+    ("logging", "tensorboard_log_interval"): _POSITIVE_INT,
+    ("logging", "tensorboard_queue_size"): _POSITIVE_INT,
+}
+
+
+def validate(flags, world_size: int, require_model: bool = True,
+             require_train_length: bool = False):
+    """Check the flags for a run of ``world_size`` ranks; return the final config.
 
     Args:
-        cfg: the :class:`~megatron.config.cli.MegatronConfig` to check (modified in place).
+        flags: the :class:`~megatron.config.cli.MegatronConfig` as parsed (left unchanged).
         world_size: number of ranks of the run.
         require_model: the architecture flags must be present (training, evaluation).
         require_train_length: the script trains (pretrain()): --train-iters or --train-samples
             must be given unless --skip-train.
 
+    Returns:
+        A read-only copy with every derived value filled in (defaults that depend on other
+        flags, the data-parallel size, the params dtype, the padded vocabulary size).
+
     Raises:
         ValueError: an impossible or unsupported combination, naming the flags.
     """
+    cfg = copy.deepcopy(flags)
     _check_deprecated(cfg)
+    _check_ranges(cfg)
     _derive_parallel_sizes(cfg, world_size)
-    _check_positive_sizes(cfg)
     if require_model:
         _check_model_shape(cfg)
         _check_pipeline_layers(cfg)
@@ -72,6 +170,9 @@ def validate(cfg, world_size: int, require_model: bool = True,
     _check_data(cfg)
     _check_tokenizer(cfg)
     _check_not_implemented(cfg)
+    if require_model:
+        _derive_padded_vocab_size(cfg)
+    return make_read_only(cfg)
 
 
 def _check_deprecated(cfg) -> None:
@@ -84,9 +185,6 @@ def _check_deprecated(cfg) -> None:
 def _derive_parallel_sizes(cfg, world_size: int) -> None:
     par = cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}) and "
-                         f"--pipeline-model-parallel-size ({pp}) must be >= 1")
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
@@ -99,25 +197,15 @@ def _derive_parallel_sizes(cfg, world_size: int) -> None:
                          "use --distributed-backend gloo")
 
 
-def _check_positive_sizes(cfg) -> None:
-    """Sizes that must be >= 1 when given (0 or negative values would otherwise pass the
-    divisibility checks below and fail deep inside the model or the data pipeline)."""
-    m, d, t, tok = cfg.model, cfg.data, cfg.training, cfg.tokenizer
-    for flag, value in (
-            ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-            ("--ffn-hidden-size", m.ffn_hidden_size),
-            ("--num-attention-heads", m.num_attention_heads), ("--kv-channels", m.kv_channels),
-            ("--max-position-embeddings", m.max_position_embeddings),
-            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
-            ("--seq-length", d.seq_length), ("--encoder-seq-length", d.encoder_seq_length),
-            ("--decoder-seq-length", d.decoder_seq_length),
-            ("--global-batch-size", t.global_batch_size), ("--vocab-size", tok.vocab_size),
-            ("--num-layers-per-virtual-pipeline-stage",
-             cfg.parallel.num_layers_per_virtual_pipeline_stage)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} ({value}) must be a positive integer")
-    if d.num_workers < 0:
-        raise ValueError(f"--num-workers ({d.num_workers}) must be >= 0")
+def _check_ranges(cfg) -> None:
+    """Every value set against its range in :data:`RANGES`, naming the flag as spelled."""
+    for (section, name), allowed in RANGES.items():
+        sec = getattr(cfg, section)
+        value = getattr(sec, name)
+        if value is None or value in allowed:
+            continue
+        field = next(f for f in dataclasses.fields(sec) if f.name == name)
+        raise ValueError(f"{flag_name(field)} ({value}) must be {allowed.text}")
 
 
 def _check_model_shape(cfg) -> None:
@@ -152,10 +240,6 @@ def _check_model_shape(cfg) -> None:
     if d.seq_length is not None and d.seq_length > m.max_position_embeddings:
         raise ValueError(f"--seq-length ({d.seq_length}) is larger than "
                          f"--max-position-embeddings ({m.max_position_embeddings})")
-    for flag, p in (("--attention-dropout", m.attention_dropout),
-                    ("--hidden-dropout", m.hidden_dropout)):
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"{flag} ({p}) must be in [0, 1)")
 
 
 def _check_pipeline_layers(cfg) -> None:
@@ -195,11 +279,34 @@ def _check_batch(cfg) -> None:
             f"--global-batch-size ({t.global_batch_size}) is not divisible by "
             f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
             f"{t.micro_batch_size * dp}")
-    if t.rampup_batch_size is not None and len(t.rampup_batch_size) != 3:
-        raise ValueError("--rampup-batch-size takes 3 values: <start batch size> "
-                         f"<batch size increment> <ramp-up samples>, got {t.rampup_batch_size}")
+    if t.rampup_batch_size is not None:
+        _check_rampup(t, dp)
     if t.train_iters is not None and t.train_samples is not None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive")
+
+
+def _check_rampup(t, dp: int) -> None:
+    """The ramp-up's values, as megatron.training.microbatches reads them (its calculator
+    repeats the divisibility checks when built, after the process groups start)."""
+    values = t.rampup_batch_size
+    usage = ("--rampup-batch-size takes 3 integers: <start batch size> <batch size increment> "
+             f"<ramp-up samples>, got {' '.join(values)}")
+    if len(values) != 3:
+        raise ValueError(usage)
+    try:
+        start, increment, samples = (int(v) for v in values)
+    except ValueError:
+        raise ValueError(usage) from None
+    if start < 1 or increment < 1 or samples < 0:
+        raise ValueError(f"{usage}: the batch sizes must be positive, the samples >= 0")
+    step = t.micro_batch_size * dp
+    for what, value in (("start", start), ("increment", increment)):
+        if value % step != 0:
+            raise ValueError(f"--rampup-batch-size {what} ({value}) must be a multiple of "
+                             f"--micro-batch-size x data-parallel size ({step})")
+    if (t.global_batch_size - start) % increment != 0:
+        raise ValueError(f"--global-batch-size ({t.global_batch_size}) minus the ramp-up start "
+                         f"({start}) must be a multiple of the increment ({increment})")
 
 
 def _check_interleaved_schedule(cfg) -> None:
@@ -229,8 +336,6 @@ def _check_precision(cfg) -> None:
         raise ValueError("--fp16-lm-cross-entropy needs --fp16")
     if p.fp32_residual_connection and not (p.fp16 or p.bf16):
         raise ValueError("--fp32-residual-connection needs --fp16 or --bf16")
-    if p.loss_scale is not None and p.loss_scale <= 0:
-        raise ValueError(f"--loss-scale ({p.loss_scale}) must be positive")
     if p.fp16 and p.loss_scale is None:
         _check_dynamic_loss_scale(p)
     if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
@@ -248,13 +353,10 @@ def _check_precision(cfg) -> None:
 def _check_dynamic_loss_scale(p) -> None:
     # The dynamic scaler's own invariants, checked here so that a bad value fails before any
     # process group starts instead of on every rank when the optimizer is built.
-    if not 0 < p.min_loss_scale <= p.initial_loss_scale:
-        raise ValueError(f"--min-loss-scale ({p.min_loss_scale}) must be positive and at most "
+    # (Each value's own range is checked in _check_ranges.)
+    if p.min_loss_scale > p.initial_loss_scale:
+        raise ValueError(f"--min-loss-scale ({p.min_loss_scale}) must be at most "
                          f"--initial-loss-scale ({p.initial_loss_scale})")
-    if p.loss_scale_window <= 0:
-        raise ValueError(f"--loss-scale-window ({p.loss_scale_window}) must be positive")
-    if p.hysteresis <= 0:
-        raise ValueError(f"--hysteresis ({p.hysteresis}) must be positive")
 
 
 def _check_schedule(cfg) -> None:
@@ -272,8 +374,7 @@ def _check_schedule(cfg) -> None:
     if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
         raise ValueError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are "
                          "mutually exclusive")
-    if o.lr is not None and o.lr < 0:
-        raise ValueError(f"--lr ({o.lr}) must not be negative")
+    _check_warmup_shorter_than_decay(t, o)
     if o.lr is not None and o.min_lr > o.lr:
         raise ValueError(f"--min-lr ({o.min_lr}) is larger than --lr ({o.lr})")
     if o.weight_decay_incr_style == "constant":
@@ -287,6 +388,26 @@ def _check_schedule(cfg) -> None:
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler and "
                          "--use-checkpoint-opt_param-scheduler are mutually exclusive")
+
+
+def _check_warmup_shorter_than_decay(t, o) -> None:
+    """The LR schedule's own condition (megatron/training/lr_schedule.py), before any process
+    group starts; --lr-warmup-fraction is below 1 by its range."""
+    if o.lr_warmup_fraction is not None:
+        return
+    if t.train_iters is not None:
+        warmup = ("--lr-warmup-iters", o.lr_warmup_iters)
+        decay = ("--lr-decay-iters", o.lr_decay_iters) if o.lr_decay_iters is not None \
+            else ("--train-iters", t.train_iters)
+    elif t.train_samples is not None:
+        warmup = ("--lr-warmup-samples", o.lr_warmup_samples)
+        decay = ("--lr-decay-samples", o.lr_decay_samples) if o.lr_decay_samples is not None \
+            else ("--train-samples", t.train_samples)
+    else:
+        return
+    if warmup[1] >= decay[1]:
+        raise ValueError(f"{warmup[0]} ({warmup[1]}) must be shorter than the learning-rate "
+                         f"decay, {decay[0]} ({decay[1]})")
 
 
 def _check_training_run(cfg) -> None:
@@ -326,13 +447,6 @@ def _check_misc(cfg) -> None:
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         raise ValueError("--reset-attention-mask needs the per-sample attention mask: drop "
                          "--no-create-attention-mask-in-dataloader")
-    for flag, value in (("--log-interval", cfg.logging.log_interval),
-                        ("--eval-interval", cfg.training.eval_interval),
-                        ("--tensorboard-log-interval", cfg.logging.tensorboard_log_interval)):
-        if value < 1:
-            raise ValueError(f"{flag} ({value}) must be >= 1")
-    if cfg.training.eval_iters < 0:
-        raise ValueError(f"--eval-iters ({cfg.training.eval_iters}) must be >= 0")
 
 
 def _is_number(text: str) -> bool:
@@ -389,6 +503,23 @@ def _check_tokenizer(cfg) -> None:
         if name != "vocab_size" and not os.path.exists(value):
             raise ValueError(f"{flag} {value}: no such file (needed by --tokenizer-type "
                              f"{tok.tokenizer_type})")
+
+
+def _derive_padded_vocab_size(cfg) -> None:
+    """The embedding size the model is built with: the tokenizer's vocabulary padded to a
+    multiple of --make-vocab-size-divisible-by x TP (--mock-data without a tokenizer uses a
+    NullTokenizer of --vocab-size, default GPT-2's 50257)."""
+    from megatron.tokenizer import create_tokenizer, vocab_size_with_padding
+
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None and cfg.data.mock_data:
+        tok.tokenizer_type = "NullTokenizer"
+        tok.vocab_size = tok.vocab_size or 50257
+    if tok.tokenizer_type is None:
+        return
+    cfg.padded_vocab_size = vocab_size_with_padding(
+        create_tokenizer(tok).vocab_size, cfg.model.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size)
 
 
 def _check_not_implemented(cfg) -> None:

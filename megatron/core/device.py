@@ -136,9 +136,19 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
         tune_host_allocator()  # before the model and its activations are allocated
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes))
+    global _collective_timeout
+    _collective_timeout = datetime.timedelta(minutes=timeout_minutes)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=_collective_timeout)
+
+
+_collective_timeout: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout :func:`init_distributed` gave the world group (None before, or when
+    torch.distributed was started elsewhere: torch's default then)."""
+    return _collective_timeout
 
 
 def _free_port() -> int:

@@ -14,22 +14,18 @@ form), selective recompute adds the attention core's forward (``4 B s^2 L hp``).
 
 from __future__ import annotations
 
-from megatron.core.transformer.config import TransformerConfig, transformer_config_from
+from megatron.core.transformer.config import TransformerConfig
 
 
-def _as_transformer_config(cfg) -> TransformerConfig:
-    return cfg if isinstance(cfg, TransformerConfig) else transformer_config_from(cfg)
-
-
-def num_parameters(cfg, exclude_embeddings: bool = False) -> int:
+def num_parameters(config: TransformerConfig, exclude_embeddings: bool = False) -> int:
     """Exact parameter count of the full (unsplit) GPT model, biases and LayerNorms included.
 
     Args:
-        cfg: a validated ``MegatronConfig`` (``padded_vocab_size`` set) or a TransformerConfig.
+        config: the model's settings (``padded_vocab_size`` set unless ``exclude_embeddings``).
         exclude_embeddings: leave out word, position and token-type embeddings and the untied
             output layer (the usual "non-embedding parameters").
     """
-    c = _as_transformer_config(cfg)
+    c = config
     h, f = c.hidden_size, c.ffn_hidden_size
     proj = c.kv_channels * c.num_attention_heads
     bias = 1 if c.add_bias_linear else 0
@@ -51,23 +47,19 @@ def num_parameters(cfg, exclude_embeddings: bool = False) -> int:
     return total
 
 
-def num_floating_point_operations(cfg, batch_size: int, seq_length: int | None = None,
+def num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int,
                                   include_recompute: bool = False) -> float:
     """Training FLOPs of one iteration (forward + backward) over ``batch_size`` sequences.
 
     Args:
-        cfg: a validated ``MegatronConfig`` or a TransformerConfig (then pass ``seq_length``).
+        config: the model's settings (``padded_vocab_size`` set).
         batch_size: sequences per iteration (the global batch size for a whole step).
-        seq_length: tokens per sequence (default ``cfg.data.seq_length``).
+        seq_length: tokens per sequence.
         include_recompute: count the extra forward of activation recomputation (hardware
             FLOPs) as configured by ``recompute_granularity``; False gives model FLOPs, the
             figure Megatron-LM logs.
     """
-    c = _as_transformer_config(cfg)
-    if seq_length is None:
-        if isinstance(cfg, TransformerConfig):
-            raise ValueError("pass seq_length with a TransformerConfig")
-        seq_length = cfg.data.seq_length
+    c = config
     if c.padded_vocab_size is None:
         raise ValueError("padded_vocab_size is unset: build the tokenizer first")
     b, s, layers, h = batch_size, seq_length, c.num_layers, c.hidden_size

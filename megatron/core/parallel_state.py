@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import sys
 
 import torch.distributed as dist
@@ -142,8 +143,18 @@ _STATE: ParallelState | None = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              pipeline_model_parallel_split_rank: int | None = None) -> None:
+                              pipeline_model_parallel_split_rank: int | None = None,
+                              distributed_timeout_minutes: float | None = None) -> None:
     """Create every process group of :func:`rank_layout` (collective: all ranks must call it).
+
+    Args:
+        tensor_model_parallel_size: see :func:`rank_layout`.
+        pipeline_model_parallel_size: see :func:`rank_layout`.
+        virtual_pipeline_model_parallel_size: see :func:`rank_layout`.
+        pipeline_model_parallel_split_rank: see :func:`rank_layout`.
+        distributed_timeout_minutes: how long a collective on any of the groups may wait
+            (``--distributed-timeout-minutes``); None: the world group's timeout, as given to
+            :func:`megatron.core.device.init_distributed`.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -157,12 +168,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
                          pipeline_model_parallel_split_rank)
     rank = dist.get_rank()
+    timeout = _group_timeout(distributed_timeout_minutes)
 
     def build(kind: str) -> dist.ProcessGroup | None:
         # new_group is collective over the whole world: every rank creates every group.
         mine = None
         for ranks in getattr(layout, kind):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = group
         return mine
@@ -176,6 +188,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         embedding_group=groups["embedding"],
         position_embedding_group=groups["position_embedding"],
         virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None)
+
+
+def _group_timeout(minutes: float | None) -> datetime.timedelta | None:
+    """The timeout every group gets. new_group does not inherit the world group's: without
+    one, a collective on a sub-group waits torch's default 30 minutes for a stuck peer."""
+    from megatron.core import device
+
+    if minutes is None:
+        return device.collective_timeout()
+    if minutes <= 0:
+        raise ValueError(f"--distributed-timeout-minutes ({minutes}) must be positive")
+    return datetime.timedelta(minutes=minutes)
 
 
 def model_parallel_is_initialized() -> bool:

@@ -1,1 +1,2 @@
-"""Data pipeline: indexed datasets, GPT sample indices, blending, samplers."""
+"""Data pipeline: indexed datasets, the dataset builder with its base dataset and config, GPT
+samples, blending, samplers. Nothing here reads the CLI config (see megatron/config/datasets.py)."""

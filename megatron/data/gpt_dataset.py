@@ -10,11 +10,7 @@ Legend: ``s`` = sequence length, ``E`` = epochs, ``T`` = tokens per epoch of the
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
 import os
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -22,50 +18,33 @@ import torch
 
 from megatron.core.log import log_rank_0
 from megatron.data import helpers
+from megatron.data.builder import BlendedMegatronDatasetBuilder, SplitDataset
+from megatron.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron.data.index_cache import cached_arrays
 from megatron.data.indexed_dataset import IndexedDataset, data_file_path
-from megatron.data.utils import Split, parse_and_normalize_split, split_matrix
+from megatron.data.megatron_dataset import MegatronDataset
+from megatron.data.utils import Split
 
 _PAD_TOKEN_ID = -1  # marks padding inside a sample; mapped to token 0 with loss_mask 0
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
 @dataclasses.dataclass(kw_only=True)
-class GPTDatasetConfig:
-    """What the GPT dataset builders need (Megatron-Core ``GPTDatasetConfig`` fields)."""
+class GPTDatasetConfig(BlendedMegatronDatasetConfig):
+    """What GPT samples need besides the shared fields (Megatron-Core ``GPTDatasetConfig``)."""
 
-    random_seed: int
-    sequence_length: int
-    tokenizer: Any = None
-    blend: tuple[list[str], list[float] | None] | None = None
-    blend_per_split: list[tuple[list[str], list[float] | None] | None] | None = None
-    split: str | None = None
-    path_to_cache: str | None = None
-    mmap_bin_files: bool = True
-    mock: bool = False
     reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
     eod_mask_loss: bool = False
+    """No loss on end-of-document tokens."""
     create_attention_mask: bool = True
+    """Build the ``[1, s, s]`` attention mask per sample."""
     drop_last_partial_validation_sequence: bool = True
+    """Drop the final partial sample of the valid split (always dropped for train and test)."""
     add_extra_token_to_sequence: bool = True
-    mid_level_dataset_surplus: float = 0.005
-    split_matrix: list[tuple[float, float] | None] | None = dataclasses.field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.sequence_length is None or self.sequence_length < 2:
-            raise ValueError(f"--seq-length must be >= 2, got {self.sequence_length}")
-        if self.blend_per_split is not None and any(self.blend_per_split):
-            if self.blend is not None:
-                raise ValueError("--data-path cannot be combined with --train/valid/test-data-path")
-            self.split = None
-            return
-        if self.blend is None:
-            self.mock = True
-            self.split = "1,1,1"  # Megatron-Core's arbitrary even split for mock data
-        if self.split is None:
-            raise ValueError("--split is required with --data-path")
-        self.split_matrix = split_matrix(parse_and_normalize_split(self.split))
+    """Samples hold ``s + 1`` tokens: tokens are the first s, labels the last s."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,11 +230,7 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_positi
 # Datasets
 # ---------------------------------------------------------------------------------------------
 
-def _describe(obj: Any) -> Any:
-    return getattr(obj, "unique_identifiers", {"class": type(obj).__name__})
-
-
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(MegatronDataset):
     """Samples of ``seq_length + 1`` tokens drawn across documents of one split.
 
     Args:
@@ -267,21 +242,11 @@ class GPTDataset(torch.utils.data.Dataset):
         config: the GPT dataset config.
     """
 
+    config: GPTDatasetConfig
+
     def __init__(self, indexed_dataset: Any, dataset_path: str | None, indices: np.ndarray,
                  num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("dataset_path", dataset_path),
-             ("num_samples", num_samples), ("index_split", index_split.name)]
-            + [(k, getattr(config, k)) for k in
-               ("random_seed", "sequence_length", "split", "split_matrix", "tokenizer")])
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4, default=_describe)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
         self._pad = _PAD_TOKEN_ID
         self._cached_masks: tuple | None = None
         self._check_split_has_tokens()
@@ -309,13 +274,6 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {self.index_split.name} split of {self.dataset_path or 'the mock data'} "
                 f"holds {len(self.indices)} documents, {tokens} tokens: nothing to draw samples "
                 f"from; {fix}")
-
-    def _cache_dir(self) -> str | None:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        if self.config.mock or self.dataset_path is None:
-            return None
-        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
 
     def _build_indices(self) -> dict[str, np.ndarray]:
         drop_last = (self.config.drop_last_partial_validation_sequence
@@ -523,50 +481,18 @@ class MockGPTDataset(GPTDataset):
 # Entry point
 # ---------------------------------------------------------------------------------------------
 
-def gpt_dataset_config_from_data_config(data_config: Any, tokenizer: Any, seed: int) -> GPTDatasetConfig:
-    """Map the ``--data-*`` flags (megatron/config/data.py ``DataConfig``) to a GPTDatasetConfig."""
-    from megatron.data.utils import get_blend_from_list
-
-    per_split = [get_blend_from_list(getattr(data_config, f"{name}_data_path"), f"--{name}-data-path")
-                 for name in ("train", "valid", "test")]
-    blend = get_blend_from_list(data_config.data_path)
-    if data_config.mock_data:
-        blend, per_split = None, None
-    elif blend is None and not any(per_split):
-        raise ValueError("no data: pass --data-path, --train-data-path/--valid-data-path/"
-                         "--test-data-path, or --mock-data")
-    return GPTDatasetConfig(
-        random_seed=seed, sequence_length=data_config.seq_length, tokenizer=tokenizer,
-        blend=blend, blend_per_split=per_split if per_split and any(per_split) else None,
-        split=data_config.split, path_to_cache=data_config.data_cache_path,
-        reset_position_ids=data_config.reset_position_ids,
-        reset_attention_mask=data_config.reset_attention_mask,
-        eod_mask_loss=data_config.eod_mask_loss,
-        create_attention_mask=getattr(data_config, "create_attention_mask_in_dataloader", True),
-        mmap_bin_files=getattr(data_config, "mmap_bin_files", True))
-
-
-def build_train_valid_test_datasets(data_config: Any, tokenizer: Any,
-                                    train_valid_test_num_samples: list[int | None], seed: int
-                                    ) -> list[torch.utils.data.Dataset | None]:
+def build_train_valid_test_datasets(config: GPTDatasetConfig,
+                                    train_valid_test_num_samples: list[int | None]
+                                    ) -> list[SplitDataset | None]:
     """Train, valid and test datasets (GPTDataset, BlendedDataset or MockGPTDataset, or None).
 
     Args:
-        data_config: the ``DataConfig`` section (--data-path, --split, --seq-length, ...).
-        tokenizer: provides ``.eod`` and ``.vocab_size``.
+        config: the GPT dataset config (the caller maps its flags onto it, e.g.
+            ``megatron.config.datasets.gpt_dataset_config``).
         train_valid_test_num_samples: samples the schedule needs per split.
-        seed: --seed.
 
     Raises:
-        ValueError: missing/invalid data flags or files.
+        ValueError: missing/invalid dataset files.
     """
-    from megatron.data.blended_dataset import build_dataset_splits
-
-    config = gpt_dataset_config_from_data_config(data_config, tokenizer, seed)
     cls = MockGPTDataset if config.mock else GPTDataset
-    return build_dataset_splits(cls, list(train_valid_test_num_samples), config)
-
-
-def samples_for_blend(target: int, weight: float, surplus: float) -> int:
-    """Samples built per blended component: ``ceil(ceil(target * w) * (1 + surplus))``."""
-    return int(math.ceil(math.ceil(target * weight) * (1 + surplus)))
+    return BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples), config).build()

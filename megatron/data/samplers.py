@@ -7,7 +7,15 @@ in checkpoints), so a restarted run continues the same order.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import functools
+import multiprocessing
+import multiprocessing.util  # noqa: F401 - its exit hook must be registered before ours
+import os
 import signal
+import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -167,19 +175,83 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
     # iterators after a checkpoint restored the RNG state would shift every later dropout mask
     # (resume would not be exact). A private generator keeps the loader off the model's RNG.
     generator = torch.Generator().manual_seed(0)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=_accelerator_present(),
-                                       persistent_workers=num_workers > 0, generator=generator,
-                                       worker_init_fn=_ignore_sigterm if num_workers else None)
+    init = functools.partial(_init_worker, os.getpid()) if num_workers else None
+    return _PretrainingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                  pin_memory=_accelerator_present(),
+                                  persistent_workers=num_workers > 0, generator=generator,
+                                  worker_init_fn=init)
 
 
-def _ignore_sigterm(worker_id: int) -> None:
-    """Loader workers leave SIGTERM to the training process.
+# Loader worker processes of this process that stop_loader_workers() ends.
+_WORKERS: set[multiprocessing.Process] = set()
+
+
+class _PretrainingDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose worker processes :func:`stop_loader_workers` can end.
+
+    torch starts the workers when the iterator is made; they are the children that appear
+    across ``__iter__`` (with persistent workers, only the first call starts any).
+    """
+
+    def __iter__(self):
+        before = set(multiprocessing.active_children())
+        iterator = super().__iter__()
+        _WORKERS.update(set(multiprocessing.active_children()) - before)
+        return iterator
+
+
+def stop_loader_workers() -> None:
+    """Kill (SIGKILL) and reap every loader worker of this process that is still running.
+
+    The workers ignore SIGTERM (see :func:`_init_worker`), and that is all the standard exit
+    path sends them: Python's multiprocessing exit hook SIGTERMs daemonic children and then
+    joins them, which waits forever, so a rank that raises after its loaders started would
+    never exit. This runs at interpreter exit (before that hook; torch's own hook for loaders
+    with pinned memory, registered later, has shut those down gracefully before it) and when
+    ``megatron.training.fault`` ends a failed rank.
+    """
+    workers = [w for w in _WORKERS if w.is_alive()]
+    _WORKERS.clear()
+    if not workers:
+        return
+    # torch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" in the main
+    # thread for a worker that died while its iterator lives: hold it off until the workers
+    # are reaped (then it finds nothing). Only the main thread may change handlers.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if in_main else None
+    try:
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join(timeout=10)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGCHLD, previous)
+
+
+# atexit runs hooks last-registered first: this one runs before multiprocessing's (imported
+# above), whose SIGTERM-then-join would wait forever on workers still running.
+atexit.register(stop_loader_workers)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _init_worker(parent_pid: int, worker_id: int) -> None:
+    """Loader workers leave SIGTERM to the training process, and die with it.
 
     torchrun and SLURM signal a rank's whole process group, workers included. A worker killed by
     it makes the rank fail ("DataLoader worker ... is killed by signal") before
     --exit-signal-handler can finish the iteration and save. The workers still stop when the
-    loader shuts them down or when their parent process is gone.
+    loader shuts them down, when :func:`stop_loader_workers` kills them, and (on Linux, through
+    ``prctl(PR_SET_PDEATHSIG)``) the moment their parent process dies, whatever kills it;
+    elsewhere torch's watchdog notices a dead parent within seconds.
     """
     del worker_id
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: torch's watchdog remains
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the death signal was armed

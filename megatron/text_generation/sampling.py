@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -21,6 +23,26 @@ def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
+def check_sampling_options(*, top_k: int = 0, top_p: float = 0.0,
+                           temperature: float = 1.0) -> None:
+    """Megatron-LM's limits on the sampling options (its text generation server's checks).
+
+    Raises:
+        ValueError: naming the option (as ``tools/generate.py`` spells it), its value and the
+            allowed range.
+    """
+    if top_k < 0:
+        raise ValueError(f"--top_k ({top_k}) must be >= 0 (0 turns top-k sampling off, "
+                         "1 is greedy)")
+    if not 0.0 <= top_p <= 1.0:  # also refuses nan
+        raise ValueError(f"--top_p ({top_p}) must be in [0, 1] (0 turns top-p sampling off)")
+    if top_k > 0 and top_p > 0.0:
+        raise ValueError(f"--top_k ({top_k}) and --top_p ({top_p}) are mutually exclusive: "
+                         "set one of them to 0")
+    if not (math.isfinite(temperature) and temperature > 0.0):
+        raise ValueError(f"--temperature ({temperature}) must be a finite number > 0")
+
+
 def sample(logits: torch.Tensor, *, greedy: bool = False, top_k: int = 0, top_p: float = 0.0,
            temperature: float = 1.0, vocab_size: int | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
@@ -36,13 +58,11 @@ def sample(logits: torch.Tensor, *, greedy: bool = False, top_k: int = 0, top_p:
 
     Returns:
         ``[b]`` token ids.
+
+    Raises:
+        ValueError: an option out of range (see :func:`check_sampling_options`).
     """
-    if top_k > 0 and top_p > 0.0:
-        raise ValueError("top-k and top-p sampling are mutually exclusive")
-    if not 0.0 <= top_p <= 1.0:
-        raise ValueError(f"top_p ({top_p}) must be in [0, 1]")
-    if temperature <= 0.0:
-        raise ValueError(f"temperature ({temperature}) must be positive")
+    check_sampling_options(top_k=top_k, top_p=top_p, temperature=temperature)
     logits = logits.float()
     if vocab_size is not None and vocab_size < logits.size(-1):
         logits[..., vocab_size:] = float("-inf")

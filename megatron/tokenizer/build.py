@@ -50,6 +50,10 @@ def create_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
         path = err.filename or "a tokenizer file"
         raise ValueError(f"--tokenizer-type {kind}: cannot read {path} ({err.strerror or err})"
                          ) from err
+    except ValueError as err:  # a file of the wrong format (e.g. not JSON): name the files
+        files = ", ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)}"
+                          for f in REQUIRED_FIELDS[kind] if f in FILE_FIELDS)
+        raise ValueError(f"--tokenizer-type {kind}: cannot load {files}: {err}") from err
 
 
 def _create(kind: str, cfg: TokenizerConfig) -> AbstractTokenizer:

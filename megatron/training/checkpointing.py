@@ -1,4 +1,6 @@
-"""Megatron-LM's checkpoint layout, written atomically and loaded without running code.
+"""Training-time checkpoints: which rank writes and reads which shard, RNG state, the optimizer,
+and the checks against the run's flags — on top of the format in ``megatron.checkpointing``
+(names, safe loading, atomic writes with checksums, QKV versions, the TP/PP layout).
 
 Layout (``--ckpt-format torch``)::
 
@@ -10,23 +12,25 @@ Layout (``--ckpt-format torch``)::
 Every file is written under a temporary name, synced, then renamed, and the directories holding
 the renamed files are synced; the tracker file is rewritten the same way by global rank 0 after
 every rank has finished (then the save root is synced), so a crash at any moment leaves the
-previous checkpoint loadable and the tracker never points at a partial one.
+previous checkpoint loadable and the tracker never points at a partial one. Each shard has a
+sha256 file beside it, checked on load (``megatron.checkpointing.files``: checksums, temporary
+files of interrupted saves, out-of-space errors).
+
+Lineage: training refuses to start from random weights when ``--save`` already holds checkpoints
+(a mistyped ``--load`` would otherwise overwrite them), and a save that moves the tracker back
+to an older iteration says so.
 
 Loading uses ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM
-checkpoint holds (``argparse.Namespace`` for ``args``, numpy's RNG state arrays, and Megatron's
-enums such as ``args.model_type``, read as inert stand-ins), so a checkpoint that would run code
-is refused with a clear error. Checkpoints older than version 2.0 have another QKV row order and
-are converted on load (Megatron-LM's ``fix_query_key_value_ordering``).
+checkpoint holds (``megatron.checkpointing.load_checkpoint_file``), so a checkpoint that would
+run code is refused with a clear error. Checkpoints older than version 2.0 have another QKV row
+order and are converted on load (``megatron.checkpointing.fix_query_key_value_ordering``).
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
-import errno
 import os
 import random
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,14 +38,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing import (  # noqa: F401 - re-exported for existing callers
+    CHECKPOINT_VERSION, CHECKSUM_SUFFIX, DISTRIB_OPTIM_FILENAME, MODEL_FILENAME,
+    TRACKER_FILENAME, CheckpointError, MegatronEnum, checkpoint_dir, checkpoint_name,
+    checkpoint_version, corrupt_file_error, fix_query_key_value_ordering, load_checkpoint_file,
+    parse_tracker, publish_tracker, remove_stale_temp_files, save_file, verify_checksum)
+from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
-
-CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-MODEL_FILENAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 
 # Architecture flags that must agree between a checkpoint and the run loading it.
 _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -51,175 +56,41 @@ _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_h
 _PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, unsafe, or does not match the flags."""
-
-
-# Names ----------------------------------------------------------------------------------------
-def checkpoint_dir(root: str | os.PathLike, iteration: int, release: bool = False) -> Path:
-    return Path(root) / ("release" if release else f"iter_{iteration:07d}")
-
-
+# Names and tracker, as this rank sees them ------------------------------------------------------
 def get_checkpoint_name(root: str | os.PathLike, iteration: int, release: bool = False,
                         pipeline_parallel: bool | None = None, tensor_rank: int | None = None,
                         pipeline_rank: int | None = None) -> Path:
-    """Path of this rank's ``model_optim_rng.pt`` (Megatron's ``mp_rank_XX[_YYY]`` naming)."""
+    """Path of this rank's ``model_optim_rng.pt`` (Megatron's ``mp_rank_XX[_YYY]`` naming);
+    the ranks and sizes left out come from ``parallel_state``."""
     if pipeline_parallel is None:
         pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
     if tensor_rank is None:
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    sub = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
-    return checkpoint_dir(root, iteration, release) / sub / MODEL_FILENAME
+    return checkpoint_name(root, iteration, release, tensor_rank=tensor_rank,
+                           pipeline_rank=pipeline_rank, pipeline_parallel=pipeline_parallel)
 
 
-def get_checkpoint_tracker_filename(root: str | os.PathLike) -> Path:
-    return Path(root) / TRACKER_FILENAME
+def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
+    """(iteration, release) from the tracker file, agreed across ranks; None without one.
 
-
-# Safe loading ---------------------------------------------------------------------------------
-class MegatronEnum(enum.Enum):
-    """Inert stand-in for an enum Megatron-LM pickles into ``args`` (``args.model_type =
-    ModelType.encoder_or_decoder``, ``args.attention_backend = AttnBackend.auto``...).
-
-    Unpickling calls ``EnumClass(value)``; these classes only hold the value (unknown values of
-    newer Megatron versions become pseudo-members), so nothing from Megatron-LM is imported or
-    run, and the checks on load never read them.
-    """
-
-    @classmethod
-    def _missing_(cls, value):
-        member = object.__new__(cls)
-        member._name_, member._value_ = f"unknown_{value}", value
-        return member
-
-
-def _stub_enum(name: str, members: str) -> type[MegatronEnum]:
-    return MegatronEnum(name, [(m, i) for i, m in enumerate(members.split(), start=1)],
-                        module=__name__)
-
-
-# Megatron-LM's enums (23.06 and core_v0.13 values) under every module path they have lived at.
-_MODEL_TYPE = _stub_enum("ModelType", "encoder_or_decoder encoder_and_decoder retro_encoder "
-                                      "retro_decoder")
-_LAYER_TYPE = _stub_enum("LayerType", "encoder decoder retro_encoder retro_decoder "
-                                      "retro_decoder_with_retriever")
-_ATTN_TYPE = _stub_enum("AttnType", "self_attn cross_attn")
-_ATTN_MASK_TYPE = _stub_enum("AttnMaskType", "padding causal no_mask padding_causal arbitrary")
-_ATTN_BACKEND = _stub_enum("AttnBackend", "flash fused unfused local auto")
-_POSITION_EMBEDDING_TYPE = _stub_enum("PositionEmbeddingType", "rotary absolute")
-_FP8_RECIPE = _stub_enum("Fp8Recipe", "delayed tensorwise mxfp8")
-_MEGATRON_ENUMS = {
-    "megatron.core.enums": {"ModelType": _MODEL_TYPE, "Fp8Recipe": _FP8_RECIPE},
-    "megatron.core.transformer.enums": {
-        "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
-        "AttnMaskType": _ATTN_MASK_TYPE, "AttnBackend": _ATTN_BACKEND},
-    "megatron.model.enums": {
-        "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
-        "AttnMaskType": _ATTN_MASK_TYPE, "PositionEmbeddingType": _POSITION_EMBEDDING_TYPE},
-    "megatron.legacy.model.enums": {
-        "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE, "AttnMaskType": _ATTN_MASK_TYPE},
-}
-
-
-def _safe_globals() -> list:
-    """Types a Megatron-LM checkpoint legitimately pickles (none of them can run code)."""
-    allowed: list = [argparse.Namespace]
-    multiarray = getattr(np, "_core", None) or np.core
-    allowed += [multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
-    allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]
-    # (stand-in, "module.Name"): torch resolves the pickled global by that name.
-    allowed += [(stub, f"{module}.{name}") for module, stubs in _MEGATRON_ENUMS.items()
-                for name, stub in stubs.items()]
-    return allowed
-
-
-def load_checkpoint_file(path: str | os.PathLike) -> dict:
-    """``torch.load`` with ``weights_only=True`` plus the allowlist; clear errors otherwise.
+    Collective over all ranks (each takes part whether or not it sees the file).
 
     Raises:
-        CheckpointError: missing, truncated/corrupt, or holding types outside the allowlist.
+        CheckpointError: the tracker is not an iteration number or "release".
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises several types; all mean "refused"
-        text = str(err)
-        if "Weights only load failed" in text or "Unsupported global" in text:
-            # torch names the offending callable/class as "GLOBAL module.name"; the rest of its
-            # message is boilerplate about the weights_only default.
-            found = re.search(r"GLOBAL ([\w.]+)", text)
-            what = found.group(1).rstrip(".") if found else "an unsupported type"
-            raise CheckpointError(
-                f"refusing to load {path}: it holds {what}, outside the allowlist of checkpoint "
-                "types; loading it could run code. Only load checkpoints you trust through other "
-                "means") from None
-        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: "
-                              f"{text.splitlines()[0][:200]}") from None
-
-
-# Tracker --------------------------------------------------------------------------------------
-def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
-    """(iteration, release) from the tracker file, agreed across ranks; None without one."""
     tracker = get_checkpoint_tracker_filename(root)
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        iteration, release = 0, True
-    else:
-        try:
-            iteration, release = int(text), False
-        except ValueError:
-            raise CheckpointError(f"{tracker} should hold an iteration number or 'release', "
-                                  f"found {text[:50]!r}") from None
+    local = parse_tracker(tracker)
+    iteration, release = local if local is not None else (-1, False)
     value = torch.tensor([iteration], dtype=torch.long)
     comm.all_reduce(value, None, op="max")
+    if int(value) < 0:
+        return None
     if int(value) != iteration:
         warn_rank_0(f"ranks disagree on the iteration in {tracker}; using the largest, "
                     f"{int(value)}")
     return int(value), release
-
-
-def _atomic_write(write, path: Path) -> None:
-    """Write via ``write(tmp_path)``, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    _atomic_write(lambda tmp: torch.save(obj, tmp), path)
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory, so the renames and new entries in it survive a power loss.
-
-    Skipped where directories cannot be opened (no ``os.O_DIRECTORY``, e.g. Windows) or synced
-    (file systems answering EINVAL / ENOTSUP).
-    """
-    flag = getattr(os, "O_DIRECTORY", None)
-    if flag is None:
-        return
-    fd = os.open(path, os.O_RDONLY | flag)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
 
 
 # RNG ------------------------------------------------------------------------------------------
@@ -309,8 +180,13 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
 
     Only data-parallel rank 0 of each model-parallel shard writes ``model_optim_rng.pt``; with the
     distributed optimizer every rank takes part in gathering ``distrib_optim.pt``.
+
+    Raises:
+        CheckpointError: a file could not be written (out of space, naming the directory, the
+            bytes needed and the bytes free); its temporary file is removed.
     """
     root = Path(cfg.checkpoint.save)
+    _remove_stale_temp_files(root)
     args = cfg.to_namespace()
     args.consumed_train_samples = consumed_train_samples
     args.consumed_valid_samples = consumed_valid_samples
@@ -323,41 +199,96 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
         # Collective over the data-parallel group; DP rank 0 receives the gathered state.
         state = optimizer.save_parameter_state()
         if parallel_state.get_data_parallel_rank() == 0:
-            _atomic_torch_save(state, name.with_name(DISTRIB_OPTIM_FILENAME))
+            save_file(state, name.with_name(DISTRIB_OPTIM_FILENAME))
     if parallel_state.get_data_parallel_rank() == 0:
         sd: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": iteration,
                     "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-        if len(model) == 1:
-            sd["model"] = _model_state(model[0])
-        else:
-            for i, chunk in enumerate(model):
-                sd[f"model{i}"] = _model_state(chunk)
+        sd.update(_model_states(model))
         if optimizer is not None and not cfg.checkpoint.no_save_optim:
             sd["optimizer"] = optimizer.state_dict()
             if scheduler is not None:
                 sd["opt_param_scheduler"] = scheduler.state_dict()
         if rng_states is not None:
             sd["rng_state"] = rng_states
-        _atomic_torch_save(sd, name)
-        _fsync_dir(name.parent)  # this shard's renames are durable
+        save_file(sd, name)  # its directory synced too: this shard's renames are durable
     comm.barrier()
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if _is_global_rank_0():
         # Once, after every shard is in: the new mp_rank / iter directories are durable before
         # the tracker can point at them.
-        for directory in (name.parent.parent, root):
-            _fsync_dir(directory)
-        _atomic_write(lambda tmp: tmp.write_text(str(iteration)),
-                      get_checkpoint_tracker_filename(root))
-        _fsync_dir(root)
+        _publish(root, iteration, name.parent.parent)
     comm.barrier()
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return checkpoint_dir(root, iteration)
 
 
+def _model_states(model: Sequence[torch.nn.Module]) -> dict:
+    """``model``, or ``model0``, ``model1``... with virtual pipeline stages."""
+    if len(model) == 1:
+        return {"model": _model_state(model[0])}
+    return {f"model{i}": _model_state(chunk) for i, chunk in enumerate(model)}
+
+
+def _is_global_rank_0() -> bool:
+    return dist.get_rank() == 0 if dist.is_initialized() else True
+
+
+def _remove_stale_temp_files(root: Path) -> None:
+    """Global rank 0 deletes what killed saves left under --save; nobody writes before that."""
+    if _is_global_rank_0():
+        removed = remove_stale_temp_files(root)
+        if removed:
+            log_rank_0(f"  removed {len(removed)} temporary file(s) of an interrupted save "
+                       f"under {root}: {', '.join(str(p.relative_to(root)) for p in removed)}")
+    comm.barrier()
+
+
+def _publish(root: Path, iteration: int, iteration_dir: Path) -> None:
+    """Point the tracker at ``iteration``, saying so when that moves it back."""
+    previous = publish_tracker(root, iteration, iteration_dir)
+    if previous is not None and not previous[1] and previous[0] > iteration:
+        warn_rank_0(f"{get_checkpoint_tracker_filename(root)} moves back from iteration "
+                    f"{previous[0]} to {iteration}: {checkpoint_dir(root, previous[0]).name} "
+                    "stays on disk but is no longer the checkpoint --load resumes from")
+
+
+# Lineage ----------------------------------------------------------------------------------------
+def check_fresh_start(cfg, load_dir: str | os.PathLike | None = None) -> None:
+    """Refuse to train from random weights into a --save that already holds checkpoints.
+
+    Called when there is nothing to load (no --load, or ``load_dir`` holds no checkpoint): the
+    run's saves would overwrite those checkpoints and move their tracker back, and the next
+    resume from --save would silently continue the wrong run. Collective over all ranks.
+
+    Raises:
+        CheckpointError: --save holds a tracker file, without --allow-overwrite-checkpoints.
+    """
+    ck = cfg.checkpoint
+    if ck.save is None or ck.allow_overwrite_checkpoints or cfg.training.skip_train:
+        return
+    tracker = get_checkpoint_tracker_filename(ck.save)
+    try:
+        tracked = parse_tracker(tracker)
+    except CheckpointError:
+        tracked = (0, False)  # unreadable, but a checkpoint was saved there
+    latest = torch.tensor([-1 if tracked is None else tracked[0]], dtype=torch.long)
+    comm.all_reduce(latest, None, op="max")  # every rank refuses, or none
+    if int(latest) < 0:
+        return
+    where = f"--load {load_dir} holds no checkpoint ({TRACKER_FILENAME})" \
+        if load_dir is not None else "no --load was given"
+    raise CheckpointError(
+        f"{where}, but --save {ck.save} already holds checkpoints (its tracker names "
+        f"iteration {int(latest)}): training from random weights would overwrite them. "
+        f"Check the --load path (to resume that run: --load {ck.save}), save elsewhere, or "
+        "pass --allow-overwrite-checkpoints to start from scratch anyway")
+
+
 # Load -----------------------------------------------------------------------------------------
 def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> None:
     if ckpt_args is None:
+        warn_rank_0(f"{path} holds no args (the flags it was saved with): the architecture "
+                    "flags cannot be checked against it")
         return
     ours = cfg.to_namespace()
     diffs = []
@@ -385,24 +316,41 @@ def _find_any_shard(iter_dir: Path) -> Path | None:
 
 def read_checkpoint_args(load_dir: str | os.PathLike,
                          iteration: int | None = None) -> argparse.Namespace | None:
-    """The ``args`` Namespace stored in a checkpoint (any shard), for --use-checkpoint-args."""
+    """The ``args`` Namespace stored in a checkpoint (any shard), for --use-checkpoint-args.
+
+    Returns:
+        The Namespace; None when ``load_dir`` holds no checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint is corrupt, or holds no args.
+    """
     tracked = read_tracker(load_dir) if iteration is None else (iteration, False)
     if tracked is None:
         return None
     shard = _find_any_shard(checkpoint_dir(load_dir, *tracked))
-    return load_checkpoint_file(shard).get("args") if shard else None
+    if shard is None:
+        return None
+    args = load_checkpoint_file(shard).get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"--use-checkpoint-args: {shard} holds no args to take the "
+                              "architecture from; give the architecture flags instead")
+    return args
 
 
 def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                     load_dir: str | None = None, strict: bool = True) -> tuple[int, int, int]:
     """Load the latest (or ``--ckpt-step``) checkpoint of ``--load`` into the model and optimizer.
 
+    Every file read is first checked against the sha256 saved beside it (files without one,
+    as Megatron-LM writes them, load unverified; --no-verify-checkpoint-checksums skips it).
+
     Returns:
         (iteration, consumed_train_samples, consumed_valid_samples); zeros without a checkpoint.
 
     Raises:
-        CheckpointError: corrupt, unsafe or mismatched checkpoint, or missing with
-            --exit-on-missing-checkpoint.
+        CheckpointError: corrupt (or not matching its checksum), unsafe or mismatched
+            checkpoint; missing with --exit-on-missing-checkpoint, or while --save holds
+            checkpoints (:func:`check_fresh_start`); no args when resuming training.
     """
     ck = cfg.checkpoint
     root = Path(load_dir or ck.load)
@@ -413,6 +361,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         if ck.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {root} holds no {TRACKER_FILENAME} and "
                                   "--exit-on-missing-checkpoint is set")
+        check_fresh_start(cfg, load_dir=root)
         warn_rank_0(f"could not find {get_checkpoint_tracker_filename(root)}: starting from "
                     "random weights")
         return 0, 0, 0
@@ -425,35 +374,98 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                                   f"{MODEL_FILENAME} (incomplete save, or wrong --ckpt-step)")
         _check_compatible(load_checkpoint_file(shard).get("args"), cfg, shard)
         raise CheckpointError(f"checkpoint file {name} is missing")
-    sd = load_checkpoint_file(name)
+    unverified: list[Path] = []
+    sd = _read_verified(name, cfg, unverified)
     _check_compatible(sd.get("args"), cfg, name)
-    fix_query_key_value_ordering(sd, _checkpoint_version(sd, name), cfg, name)
+    fresh = release or ck.finetune  # weights only: counters, optimizer and RNG start afresh
+    iteration = 0 if fresh else _saved_iteration(sd, name)
+    # Resuming training (pretrain passes the optimizer; tools that only read weights do not).
+    training = optimizer is not None and not cfg.training.skip_train
+    consumed_train, consumed_valid = (0, 0) if fresh else \
+        _consumed_samples(sd, name, cfg, iteration, training)
+    _fix_qkv_ordering(sd, name, cfg)
     _load_model_chunks(model, sd, strict, name)
 
-    if release or ck.finetune:
-        iteration = 0
-    else:
-        iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
-    load_optim = not (release or ck.finetune or ck.no_load_optim)
+    load_optim = not (fresh or ck.no_load_optim)
     if load_optim and optimizer is not None:
-        _load_optimizer(optimizer, scheduler, sd, cfg, name)
+        _load_optimizer(optimizer, scheduler, sd, cfg, name, unverified)
     elif optimizer is not None:
         # The optimizer was built before the load: its fp32 main params still hold the initial
         # weights, and the first step would copy them back over the loaded ones.
         optimizer.reload_model_params()
     if not (release or ck.finetune or ck.no_load_rng):
         _load_rng_state(sd, cfg, name)
-    ckpt_args = sd.get("args")
-    consumed_train = 0 if ck.finetune or release else \
-        int(getattr(ckpt_args, "consumed_train_samples", 0))
-    consumed_valid = 0 if ck.finetune or release else \
-        int(getattr(ckpt_args, "consumed_valid_samples", 0))
+    if unverified:
+        # Quietly, once: Megatron-LM's checkpoints (and ours from before checksums) have none.
+        log_rank_0(f"  no {CHECKSUM_SUFFIX} file beside "
+                   f"{', '.join(p.name for p in unverified)} in {name.parent}: loaded without "
+                   "checksum verification (a checkpoint written by Megatron-LM?)")
     comm.barrier()
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
 
 
-def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path) -> None:
+def _read_verified(path: Path, cfg, unverified: list[Path]) -> dict:
+    """:func:`load_checkpoint_file` after checking ``path`` against its saved sha256; files
+    without one are appended to ``unverified``."""
+    if cfg.checkpoint.verify_checkpoint_checksums and path.is_file() \
+            and not verify_checksum(path):
+        unverified.append(path)
+    return load_checkpoint_file(path)
+
+
+def _saved_iteration(sd: dict, name: Path) -> int:
+    """The checkpoint's ``iteration`` (very old ones: ``total_iters``).
+
+    Raises:
+        CheckpointError: missing, or not a non-negative integer.
+    """
+    key = "iteration" if "iteration" in sd else "total_iters"
+    if key not in sd:
+        raise corrupt_file_error(name, "it holds no 'iteration' (pass --finetune to load its "
+                                       "weights only)")
+    return _count(sd[key], f"'{key}'", name)
+
+
+def _count(value, what: str, name: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise corrupt_file_error(name, f"{what} is {value!r}, not a non-negative integer")
+    return int(value)
+
+
+def _consumed_samples(sd: dict, name: Path, cfg, iteration: int,
+                      training: bool) -> tuple[int, int]:
+    """(train, valid) samples consumed before the checkpoint, from its ``args``.
+
+    Without them the sampler would start from the first sample again, replaying the data of the
+    iterations already trained: resuming training is refused, or with
+    --allow-resume-without-checkpoint-args warned about (tools reading weights are not).
+
+    Raises:
+        CheckpointError: no counters while resuming training; counters that are not integers.
+    """
+    args = sd.get("args")
+    train = getattr(args, "consumed_train_samples", None)
+    if train is None:
+        what = "no args" if args is None else "no consumed_train_samples in its args"
+        if training and iteration > 0 and \
+                not cfg.checkpoint.allow_resume_without_checkpoint_args:
+            raise CheckpointError(
+                f"{name} holds {what}: the number of samples consumed by its {iteration} "
+                "iterations is unknown, and resuming would restart the data order from the "
+                "first sample. Pass --allow-resume-without-checkpoint-args to resume anyway, or "
+                "--finetune to train from its weights as a new run")
+        if training and iteration > 0:
+            warn_rank_0(f"{name} holds {what}: the consumed-sample counters restart at 0 (the "
+                        "data order starts from the first sample again)")
+        return 0, 0
+    valid = getattr(args, "consumed_valid_samples", None)
+    return (_count(train, "args.consumed_train_samples", name),
+            0 if valid is None else _count(valid, "args.consumed_valid_samples", name))
+
+
+def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
+                    unverified: list[Path]) -> None:
     """Optimizer (+ ``distrib_optim.pt``) and scheduler state of a checkpoint.
 
     Raises:
@@ -482,7 +494,7 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path) -> None:
         if ours:
             # Every rank reads the gathered state and keeps its own shard (re-sharding when the
             # data-parallel size differs from the one that saved it).
-            optimizer.load_parameter_state(load_checkpoint_file(distrib_file))
+            optimizer.load_parameter_state(_read_verified(distrib_file, cfg, unverified))
     except (KeyError, ValueError, RuntimeError, TypeError) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -495,64 +507,26 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path) -> None:
             scheduler.load_state_dict(sd[key])
 
 
-# QKV row order by checkpoint_version (FORMATS.md 2d): 0 -> [3, np, hn], 1.0 -> [np, hn, 3],
-# >= 2.0 -> [np, 3, hn] (what the attention reads); np, hn are this TP rank's heads / head size.
+# QKV row order by checkpoint_version: the conversion itself is in megatron.checkpointing.
 def _checkpoint_version(sd: dict, name: Path) -> float:
-    if "checkpoint_version" not in sd:
+    version = checkpoint_version(sd)
+    if version is None:
         # Megatron-LM reads a missing version as 0 (its oldest QKV order) as well.
         warn_rank_0(f"{name} has no checkpoint_version: reading it as version 0 (QKV rows "
                     "[3, np, hn]), as Megatron-LM does")
         return 0.0
-    return float(sd["checkpoint_version"])
+    return version
 
 
-def fix_query_key_value_ordering(sd: dict, version: float, cfg, name: Path) -> None:
-    """Reorder the fused QKV rows of a checkpoint older than version 2.0, in place.
-
-    Raises:
-        CheckpointError: a version other than 0, 1.0 or >= 2.0.
-    """
+def _fix_qkv_ordering(sd: dict, name: Path, cfg) -> None:
+    """Megatron-LM's ``fix_query_key_value_ordering`` with this run's heads and TP size."""
+    version = _checkpoint_version(sd, name)
     if version >= 2.0:
         return
-    if version not in (0.0, 1.0):
-        raise CheckpointError(f"{name} has checkpoint_version {version}: only 0, 1.0 and "
-                              ">= 2.0 exist (this run writes 3.0); the QKV row order is unknown")
-    heads = cfg.model.num_attention_heads // cfg.parallel.tensor_model_parallel_size
-    splits_first = version == 0.0
-    converted = 0
-
-    def walk(node: dict, prefix: str) -> None:
-        nonlocal converted
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            if isinstance(value, dict):
-                walk(value, path + ".")
-            elif path.endswith((".query_key_value.weight", ".query_key_value.bias",
-                                ".key_value.weight", ".key_value.bias")):
-                splits = 3 if ".query_key_value." in path else 2
-                if value.shape[0] % (splits * heads):
-                    raise CheckpointError(
-                        f"{path} in {name} has {value.shape[0]} rows, not a multiple of "
-                        f"{splits} x {heads} heads per TP rank: check --num-attention-heads "
-                        "and --tensor-model-parallel-size")
-                node[key] = _reorder_rows(value, splits, heads, splits_first)
-                converted += 1
-
-    for key in [k for k in sd if k == "model" or re.fullmatch(r"model\d+", k)]:
-        walk(sd[key], "")
+    converted = fix_query_key_value_ordering(sd, version, cfg.model.num_attention_heads,
+                                             cfg.parallel.tensor_model_parallel_size, str(name))
     log_rank_0(f"  converted {converted} QKV tensors of {name} from checkpoint version "
                f"{version} to the [np, 3, hn] row order")
-
-
-def _reorder_rows(t: torch.Tensor, splits: int, heads: int, splits_first: bool) -> torch.Tensor:
-    """[splits*np*hn, ...] in order [splits, np, hn] (or [np, hn, splits]) -> [np, splits, hn]."""
-    head_dim = t.shape[0] // (splits * heads)
-    rest = tuple(t.shape[1:])
-    if splits_first:
-        out = t.view(splits, heads, head_dim, *rest).transpose(0, 1)  # [np, splits, hn, ...]
-    else:
-        out = t.view(heads, head_dim, splits, *rest).transpose(1, 2)  # [np, splits, hn, ...]
-    return out.contiguous().view(t.shape)
 
 
 def _load_model_chunks(model: Sequence[torch.nn.Module], sd: dict, strict: bool,
@@ -566,3 +540,4 @@ def _load_model_chunks(model: Sequence[torch.nn.Module], sd: dict, strict: bool,
         except (RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(f"model weights in {name} do not fit this model: {err}") \
                 from None
+

@@ -8,26 +8,38 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megatron.config import MegatronConfig, parse_args
-from megatron.config.cli import ExtraArgsProvider, validate_or_exit
+from megatron.config import MegatronConfig
+from megatron.config.cli import (ExtraArgsProvider, ToolSection, build_parser, parse_flags,
+                                 validate_or_exit)
 from megatron.core import device, parallel_state
 from megatron.core.log import log_rank_0
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+from megatron.training import fault
 
 
 def initialize_megatron(argv: Sequence[str] | None = None,
                         extra_args_provider: ExtraArgsProvider | None = None,
                         require_model: bool = True,
-                        require_train_length: bool = False) -> MegatronConfig:
+                        require_train_length: bool = False,
+                        tool_sections: Sequence[ToolSection] = ()) -> MegatronConfig:
     """Validate flags (before any process group exists), then initialize everything.
 
+    Args:
+        argv: the flags (``sys.argv[1:]`` when None).
+        extra_args_provider: a Megatron-LM style hook adding untyped flags (``cfg.extra``).
+        require_model: the architecture flags must be present.
+        require_train_length: the script trains: a run length is required.
+        tool_sections: the script's typed flag sections (``cfg.section(cls)``).
+
     Returns:
-        The validated configuration.
+        The validated, read-only configuration.
     """
-    cfg = parse_args(argv, extra_args_provider=extra_args_provider, validate_config=False)
-    if cfg.checkpoint.use_checkpoint_args:
-        apply_checkpoint_args(cfg)
-    validate_or_exit(cfg, require_model=require_model, require_train_length=require_train_length)
+    parser = build_parser(extra_args_provider, tool_sections=tool_sections)
+    flags = parse_flags(parser, argv, tool_sections)
+    if flags.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(flags)
+    cfg = validate_or_exit(flags, require_model=require_model,
+                           require_train_length=require_train_length, parser=parser)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg
@@ -44,7 +56,9 @@ def initialize_distributed(cfg: MegatronConfig) -> None:
         parallel_state.initialize_model_parallel(
             cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
             cfg.virtual_pipeline_model_parallel_size,
-            cfg.parallel.pipeline_model_parallel_split_rank)
+            cfg.parallel.pipeline_model_parallel_split_rank,
+            distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+    fault.watch_peers()  # under fault.run_rank: hear at once when another rank fails
     log_rank_0(f"> initialized tensor model parallel with size "
                f"{parallel_state.get_tensor_model_parallel_world_size()}, pipeline model parallel "
                f"with size {parallel_state.get_pipeline_model_parallel_world_size()}, data "
@@ -80,7 +94,7 @@ _CHECKPOINT_ARCH_FIELDS = {
 
 def apply_checkpoint_args(cfg: MegatronConfig) -> None:
     """--use-checkpoint-args: take the architecture (and tokenizer, where the flags give none)
-    from the ``args`` saved in the ``--load`` checkpoint."""
+    from the ``args`` saved in the ``--load`` checkpoint, into the flags before validation."""
     from megatron.training.checkpointing import CheckpointError, read_checkpoint_args
 
     if cfg.checkpoint.load is None:
@@ -101,15 +115,11 @@ def apply_checkpoint_args(cfg: MegatronConfig) -> None:
 
 
 def build_tokenizer_from_config(cfg: MegatronConfig):
-    """The tokenizer of ``--tokenizer-type`` (a NullTokenizer of ``--vocab-size``, default GPT-2's
-    50257, for ``--mock-data``); records the padded vocabulary size the model is built with."""
+    """The tokenizer of ``--tokenizer-type`` (validation already chose the NullTokenizer of
+    ``--mock-data`` and the padded vocabulary size the model is built with)."""
     from megatron.tokenizer import build_tokenizer
 
-    tok_cfg = cfg.tokenizer
-    if tok_cfg.tokenizer_type is None and cfg.data.mock_data:
-        tok_cfg.tokenizer_type = "NullTokenizer"
-        tok_cfg.vocab_size = tok_cfg.vocab_size or 50257
-    tokenizer = build_tokenizer(tok_cfg, cfg.parallel.tensor_model_parallel_size,
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
                                 cfg.model.make_vocab_size_divisible_by)
-    cfg.padded_vocab_size = tokenizer.padded_vocab_size
+    assert cfg.padded_vocab_size in (None, tokenizer.padded_vocab_size), "validate() disagrees"
     return tokenizer

@@ -56,13 +56,15 @@ class _LogAccumulator:
     skipped_total: int = 0
 
     def add(self, losses: dict[str, float], skipped: bool) -> None:
-        """Accumulate one iteration; as Megatron's ``training_log``, a NaN/inf loss counts as a
-        nan iteration only when the step was skipped (an applied step's loss is averaged)."""
+        """Accumulate one iteration. Every iteration with a NaN/inf reported loss is a nan
+        iteration, applied or skipped (Megatron-LM 23.06 counted skipped ones only, so a NaN
+        step that was applied logged "number of nan iterations: 0"); an applied step's loss
+        is averaged in, so the logged loss shows the NaN too."""
+        if any(not math.isfinite(v) for v in losses.values()):
+            self.nan += 1
         if skipped:
             self.skipped += 1
             self.skipped_total += 1
-            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
-                self.nan += 1
         else:
             self.advanced += 1
             for key, value in losses.items():
@@ -82,17 +84,86 @@ def _average_reduced_losses(losses_reduced: list[dict]) -> dict[str, float]:
             for key in losses_reduced[0]}
 
 
+class _LossRecorder:
+    """``forward_step_func`` whose loss functions also record whether this rank's local loss
+    (the one backward starts from, before loss scaling) was finite; read only to name the rank
+    once a reported loss is NaN/inf (no host sync per micro-batch)."""
+
+    def __init__(self, forward_step_func: Callable) -> None:
+        self.forward_step_func = forward_step_func
+        self.nonfinite: torch.Tensor | None = None
+
+    def __call__(self, data_iterator, model):
+        output, loss_func = self.forward_step_func(data_iterator, model)
+
+        def recording_loss_func(output_tensor, *args, **kwargs):
+            result = loss_func(output_tensor, *args, **kwargs)
+            if not kwargs.get("non_loss_data"):
+                bad = ~torch.isfinite(result[0].detach()).all()
+                self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+            return result
+
+        return output, recording_loss_func
+
+
+def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list, cfg,
+                 iteration: int) -> None:
+    """--check-for-nan-in-loss-and-grad (on by default): stop on a NaN/inf reported loss, or on
+    NaN/inf local gradients, naming the iteration and the first rank where they appeared.
+
+    With --fp16 non-finite gradients are left to the loss scaler (an overflow skips the step
+    and lowers the scale, as dynamic loss scaling expects); the loss is still checked. Every
+    rank joins one small all-reduce and so reaches the same verdict: a rank raising alone
+    would leave the others waiting in their next collective.
+
+    Raises:
+        FloatingPointError: on every rank, before the optimizer step.
+    """
+    rank, world = comm.rank(None), comm.world_size(None)
+    grads_bad = not cfg.precision.fp16 and not all(
+        getattr(chunk, "local_grads_finite", lambda: True)() for chunk in model)
+    local_loss_bad = recorder.nonfinite is not None and bool(recorder.nonfinite)
+    reported_bad = any(not math.isfinite(v) for v in losses.values())
+    # MAX over ranks of (world - rank) for the ranks where it is bad: the lowest such rank.
+    first = torch.tensor([world - rank if bad else 0 for bad in
+                          (reported_bad, local_loss_bad, grads_bad)],
+                         dtype=torch.long, device=device.get_device())
+    comm.all_reduce(first, None, op="max")
+    reported_on, loss_on, grads_on = (world - v if v > 0 else None for v in first.tolist())
+    if reported_on is None and grads_on is None:
+        return
+    what = []
+    if reported_on is not None:
+        shown = ", ".join(f"{key}: {value}" for key, value in losses.items())
+        what.append(f"a reported loss is NaN/inf (first on rank {reported_on}; here {shown})")
+    if loss_on is not None:
+        what.append(f"the local loss first went NaN/inf on rank {loss_on}")
+    if grads_on is not None:
+        what.append(f"local gradients first went NaN/inf on rank {grads_on} (before the "
+                    "data-parallel reduction)")
+    raise FloatingPointError(
+        f"iteration {iteration}: {'; '.join(what)}. Training stopped before the optimizer step "
+        "(--no-check-for-nan-in-loss-and-grad trains on and counts the nan iterations in the "
+        "log line instead)")
+
+
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers
-               ) -> tuple[dict[str, float], bool, float | None, int | None]:
-    """One optimizer step over a global batch.
+               scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers,
+               iteration: int = 0) -> tuple[dict[str, float], bool, float | None, int | None]:
+    """One optimizer step over a global batch (``iteration``: its number, for error messages).
 
     Returns:
         (mean loss dict over micro-batches, skipped, grad norm, number of zeros in grad)
+
+    Raises:
+        FloatingPointError: see :func:`check_finite`.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    check = cfg.training.check_for_nan_in_loss_and_grad
+    if check:
+        forward_step_func = _LossRecorder(forward_step_func)
     timers("forward-backward", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
     losses_reduced = get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -106,6 +177,9 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     timers(reduce_timer, log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
     finalize_model_grads(model)
     timers(reduce_timer).stop()
+    losses = _average_reduced_losses(losses_reduced)
+    if check:
+        check_finite(losses, forward_step_func, model, cfg, iteration)
     timers("optimizer", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
     timers("optimizer").stop()
@@ -114,7 +188,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         scheduler.step(increment=increment)
     if cfg.parallel.empty_unused_memory_level >= 1:
         device.empty_cache()
-    return _average_reduced_losses(losses_reduced), not update_successful, grad_norm, num_zeros
+    return losses, not update_successful, grad_norm, num_zeros
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, cfg,
@@ -179,8 +253,14 @@ class Trainer:
 
     def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None) -> bool:
         """Train until ``train_iters``; returns True if an exit condition stopped it early."""
+        # The DDP wrappers record their local gradients' finiteness for check_finite (not with
+        # fp16, whose loss scaler owns overflowing gradients).
+        cfg = self.cfg
+        grad_check = cfg.training.check_for_nan_in_loss_and_grad and not cfg.precision.fp16
         for chunk in self.model:
             chunk.train()
+            if hasattr(chunk, "check_for_nan_in_grad"):
+                chunk.check_for_nan_in_grad = grad_check
         self.timers("interval-time", log_level=0).start(barrier=True)
         try:
             return self._train_loop(train_iterator, valid_iterator, train_iters, signal_handler)
@@ -196,7 +276,7 @@ class Trainer:
             self.microbatches.update(s.consumed_train_samples)
             losses, skipped, grad_norm, num_zeros = train_step(
                 self.forward_step_func, train_iterator, self.model, self.optimizer,
-                self.scheduler, cfg, self.microbatches, self.timers)
+                self.scheduler, cfg, self.microbatches, self.timers, iteration=s.iteration + 1)
             s.iteration += 1
             batch = self.microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
             s.consumed_train_samples += batch

@@ -26,8 +26,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.timers import Timers
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training import log_line
-from megatron.training.checkpointing import load_checkpoint
-from megatron.training.initialize import initialize_megatron
+from megatron.training.checkpointing import check_fresh_start, load_checkpoint
+from megatron.training.initialize import build_tokenizer_from_config, initialize_megatron
 from megatron.training.loop import Trainer, TrainState, evaluate_and_print
 from megatron.training.lr_schedule import OptimizerParamScheduler
 from megatron.training.microbatches import NumMicroBatchesCalculator
@@ -37,8 +37,7 @@ from megatron.training.signals import DistributedSignalHandler
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, argv: Sequence[str] | None = None,
              extra_args_provider: ExtraArgsProvider | None = None,
-             flops_per_sample: Callable[[MegatronConfig], float] | None = None,
-             tokenizer_builder: Callable | None = None) -> TrainState:
+             flops_per_sample: Callable[[MegatronConfig], float] | None = None) -> TrainState:
     """Initialize, build model/optimizer/data, train, evaluate; returns the final state.
 
     ``forward_step_func`` is called as ``forward_step_func(data_iterator, model)``; scripts that
@@ -49,23 +48,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     start_time = time.time()
     cfg = initialize_megatron(argv, extra_args_provider, require_train_length=True)
     timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
-    tokenizer = tokenizer_builder(cfg) if tokenizer_builder is not None else None
-    model = build_model(cfg, model_provider)
-    optimizer = get_megatron_optimizer(
-        optimizer_config(cfg), model, dp_group=parallel_state.get_data_parallel_group(),
-        mp_group=parallel_state.get_model_parallel_group(), timers=timers)
+    tokenizer = build_tokenizer_from_config(cfg) if cfg.tokenizer.tokenizer_type else None
+    model, optimizer, scheduler, state = setup_model_and_optimizer(cfg, model_provider, timers)
     train_iters = compute_train_iters(cfg)
-    scheduler = build_scheduler(cfg, optimizer, train_iters)
-    state = TrainState()
-    if cfg.checkpoint.load is not None:
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
-            load_checkpoint(model, optimizer, scheduler, cfg)
-        timers("load-checkpoint").stop(barrier=True)
-        state.last_saved_iteration = state.iteration
-    microbatches = NumMicroBatchesCalculator(
-        cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.data_parallel_size,
-        cfg.training.rampup_batch_size)
+    microbatches = build_microbatch_calculator(cfg)
     train_it, valid_it, test_it = build_data_iterators(
         cfg, tokenizer, train_valid_test_datasets_provider, train_iters, state)
     flops = None
@@ -95,6 +81,47 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         writer.flush()
         writer.close()
     return state
+
+
+def setup_model_and_optimizer(cfg: MegatronConfig, model_provider: Callable,
+                              timers: Timers | None = None):
+    """Model, optimizer and LR schedule of a validated run, restored from ``--load``.
+
+    The piece finetuning and evaluation scripts share with :func:`pretrain` (call
+    :func:`~megatron.training.initialize.initialize_megatron` first).
+
+    Returns:
+        ``(model_chunks, optimizer, scheduler, state)``: the DDP-wrapped chunks of this rank, the
+        Megatron optimizer, the scheduler, and a :class:`TrainState` at the loaded iteration
+        (0 without ``--load``).
+
+    Raises:
+        CheckpointError: an unusable ``--load``, or ``--save`` holding another run's
+            checkpoints while nothing is loaded.
+    """
+    timers = timers or Timers(0, "minmax")
+    model = build_model(cfg, model_provider)
+    optimizer = get_megatron_optimizer(
+        optimizer_config(cfg), model, dp_group=parallel_state.get_data_parallel_group(),
+        mp_group=parallel_state.get_model_parallel_group(), timers=timers)
+    scheduler = build_scheduler(cfg, optimizer, compute_train_iters(cfg))
+    state = TrainState()
+    if cfg.checkpoint.load is not None:
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
+            load_checkpoint(model, optimizer, scheduler, cfg)
+        timers("load-checkpoint").stop(barrier=True)
+        state.last_saved_iteration = state.iteration
+    else:
+        check_fresh_start(cfg)  # --save may hold another run's checkpoints
+    return model, optimizer, scheduler, state
+
+
+def build_microbatch_calculator(cfg: MegatronConfig) -> NumMicroBatchesCalculator:
+    """Micro-batches per step for --global-batch-size (with --rampup-batch-size)."""
+    t = cfg.training
+    return NumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size,
+                                     cfg.data_parallel_size, t.rampup_batch_size)
 
 
 def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.Module]:

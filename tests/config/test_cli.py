@@ -155,11 +155,11 @@ def test_training_needs_a_length_and_lr(extra, message, capsys):
 def test_training_length_and_skip_train_accepted():
     for extra in (["--train-iters", "3", "--lr", "1e-3"], ["--train-samples", "30", "--lr", "1"]):
         cfg = parse_args(BASE + extra, validate_config=False)
-        validate_or_exit(cfg, 1, require_train_length=True)
+        cfg = validate_or_exit(cfg, 1, require_train_length=True)
         assert cfg.checkpoint.no_load_optim is None
     # Evaluation only: no length or --lr needed, and no optimizer state is loaded.
     cfg = parse_args(BASE + ["--skip-train"], validate_config=False)
-    validate_or_exit(cfg, 1, require_train_length=True)
+    cfg = validate_or_exit(cfg, 1, require_train_length=True)
     assert cfg.checkpoint.no_load_optim is True
 
 

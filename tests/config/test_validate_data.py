@@ -7,6 +7,7 @@ and no traceback, before torch.distributed is initialized.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from megatron.config import parse_args
+from megatron.tokenizer.gpt2 import bytes_to_unicode
 from tests.conftest import REPO
 
 BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 16 "
@@ -23,10 +25,13 @@ BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 16
 
 @pytest.fixture()
 def files(tmp_path) -> dict[str, str]:
-    """An existing dataset prefix (``.bin`` + ``.idx``), one with only a ``.bin``, and a vocab
-    and merges file (contents do not matter: validation only checks they exist)."""
-    for name in ("corpus.bin", "corpus.idx", "half.bin", "vocab.json", "merges.txt"):
+    """An existing dataset prefix (``.bin`` + ``.idx``; validation checks they exist), one with
+    only a ``.bin``, and a loadable byte-level BPE vocab (256 byte symbols + EOD, no merges)."""
+    for name in ("corpus.bin", "corpus.idx", "half.bin"):
         (tmp_path / name).write_bytes(b"")
+    symbols = [*bytes_to_unicode().values(), "<|endoftext|>"]
+    (tmp_path / "vocab.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     return {"prefix": str(tmp_path / "corpus"), "half": str(tmp_path / "half"),
             "vocab": str(tmp_path / "vocab.json"), "merges": str(tmp_path / "merges.txt"),
             "missing": str(tmp_path / "nope")}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.config import DataConfig
+from megatron.config.datasets import gpt_dataset_config
 from megatron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, build_gpt_indices,
                                        build_train_valid_test_datasets)
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -18,6 +19,11 @@ from megatron.data.utils import Split
 
 EOD = 256
 TOKENIZER = types.SimpleNamespace(eod=EOD, vocab_size=257)
+
+
+def _build(data: DataConfig, tokenizer, sizes: list[int], seed: int) -> list:
+    """The datasets pretrain_gpt.py's datasets_provider builds for these flags."""
+    return build_train_valid_test_datasets(gpt_dataset_config(data, tokenizer, seed), sizes)
 
 
 def _make_dataset(prefix, docs: list[bytes]) -> None:
@@ -184,7 +190,7 @@ def test_cache_reused(corpus, tmp_path):
 
 def test_default_cache_dir_and_builder(corpus, tmp_path):
     cfg = DataConfig(data_path=[str(corpus / "shakes")], seq_length=32, split="90,8,2")
-    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [100, 20, 5], 1)
+    train, valid, test = _build(cfg, TOKENIZER, [100, 20, 5], 1)
     assert len(train) >= 100 and len(valid) >= 20 and len(test) >= 5
     assert (corpus / "shakes" / "cache" / "GPTDataset_indices").is_dir()
 
@@ -214,7 +220,7 @@ def test_masks(corpus, tmp_path):
 def test_blending_follows_weights(corpus, tmp_path):
     cfg = DataConfig(data_path=["0.3", str(corpus / "shakes"), "0.7", str(corpus / "other")],
                      seq_length=64, split="98,2,0", data_cache_path=str(tmp_path / "c"))
-    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [3000, 100, 0], 7)
+    train, valid, test = _build(cfg, TOKENIZER, [3000, 100, 0], 7)
     assert test is None
     for ds, size in ((train, 3000), (valid, 100)):
         di = np.asarray(ds.dataset_index)
@@ -228,7 +234,7 @@ def test_blending_follows_weights(corpus, tmp_path):
             assert ds.dataset_sample_index[di == i].tolist() == list(range((di == i).sum()))
     s = train[5]
     assert s["dataset_id"] in (0, 1) and s["tokens"].shape == (64,)
-    again = build_train_valid_test_datasets(cfg, TOKENIZER, [3000, 100, 0], 7)[0]
+    again = _build(cfg, TOKENIZER, [3000, 100, 0], 7)[0]
     assert isinstance(again.dataset_index, np.memmap)
     np.testing.assert_array_equal(again.dataset_index, train.dataset_index)
 
@@ -237,10 +243,10 @@ def test_per_split_paths_and_mock(corpus, tmp_path):
     cfg = DataConfig(train_data_path=[str(corpus / "shakes")],
                      valid_data_path=[str(corpus / "small"), str(corpus / "other")],
                      seq_length=64, data_cache_path=str(tmp_path / "c"))
-    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [100, 10, 10], 1)
+    train, valid, test = _build(cfg, TOKENIZER, [100, 10, 10], 1)
     assert len(train) >= 100 and len(valid) == 10 and test is None
     mock = DataConfig(mock_data=True, seq_length=64)
-    train, valid, test = build_train_valid_test_datasets(mock, TOKENIZER, [10, 5, 5], 1)
+    train, valid, test = _build(mock, TOKENIZER, [10, 5, 5], 1)
     s = train[0]
     assert s["tokens"].shape == (64,) and len(train) >= 10
 
@@ -248,7 +254,7 @@ def test_per_split_paths_and_mock(corpus, tmp_path):
 def test_missing_prefix_errors(tmp_path):
     cfg = DataConfig(data_path=[str(tmp_path / "nothing")], seq_length=64)
     with pytest.raises(ValueError, match="nothing"):
-        build_train_valid_test_datasets(cfg, TOKENIZER, [10, 1, 1], 1)
+        _build(cfg, TOKENIZER, [10, 1, 1], 1)
     with pytest.raises(ValueError, match="--split"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="1,2,3,4")
 
@@ -268,7 +274,7 @@ def test_mock_ids_stay_below_a_small_vocab():
         assert (doc[:-1] != 99).all()
         np.testing.assert_array_equal(low.get(i, 3, 5), doc[3:8])
     mock = DataConfig(mock_data=True, seq_length=512)
-    train = build_train_valid_test_datasets(mock, tok, [10, 5, 5], 1)[0]
+    train = _build(mock, tok, [10, 5, 5], 1)[0]
     assert max(int(train[i]["tokens"].max()) for i in range(10)) < 100
     with pytest.raises(ValueError, match="--vocab-size"):
         MockGPTLowLevelDataset(types.SimpleNamespace(eod=1, vocab_size=2))
@@ -293,10 +299,10 @@ def test_ids_beyond_padded_vocab_are_an_error(corpus, tmp_path):
                      data_cache_path=str(tmp_path / "c"))
     small = types.SimpleNamespace(eod=100, vocab_size=101, padded_vocab_size=128, name="GPT2 BPE")
     with pytest.raises(ValueError, match=r"shakes holds token id 256.*GPT2 BPE tokenizer"):
-        build_train_valid_test_datasets(cfg, small, [100, 20, 5], 1)
+        _build(cfg, small, [100, 20, 5], 1)
     # ids up to 256 fit a padded vocabulary of 384 (dummy ids are valid embedding rows)
     padded = types.SimpleNamespace(eod=100, vocab_size=300, padded_vocab_size=384, name="x")
-    assert len(build_train_valid_test_datasets(cfg, padded, [100, 20, 5], 1)[0]) >= 100
+    assert len(_build(cfg, padded, [100, 20, 5], 1)[0]) >= 100
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +319,7 @@ def _remade(corpus, root, docs_slice):
 def _train(root, cache, num_samples=400):
     cfg = DataConfig(data_path=[str(root / "data")], seq_length=64, split="90,8,2",
                      data_cache_path=str(cache))
-    return build_train_valid_test_datasets(cfg, TOKENIZER, [num_samples, 0, 0], 5)[0]
+    return _build(cfg, TOKENIZER, [num_samples, 0, 0], 5)[0]
 
 
 def test_stale_cache_is_rebuilt(corpus, tmp_path, monkeypatch):
@@ -369,3 +375,64 @@ def test_validate_gpt_indices_accepts_fresh_indices(corpus):
     shorter = np.array(ds.sizes)
     shorter[np.argmax(shorter)] = 1  # same documents, fewer tokens
     assert validate_gpt_indices(arrays, shorter, docs, None, 32) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Cache names: pinned to the md5s the code wrote before the dataset builder moved (they are
+# Megatron-Core's names, so the two frameworks share caches)
+# --------------------------------------------------------------------------------------------
+
+_SHAKES_DESCRIPTION = """{
+    "class": "GPTDataset",
+    "dataset_path": "data/shakes",
+    "num_samples": 100,
+    "index_split": "train",
+    "random_seed": 1234,
+    "sequence_length": 64,
+    "split": "90,8,2",
+    "split_matrix": [
+        [
+            0,
+            0.9
+        ],
+        [
+            0.9,
+            0.98
+        ],
+        [
+            0.98,
+            1.0
+        ]
+    ],
+    "tokenizer": {
+        "class": "SimpleNamespace"
+    }
+}"""
+
+
+def test_cache_names_and_descriptions_are_pinned(corpus, tmp_path):
+    from megatron.data.blended_dataset import BlendedDataset
+    from megatron.data.utils import split_indices
+
+    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=64, tokenizer=TOKENIZER,
+                           split="90,8,2", path_to_cache=str(tmp_path), blend=(["x"], None))
+    parts = []
+    for name, n in (("shakes", 100), ("other", 200)):
+        low = IndexedDataset(corpus / name)
+        parts.append(GPTDataset(low, f"data/{name}", split_indices(cfg.split_matrix[0], len(low)),
+                                n, Split.train, cfg))
+    blend = BlendedDataset(parts, [0.3, 0.7], 300, cfg)
+    shakes, other = "46ee79348d3b46d5c0410183d990ebcf", "9643f892bb1ff2e3d8ef292373261a3b"
+    blended = "a178a6c910d22911d148341fc054f8f0"
+    assert (parts[0].unique_description_hash, parts[1].unique_description_hash,
+            blend.unique_description_hash) == (shakes, other, blended)
+    assert (tmp_path / f"{shakes}-GPTDataset-train-description.txt").read_text() == \
+        _SHAKES_DESCRIPTION
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{h}-GPTDataset-train-{n}" for h in (shakes, other) for n in (
+            "description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")]
+        + [f"{blended}-BlendedDataset-train-{n}" for n in (
+            "description.txt", "dataset_index.npy", "dataset_sample_index.npy")])
+    mock = GPTDatasetConfig(random_seed=7, sequence_length=64, tokenizer=TOKENIZER)
+    train = build_train_valid_test_datasets(mock, [100, 20, 5])[0]
+    assert train.unique_description_hash == "f67312faf6b520531798069a57d397da"

@@ -180,3 +180,75 @@ def test_token_id_range_full_and_sampled(tmp_path, mmap):
     b = IndexedDatasetBuilder(tmp_path / "e.bin", dtype=np.int32)
     b.finalize(tmp_path / "e.idx")
     assert IndexedDataset(tmp_path / "e").token_id_range() == (0, -1, True)
+
+
+# Offsets into the .idx of write_reference(..., DOCS): 6 sequences, 6 document boundaries.
+_S, _D = 6, 6
+_LENGTHS_AT, _POINTERS_AT, _DOCS_AT = 34, 34 + 4 * _S, 34 + 12 * _S
+
+
+@pytest.mark.parametrize("offset,data,match", [
+    # Sequence 3 (the [5, 6] of document 4) claims -2 tokens.
+    (_LENGTHS_AT + 4 * 3, struct.pack("<i", -2),
+     r"sequence 3 \(document 4\) has a negative length"),
+    # Sequence 4 points past the end of the 152-byte .bin.
+    (_POINTERS_AT + 8 * 4, struct.pack("<q", 4000),
+     r"sequence 4 \(document 4\) starts at byte 4000"),
+    # Sequence 1 points back into sequence 0.
+    (_POINTERS_AT + 8 * 1, struct.pack("<q", 8),
+     r"sequence 1 \(document 1\) starts at byte 8.*64"),
+    # A length grown by one token: every pointer after it is off by 4 bytes.
+    (_LENGTHS_AT + 4 * 1, struct.pack("<i", 17),
+     r"sequence 2 \(document 3\) starts at byte 128.*byte 132"),
+    (_DOCS_AT, struct.pack("<q", 1), "must start at sequence 0, found 1"),
+    (_DOCS_AT + 8 * 3, struct.pack("<q", 1), r"document 2 spans sequences \[2, 1\)"),
+    (_DOCS_AT + 8 * 5, struct.pack("<q", 7), r"document 4 spans sequences \[3, 7\).*6 sequences"),
+])
+def test_index_inconsistent_with_itself_names_file_and_sequence(tmp_path, offset, data, match):
+    prefix = _corrupt(tmp_path, offset, data)
+    with pytest.raises(ValueError, match=match) as err:
+        IndexedDataset(prefix)
+    assert "c.idx" in str(err.value)
+
+
+def test_bin_longer_or_from_another_dataset(tmp_path):
+    write_reference(tmp_path / "t", 4, DOCS)
+    binary = (tmp_path / "t.bin").read_bytes()
+    (tmp_path / "t.bin").write_bytes(binary + b"\x00" * 8)  # two int32 tokens too many
+    with pytest.raises(ValueError, match=r"t.bin: 160 bytes, but .*t.idx describes 152.*more"):
+        IndexedDataset(tmp_path / "t")
+    # Same dtype, another corpus: the .idx of one paired with the .bin of the other.
+    write_reference(tmp_path / "u", 4, DOCS + [[[1, 2, 3]]])
+    (tmp_path / "t.bin").write_bytes((tmp_path / "u.bin").read_bytes())
+    with pytest.raises(ValueError, match=r"t.bin: 164 bytes.*t.idx describes 152.*another"):
+        IndexedDataset(tmp_path / "t")
+    # The merge tool's add_index refuses the mismatched pair instead of copying it.
+    with pytest.raises(ValueError, match="t.bin"):
+        IndexedDatasetBuilder(tmp_path / "m.bin", dtype=np.int32).add_index(tmp_path / "t")
+
+
+def test_consistent_files_still_load(tmp_path):
+    """Empty documents, empty sequences, no documents at all, a builder-made multi-chunk index."""
+    write_reference(tmp_path / "a", 8, [[], [[]], [[1]], [], [[], [2, 3]]])
+    assert [x.tolist() for x in IndexedDataset(tmp_path / "a")[0:4]] == [[], [1], [], [2, 3]]
+    write_reference(tmp_path / "empty", 8, [])
+    assert len(IndexedDataset(tmp_path / "empty")) == 0
+
+
+def test_index_check_spans_pointer_chunks(tmp_path, monkeypatch):
+    """The check walks the sequences in chunks; a bad pointer in a later chunk is found, and a
+    good index is accepted across chunk boundaries."""
+    from megatron.data import indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "_POINTER_CHUNK", 4)
+    b = IndexedDatasetBuilder(tmp_path / "k.bin", dtype=np.uint16)
+    for i in range(11):
+        b.add_item(np.arange(i % 3 + 1))
+        b.end_document()
+    b.finalize(tmp_path / "k.idx")
+    assert len(IndexedDataset(tmp_path / "k")) == 11
+    raw = bytearray((tmp_path / "k.idx").read_bytes())
+    raw[34 + 4 * 11 + 8 * 9: 34 + 4 * 11 + 8 * 10] = struct.pack("<q", 3)
+    (tmp_path / "k.idx").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"sequence 9 \(document 9\) starts at byte 3"):
+        IndexedDataset(tmp_path / "k")

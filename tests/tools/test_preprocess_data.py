@@ -245,6 +245,27 @@ def test_missing_tokenizer_file_exit_code(tmp_path, shared_data):
                                    "does not exist (--tokenizer-type BertWordPieceLowerCase)")
 
 
+@pytest.mark.parametrize("case", ["directory", "glob-with-directory", "missing"])
+def test_bad_input_path_is_one_line(tmp_path, capsys, case):
+    """--input a directory (a glob matches a directory's own name) or a missing file: one
+    line naming the path, exit 1, no output."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "1 2"}\n', encoding="utf-8")
+    (tmp_path / "corpus" / "sub.jsonl").mkdir()
+    given = {"directory": tmp_path / "corpus", "glob-with-directory": tmp_path / "corpus" / "*",
+             "missing": tmp_path / "none.jsonl"}[case]
+    expected = {"directory": f"{given}: {given} is a directory",
+                "glob-with-directory": f"{given}: {tmp_path / 'corpus' / 'sub.jsonl'} is a "
+                                       "directory",
+                "missing": f"{given}: no such file"}[case]
+    assert run(["--input", given, "--output-prefix", tmp_path / "o", "--tokenizer-type",
+                "NullTokenizer", "--vocab-size", 10, "--workers", 1]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"preprocess_data.py: error: --input {expected}") and \
+        err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["corpus"]
+
+
 def test_untokenizable_text_names_line(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"text": "1 2"}\n{"text": "1 x"}\n', encoding="utf-8")
     assert run(["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "o",

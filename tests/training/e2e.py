@@ -138,7 +138,7 @@ def _crashing_atomic_write(original, iteration: int, stage: str):
     """``checkpointing._atomic_write`` that dies while saving ``iteration``: half-way through
     the shard file (``stage="shard"``) or after every shard but before the tracker
     (``stage="tracker"``)."""
-    from megatron.training import checkpointing
+    from megatron.checkpointing import files as checkpointing
 
     iter_dir = f"iter_{iteration:07d}"
 
@@ -162,8 +162,7 @@ def _crashing_atomic_write(original, iteration: int, stage: str):
 def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     import pretrain_gpt
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.training import checkpointing
-    from megatron.training.initialize import build_tokenizer_from_config
+    from megatron.checkpointing import files as checkpointing
     from megatron.training.pretrain import pretrain
 
     built: list[torch.nn.Module] = []
@@ -187,7 +186,7 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         state = pretrain(pretrain_gpt.datasets_provider, model_provider, forward_step,
-                         argv=run["argv"], tokenizer_builder=build_tokenizer_from_config)
+                         argv=run["argv"])
         result["history"], result["iteration"] = state.history, state.iteration
         result["seconds"] = time.perf_counter() - start
     except expect_error as err:

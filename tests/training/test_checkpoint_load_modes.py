@@ -92,7 +92,8 @@ def probed_runs(rank: int, world_size: int, runs: list[dict],
     """``e2e.run_pretrains`` with probes: each result gains ``loads`` (the probe right after
     every load_checkpoint, with its return value), ``saves`` ({iteration: probe just before
     saving}) and ``events`` (checkpoint writes and directory fsyncs, in order)."""
-    from megatron.training import checkpointing, loop
+    from megatron.checkpointing import files as checkpointing
+    from megatron.training import loop
     from megatron.training import pretrain as pretrain_module
 
     log: dict = {}
@@ -447,7 +448,7 @@ def test_save_fsyncs_shard_dirs_before_the_tracker_and_the_root_after(single, di
 def test_fsync_dir_syncs_a_directory_and_is_skipped_without_o_directory(tmp_path, monkeypatch):
     import os
 
-    from megatron.training import checkpointing
+    from megatron.checkpointing import files as checkpointing
 
     synced = []
     real_fsync = os.fsync

@@ -124,12 +124,13 @@ def test_validation_line_golden():
     assert records == ["-" * (len(line) + 1), line, "-" * (len(line) + 1)]
 
 
-def test_nan_iterations_counted_among_skipped_only():
+def test_nan_iterations_counted_applied_or_skipped():
     from megatron.training.loop import _LogAccumulator
 
     acc = _LogAccumulator()
-    acc.add({"lm loss": math.nan}, skipped=False)  # applied step: averaged, not a nan iteration
+    acc.add({"lm loss": math.nan}, skipped=False)  # applied: a nan iteration, averaged in too
     acc.add({"lm loss": math.inf}, skipped=True)
     acc.add({"lm loss": 2.0}, skipped=True)
     acc.add({"lm loss": 3.0}, skipped=False)
-    assert (acc.advanced, acc.skipped, acc.nan) == (2, 2, 1)
+    assert (acc.advanced, acc.skipped, acc.nan) == (2, 2, 2)
+    assert math.isnan(acc.averages()["lm loss"])

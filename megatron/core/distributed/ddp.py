@@ -29,6 +29,12 @@ all-reduces them per dtype at ``finish_grad_sync`` through a temporary flattened
 After a distributed-optimizer step the buffer's memory is reused to all-gather the parameters, so
 ``zero_grad_buffer()`` must run before the next backward (the training loop does it every
 iteration, as Megatron-LM's does).
+
+With ``check_for_nan_in_grad`` each bucket's local gradients are checked for NaN/inf just before
+its data-parallel reduction (as Megatron-Core's DDP does), so that the rank where they first went
+non-finite can be named; ``local_grads_finite()`` reads the result. The check only records: the
+training loop decides, for every rank at once, whether to stop (raising on one rank would leave
+the others waiting in the next collective).
 """
 
 from __future__ import annotations
@@ -65,6 +71,14 @@ class _ModuleStateDict(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
+def _nonfinite(grads: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor (no host sync): does ``grads`` hold a NaN or an inf?"""
+    # One sum is NaN/inf iff an element is (or the sum overflows, which only gradients near the
+    # dtype's limit do); half precision is summed in fp32 so that it cannot overflow.
+    wide = torch.float32 if grads.dtype in (torch.float16, torch.bfloat16) else grads.dtype
+    return ~torch.isfinite(grads.sum(dtype=wide))
+
+
 class DistributedDataParallel(_ModuleStateDict):
     """Megatron's local data-parallel wrapper with contiguous, bucketed gradient buffers.
 
@@ -81,6 +95,8 @@ class DistributedDataParallel(_ModuleStateDict):
             gradients in ``param.grad`` and all-reduces them per dtype through a temporary
             flattened copy, as Megatron-LM 23.06 does; incompatible with fp32 accumulation,
             overlap and the distributed optimizer, which need the buffer.
+        check_for_nan_in_grad: record whether the local gradients are finite before each
+            reduction (read with :meth:`local_grads_finite`; costs one sum over the buffer).
 
     Raises:
         ValueError: ``use_contiguous_buffers=False`` with an option that needs the buffer.
@@ -90,7 +106,8 @@ class DistributedDataParallel(_ModuleStateDict):
                  accumulate_allreduce_grads_in_fp32: bool, overlap_grad_reduce: bool,
                  use_distributed_optimizer: bool,
                  bucket_size: int | None = DEFAULT_BUCKET_SIZE,
-                 use_contiguous_buffers: bool = True) -> None:
+                 use_contiguous_buffers: bool = True,
+                 check_for_nan_in_grad: bool = False) -> None:
         super().__init__()
         if not use_contiguous_buffers and (accumulate_allreduce_grads_in_fp32
                                            or overlap_grad_reduce or use_distributed_optimizer):
@@ -104,6 +121,8 @@ class DistributedDataParallel(_ModuleStateDict):
         self.bucket_size = bucket_size if overlap_grad_reduce else None
         self._is_last_microbatch = True
         self.use_contiguous_buffers = use_contiguous_buffers
+        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self._nonfinite: torch.Tensor | None = None  # any local grad non-finite this iteration
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.grad_buffers: dict[torch.dtype, GradBuffer] = {}
         self.param_to_grad_buffer: dict[torch.nn.Parameter, GradBuffer] = {}
@@ -135,7 +154,22 @@ class DistributedDataParallel(_ModuleStateDict):
         if self.overlap_grad_reduce and self._is_last_microbatch:
             bucket = self.param_to_grad_buffer[param].param_to_bucket[param]
             if bucket.register_grad_ready(param):
-                bucket.start_grad_sync(async_op=True)
+                self._start_bucket(bucket, async_op=True)
+
+    def _start_bucket(self, bucket, async_op: bool) -> None:
+        """Launch ``bucket``'s reduction, checking its local gradients first if asked to."""
+        if self.check_for_nan_in_grad:
+            self._record_finite(bucket.data)
+        bucket.start_grad_sync(async_op=async_op)
+
+    def _record_finite(self, grads: torch.Tensor) -> None:
+        bad = _nonfinite(grads)
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+
+    def local_grads_finite(self) -> bool:
+        """Whether every gradient this rank produced this iteration was finite before the
+        data-parallel reduction (True when ``check_for_nan_in_grad`` is off)."""
+        return self._nonfinite is None or not bool(self._nonfinite)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module."""
@@ -171,13 +205,14 @@ class DistributedDataParallel(_ModuleStateDict):
                 param.main_grad = None
         for buffer in self.grad_buffers.values():
             buffer.reset()
+        self._nonfinite = None
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not launched yet (asynchronously if overlapping)."""
         for buffer in self.grad_buffers.values():
             for bucket in buffer.buckets:
                 if not bucket.started:
-                    bucket.start_grad_sync(async_op=self.overlap_grad_reduce)
+                    self._start_bucket(bucket, async_op=self.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
         """Complete the DP reduction: afterwards ``main_grad`` holds the averaged gradients."""
@@ -186,6 +221,8 @@ class DistributedDataParallel(_ModuleStateDict):
             return
         for buffer in self.grad_buffers.values():
             for bucket in buffer.buckets:
+                if not bucket.started:
+                    self._start_bucket(bucket, async_op=False)
                 bucket.finish_grad_sync()
 
     def _allreduce_param_grads(self) -> None:
@@ -195,6 +232,10 @@ class DistributedDataParallel(_ModuleStateDict):
             if param.grad is not None:
                 by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
             param.main_grad = param.grad
+        if self.check_for_nan_in_grad:
+            for grads in by_dtype.values():
+                for grad in grads:
+                    self._record_finite(grad)
         if comm.world_size(self.data_parallel_group) == 1:
             return
         for grads in by_dtype.values():
@@ -219,10 +260,13 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         module: the model (chunk) to wrap.
         data_parallel_group: the group gradients are averaged over.
         bucket_size: elements per bucket (converted to PyTorch's ``bucket_cap_mb``).
+        check_for_nan_in_grad: record whether the gradients are finite; PyTorch reduces them
+            inside backward, so they are checked after the reduction (every replica agrees).
     """
 
     def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
-                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                 check_for_nan_in_grad: bool = False) -> None:
         super().__init__()
         kwargs = {}
         if bucket_size is not None:
@@ -232,6 +276,8 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         self.module = module
         self.use_distributed_optimizer = False
         self.overlap_grad_reduce = True
+        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self._nonfinite: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp(*args, **kwargs)
@@ -243,6 +289,7 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         for param in self.module.parameters():
             param.grad = None
             param.main_grad = None
+        self._nonfinite = None
 
     def start_grad_sync(self) -> None:
         """Nothing to do: PyTorch's DDP reduces during backward."""
@@ -251,6 +298,13 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         """Expose the reduced ``param.grad`` as ``param.main_grad``."""
         for param in self.module.parameters():
             param.main_grad = param.grad
+            if self.check_for_nan_in_grad and param.grad is not None:
+                bad = _nonfinite(param.grad)
+                self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+
+    def local_grads_finite(self) -> bool:
+        """Whether every (already reduced) gradient was finite (True when not checking)."""
+        return self._nonfinite is None or not bool(self._nonfinite)
 
     def grad_sync_started(self) -> bool:
         return True

@@ -1,7 +1,8 @@
-"""The transformer and language-model settings the model code needs, built from the CLI config.
+"""The transformer and language-model settings the model code needs.
 
-Model code receives a :class:`TransformerConfig` (never the whole ``MegatronConfig``) plus its
-process groups; :func:`transformer_config_from` is the one translation from flags.
+Model code receives a :class:`TransformerConfig` (never the CLI's ``MegatronConfig``) plus its
+process groups. The CLI layer fills it by copying same-named flags
+(``megatron.config.core_configs.transformer_config``), so the library never reads the CLI config.
 """
 
 from __future__ import annotations
@@ -88,33 +89,3 @@ class TransformerConfig:
             return False
         return self.bias_gelu_fusion and self.add_bias_linear
 
-
-def transformer_config_from(cfg) -> TransformerConfig:
-    """Translate a validated :class:`~megatron.config.MegatronConfig` into a TransformerConfig.
-
-    Raises:
-        ValueError: a flag this model does not implement (named, with the fix).
-    """
-    m, p, t = cfg.model, cfg.precision, cfg.training
-    if p.fp32_residual_connection:
-        raise ValueError("--fp32-residual-connection is not implemented by this model yet; "
-                         "drop the flag")
-    return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
-        kv_channels=m.kv_channels, padded_vocab_size=cfg.padded_vocab_size,
-        max_position_embeddings=m.max_position_embeddings,
-        add_position_embedding=m.add_position_embedding,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        fp16_lm_cross_entropy=p.fp16_lm_cross_entropy, params_dtype=cfg.params_dtype,
-        layernorm_epsilon=m.layernorm_epsilon, apply_layernorm_1p=m.apply_layernorm_1p,
-        apply_residual_connection_post_layernorm=m.apply_residual_connection_post_layernorm,
-        add_bias_linear=m.add_bias_linear, openai_gelu=m.openai_gelu,
-        onnx_safe=bool(m.onnx_safe), bias_gelu_fusion=m.bias_gelu_fusion,
-        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=p.attention_softmax_in_fp32,
-        attention_backend=m.attention_backend, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
-        recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-        recompute_num_layers=t.recompute_num_layers,
-        distribute_saved_activations=t.distribute_saved_activations)

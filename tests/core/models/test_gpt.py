@@ -17,10 +17,12 @@ from megatron.config import parse_args
 from megatron.core import comm, device
 from megatron.core import parallel_state as ps
 from megatron.core.flops import num_floating_point_operations, num_parameters
-from megatron.core.models.gpt import GPTModel, gpt_model_from
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.config import TransformerConfig
+from megatron.config.core_configs import transformer_config
+from megatron.training.models import gpt_model_from
 from tests.core.tp_helpers import assert_same_params_and_grads
 from tests.multiprocess import run_distributed
 
@@ -271,11 +273,14 @@ def test_load_old_names_and_strict_errors():
 def test_gpt_model_from_cli_and_param_count():
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
                       "--max-position-embeddings", "8", "--seq-length", "8",
-                      "--micro-batch-size", "2"], world_size=1)
-    cfg.padded_vocab_size = VOCAB
+                      "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", str(VOCAB - 1), "--make-vocab-size-divisible-by",
+                      str(VOCAB)], world_size=1)
+    assert cfg.padded_vocab_size == VOCAB  # the vocabulary and its end-of-document token
     torch.manual_seed(0)
     model = gpt_model_from(cfg)
-    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    assert num_parameters(transformer_config(cfg)) == \
+        sum(p.numel() for p in model.parameters())
     untied = dataclasses.replace(CONFIG, untie_embeddings_and_output_weights=True)
     assert num_parameters(untied) == sum(p.numel() for p in GPTModel(untied, None).parameters())
     # GPT-2 small (vocab padded to 50304): 124.48 M; FLOPs = the paper's 72 B s l h^2 (...).

@@ -1,0 +1,316 @@
+"""Writing checkpoint files so that a crash never leaves a loadable-looking partial one, and
+reading them back verified.
+
+* Every file is written under the temporary name ``.<name>.tmp-<pid>``, synced, then renamed
+  into place, and the directory holding it is synced (:func:`save_file`); the tracker is
+  rewritten the same way (:func:`publish_tracker`), after the iteration directory and the root
+  are synced, so it never points at a checkpoint a power loss could still take back. A process
+  killed mid-save leaves its temporary file behind; :func:`remove_stale_temp_files` removes it
+  (only names of that exact pattern, in the checkpoint layout's own directories).
+* Every shard (``model_optim_rng.pt``, ``distrib_optim.pt``) gets a ``<shard>.sha256`` beside it
+  in ``sha256sum`` format (``<hex>  model_optim_rng.pt``; ``sha256sum -c`` checks it by hand).
+  The hash is taken from the bytes as they are written, so a save reads nothing back. Megatron-LM
+  ignores the extra file, and its own checkpoints, which have none, load unverified
+  (:func:`verify_checksum`).
+* A write that fails (a full disk above all) is reported with the directory, the bytes the state
+  needs and the space left, not torch's bare ``basic_ios::clear: iostream error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.names import (  # noqa: F401 - the names of the files written here
+    CHECKPOINT_FILENAMES, DISTRIB_OPTIM_FILENAME, ITERATION_DIR, MODEL_FILENAME, SHARD_DIR,
+    TRACKER_FILENAME, parse_tracker, tracker_path)
+
+CHECKSUM_SUFFIX = ".sha256"
+_READ_CHUNK = 8 << 20
+_NO_SPACE = {errno.ENOSPC} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
+_TEMP_NAME = re.compile(r"\.(?P<name>[\w.]+)\.tmp-\d+")
+
+
+# Atomic writes ----------------------------------------------------------------------------------
+def temp_path(path: Path) -> Path:
+    """The name ``path`` is written under before the rename (per process, hidden)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _atomic_write(write: Callable[[Path], None], path: Path) -> None:
+    """Write via ``write(tmp_path)``, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory, so the renames and new entries in it survive a power loss.
+
+    Skipped where directories cannot be opened (no ``os.O_DIRECTORY``, e.g. Windows) or synced
+    (file systems answering EINVAL / ENOTSUP).
+    """
+    flag = getattr(os, "O_DIRECTORY", None)
+    if flag is None:
+        return
+    fd = os.open(path, os.O_RDONLY | flag)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def save_file(obj, path: Path) -> None:
+    """``torch.save`` atomically, with the sha256 of the bytes written saved beside the file;
+    then the directory is synced (the renames are durable).
+
+    A checksum file of an earlier save to this path goes first: a crash between the two renames
+    then leaves a file without a checksum (loaded unverified), never one with a stale checksum.
+
+    Raises:
+        CheckpointError: the write failed (out of space: naming the directory, the bytes needed
+            and the bytes free).
+    """
+    digests: list[str] = []
+
+    def write(tmp: Path) -> None:
+        # Through a Python file object: a full disk surfaces as OSError(ENOSPC), not as
+        # torch's "basic_ios::clear: iostream error".
+        with open(tmp, "wb") as raw:
+            out = HashingWriter(raw)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is not None:
+                    raise out.error from None  # the disk's error, not torch's follow-up
+                raise
+        digests.append(out.hexdigest())
+
+    checksum = checksum_path(path)
+    with reported_write_errors(path, needed=lambda: state_nbytes(obj)):
+        checksum.unlink(missing_ok=True)
+        _atomic_write(write, path)
+        _atomic_write(lambda tmp: tmp.write_text(checksum_text(digests[-1], path)), checksum)
+        _fsync_dir(path.parent)
+
+
+def publish_tracker(root: Path, iteration: int, iteration_dir: Path) -> tuple[int, bool] | None:
+    """Point the tracker of ``root`` at ``iteration``, durably: the iteration directory and the
+    root are synced first (its shard directories must already be), the root again after.
+
+    Returns:
+        What the tracker named before (None: no tracker, or an unreadable one being replaced).
+
+    Raises:
+        CheckpointError: the write failed.
+    """
+    tracker = tracker_path(root)
+    try:
+        previous = parse_tracker(tracker)
+    except CheckpointError:
+        previous = None
+    for directory in (iteration_dir, root):
+        _fsync_dir(directory)
+    with reported_write_errors(tracker, needed=lambda: len(str(iteration))):
+        _atomic_write(lambda tmp: tmp.write_text(str(iteration)), tracker)
+    _fsync_dir(root)
+    return previous
+
+
+# Temporary files --------------------------------------------------------------------------------
+def remove_stale_temp_files(root: Path, names: tuple[str, ...] = CHECKPOINT_FILENAMES
+                            ) -> list[Path]:
+    """Delete the temporary files an interrupted save left under ``root``; returns them.
+
+    Only files named as :func:`temp_path` names one of ``names`` (or its checksum file) are
+    touched, and only in the save root and its ``iter_*/mp_rank_*`` directories. The caller makes
+    sure that no save is running meanwhile.
+    """
+    wanted = set(names) | {name + CHECKSUM_SUFFIX for name in names}
+    directories = [root]
+    for iteration_dir in _subdirs(root, ITERATION_DIR):
+        directories += _subdirs(iteration_dir, SHARD_DIR)
+    removed = []
+    for directory in directories:
+        for entry in _entries(directory):
+            match = _TEMP_NAME.fullmatch(entry.name)
+            if match and match.group("name") in wanted and entry.is_file(follow_symlinks=False):
+                Path(entry.path).unlink(missing_ok=True)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _subdirs(directory: Path, pattern: re.Pattern) -> list[Path]:
+    return [Path(e.path) for e in _entries(directory)
+            if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+# Checksums --------------------------------------------------------------------------------------
+class HashingWriter:
+    """A binary file that hashes (sha256) every byte written through it, for ``torch.save``.
+
+    ``error`` keeps the first ``OSError`` of the file: torch's writer replaces it with a
+    RuntimeError of its own ("unexpected pos ...") while closing the archive.
+    """
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            count = self._raw.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+        self._hash.update(data)
+        return count
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def checksum_path(path: Path) -> Path:
+    """The ``sha256sum``-format file saved beside checkpoint file ``path``."""
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def checksum_text(digest: str, path: Path) -> str:
+    return f"{digest}  {path.name}\n"
+
+
+def verify_checksum(path: Path) -> bool:
+    """Compare ``path`` with the sha256 saved beside it, reading the file once in chunks.
+
+    Returns:
+        True when it matches, False when there is no checksum file (a Megatron-LM checkpoint).
+
+    Raises:
+        CheckpointError: the file differs from its checksum, or the checksum file is malformed.
+    """
+    recorded = checksum_path(path)
+    try:
+        text = recorded.read_bytes()
+    except FileNotFoundError:
+        return False
+    match = re.match(rb"([0-9a-fA-F]{64})\s", text)
+    if match is None:
+        raise CheckpointError(
+            f"corrupt or truncated checkpoint file {recorded}: it should hold the sha256 of "
+            f"{path.name} in sha256sum format; delete it (or pass "
+            "--no-verify-checkpoint-checksums) to load the checkpoint unverified")
+    expected = match.group(1).decode().lower()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise CheckpointError(
+            f"corrupt or truncated checkpoint file {path}: its sha256 is "
+            f"{digest.hexdigest()}, but {recorded.name} recorded {expected} when it was saved "
+            "(flipped bits, or an incomplete copy). Restore it from a good copy, or pass "
+            "--no-verify-checkpoint-checksums to load it anyway")
+    return True
+
+
+# Write errors -----------------------------------------------------------------------------------
+def state_nbytes(obj) -> int:
+    """Bytes of tensor / array data in a state dict (each storage once): what a save needs,
+    give or take the pickled structure."""
+    seen: set = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes(), str(item.device))
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, np.ndarray):
+            total += item.nbytes
+        elif isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+        elif isinstance(item, argparse.Namespace):
+            stack += vars(item).values()
+    return total
+
+
+@contextlib.contextmanager
+def reported_write_errors(path: Path, needed: Callable[[], int] | None = None) -> Iterator[None]:
+    """Turn an ``OSError`` while writing checkpoint file ``path`` into a CheckpointError naming
+    the directory, the bytes ``needed()`` and the free space there."""
+    try:
+        yield
+    except OSError as err:
+        raise _write_error(err, path, needed() if needed is not None else None) from err
+
+
+def _write_error(err: OSError, path: Path, needed: int | None) -> CheckpointError:
+    directory = path.parent
+    free = _free_bytes(directory)
+    space = f"{_size(free)} free there" if free is not None else "free space unknown"
+    if err.errno in _NO_SPACE:
+        need = f"it needs about {_size(needed)}, " if needed else ""
+        return CheckpointError(
+            f"no space left on the device for checkpoint file {path.name} in {directory}: "
+            f"{need}{space} ({err.strerror}). The previous checkpoint and the tracker are "
+            "untouched; free some space or point --save at a larger disk")
+    return CheckpointError(f"could not write checkpoint file {path}: {err.strerror or err} "
+                           f"({space})")
+
+
+def _free_bytes(directory: Path) -> int | None:
+    # The directory itself may not exist yet (mkdir is what failed): ask its nearest ancestor.
+    for candidate in (directory, *directory.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"

@@ -1,0 +1,318 @@
+"""The base of Megatron's language models (GPT; BERT builds on it too): the embedding + encoder
+stack, the output weight tied to the word embedding across pipeline stages, Megatron-LM's legacy
+checkpoint layout and its strict loading report.
+
+Pipeline stages (Megatron's ``initialize_word_embeddings``), with tied embeddings:
+
+* one stage (``pre_process`` and ``post_process``): the logits use the embedding Parameter itself;
+* first stage (``pre_process`` only): owns the word embedding, marked ``shared_embedding``;
+* last stage (``post_process`` only): its own copy, ``word_embeddings`` (checkpoint key
+  ``word_embeddings_for_head``), created as zeros and marked ``shared`` (a duplicate: the grad
+  norm skips it); :func:`initialize_word_embeddings` sums it with stage 0's embedding over the
+  embedding group so both start equal, and ``finalize_model_grads`` sums their gradients;
+* middle stages: no output weight.
+
+Subclasses add their head: override :meth:`LanguageModule.post_language_model_processing` (the
+last stage's hidden -> logits or loss), :meth:`LanguageModule.prepare_attention_mask`, and
+:meth:`LanguageModule.extra_state_dict_sections` for checkpoint sections beside
+``language_model`` (BERT's ``lm_head``, ``binary_head``; its pooler belongs inside
+``language_model``, key ``language_model.pooler.*``).
+
+Legend: s sequence, b batch, h hidden, V padded vocabulary, p TP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, TypeVar
+
+import torch
+
+from megatron.core import comm, parallel_state
+from megatron.core.models.language_model import TransformerLanguageModel
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
+from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+
+LEGACY_RENAMES = (("language_model.transformer.", "language_model.encoder."),
+                  (".attention.", ".self_attention."))
+"""Older checkpoints' names -> current ones (Megatron-LM renamed both in 2021)."""
+
+HEAD_COPY_KEY = "word_embeddings_for_head"
+"""Checkpoint key of the last stage's copy of the tied word embedding."""
+
+ModelT = TypeVar("ModelT", bound="LanguageModule")
+
+
+class LanguageModule(torch.nn.Module):
+    """Embedding, transformer and tied output weight of one pipeline stage, split over TP ranks.
+
+    Args:
+        config: transformer + language-model settings (``padded_vocab_size`` required).
+        group: the TP process group (``None`` = no tensor parallelism).
+        pre_process: first pipeline stage (holds the embedding).
+        post_process: last pipeline stage (final LayerNorm, the model's head).
+        parallel_output: logits stay vocab-split ``[b, s, V/p]`` (else gathered ``[b, s, V]``).
+        num_layers: layers on this stage (default all).
+        layer_offset: global index of this stage's first layer.
+    """
+
+    checkpoint_name: ClassVar[str] = "language model"
+    """Names the model in loading errors ("GPT checkpoint does not fit the model")."""
+    attn_mask_type: ClassVar[AttnMaskType] = "causal"
+
+    def __init__(self, config: TransformerConfig, group: ProcessGroup | None, *,
+                 pre_process: bool = True, post_process: bool = True,
+                 parallel_output: bool = True, num_layers: int | None = None,
+                 layer_offset: int = 0) -> None:
+        super().__init__()
+        self.config, self.group = config, group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        # Read by finalize_model_grads (embedding-group all-reduce with PP > 1).
+        self.share_embeddings_and_output_weights = \
+            not config.untie_embeddings_and_output_weights
+        self.language_model = TransformerLanguageModel(
+            config, group, pre_process=pre_process, post_process=post_process,
+            num_layers=num_layers, layer_offset=layer_offset,
+            attn_mask_type=self.attn_mask_type)
+        self.word_embeddings = self._init_word_embeddings()
+        self.set_parameter_defaults()
+
+    def _init_word_embeddings(self) -> tp_layers.VocabParallelEmbedding | None:
+        """Megatron's ``initialize_word_embeddings`` up to its collective: marks stage 0's
+        embedding when a later stage has a twin, and returns the last stage's own copy
+        (``word_embeddings_for_head``), or None."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process and not self.post_process:
+            # Stage 0 of several: its embedding has a twin on the last stage.
+            self.language_model.embedding.word_embeddings.weight.shared_embedding = True
+        if not self.post_process or self.pre_process:
+            return None
+        c = self.config
+        # Zeros: initialize_word_embeddings sums stage 0's weight into it (zeros draw nothing
+        # from the generator, so the other stages' init is unchanged).
+        copy = tp_layers.VocabParallelEmbedding(
+            c.padded_vocab_size, c.hidden_size, group=self.group,
+            init_method=torch.nn.init.zeros_, params_dtype=c.params_dtype)
+        # A duplicate of stage 0's weight: grad-norm code skips `shared` params. With one stage
+        # the logits use the embedding Parameter itself, which is not a duplicate and so is not
+        # marked (marking it would drop it from the grad norm).
+        copy.weight.shared = True
+        copy.weight.shared_embedding = True
+        return copy
+
+    def set_parameter_defaults(self) -> None:
+        """Give every parameter the TP attributes the optimizer reads (replicated unless set).
+        Subclasses that add modules after ``__init__`` call it again (it keeps set values)."""
+        for param in self.parameters():
+            set_defaults_if_not_set(param)
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
+        """The weight of the logits projection's vocabulary side on this stage (or None)."""
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        if self.word_embeddings is not None:
+            return self.word_embeddings.weight
+        if self.language_model.output_layer is not None:
+            return self.language_model.output_layer.weight
+        return None
+
+    def output_weight(self) -> torch.nn.Parameter:
+        """The ``[V/p, h]`` weight of the logits projection (last stage only)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.language_model.output_layer.weight
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """Activation from the previous pipeline stage (``[s, b, h]``)."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    # Forward -------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None):
+        """Run this stage: the language model, then (last stage) the subclass's head.
+
+        Args:
+            input_ids: ``[b, s]`` token ids (first stage).
+            position_ids: ``[b, s]``.
+            attention_mask: as :meth:`prepare_attention_mask` takes it.
+            labels: ``[b, s]`` target ids, or None.
+            tokentype_ids: ``[b, s]`` segment ids (models with ``num_tokentypes``).
+
+        Returns:
+            On a non-last pipeline stage the hidden states ``[s, b, h]``; else what
+            :meth:`post_language_model_processing` returns.
+        """
+        attention_mask = self.prepare_attention_mask(attention_mask)
+        hidden = self.language_model(input_ids, position_ids, attention_mask,
+                                     tokentype_ids)  # [s, b, h]
+        if not self.post_process:
+            return hidden
+        return self.post_language_model_processing(hidden, labels)
+
+    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
+                               ) -> torch.Tensor | None:
+        """The mask the attention layers get (bool ``[b|1, 1, s, s]``, True = masked)."""
+        return attention_mask
+
+    def post_language_model_processing(self, hidden: torch.Tensor,
+                                       labels: torch.Tensor | None):
+        """The last stage's head on the final hidden states ``[s, b, h]``."""
+        raise NotImplementedError(f"{type(self).__name__} defines no head")
+
+    def compute_language_model_loss(self, logits: torch.Tensor, labels: torch.Tensor
+                                    ) -> torch.Tensor:
+        """Unreduced vocab-parallel cross entropy ``[b, s]`` of ``logits [s, b, V/p]`` against
+        ``labels [b, s]``, in fp32 (or wider) unless ``fp16_lm_cross_entropy``.
+
+        ``logits`` are overwritten: pass a temporary nobody else reads (the output layer's
+        backward needs only its input and weight).
+        """
+        if logits.dtype in (torch.float16, torch.bfloat16) and not \
+                self.config.fp16_lm_cross_entropy:
+            logits = logits.float()  # the loss in fp32 (float64 stays float64)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.group,
+                                            inplace=True)  # [s, b]
+        return loss.transpose(0, 1).contiguous()  # [b, s]
+
+    # Checkpoint layout ---------------------------------------------------------------------
+    def state_dict_for_save_checkpoint(self) -> dict:
+        """Megatron-LM's legacy nested model dict (``sd['model']`` of ``model_optim_rng.pt``):
+        ``language_model``, the subclass's sections, then ``word_embeddings_for_head``."""
+        out = {"language_model": self.language_model.state_dict_for_save_checkpoint()}
+        out.update(self.extra_state_dict_sections())
+        if self.word_embeddings is not None:
+            out[HEAD_COPY_KEY] = self.word_embeddings.state_dict()
+        return out
+
+    def extra_state_dict_sections(self) -> dict[str, dict]:
+        """Checkpoint sections beside ``language_model``, named as the submodules that load
+        them (e.g. ``{"lm_head": self.lm_head.state_dict()}``); none here."""
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping, strict: bool = True, assign: bool = False):
+        """Load the nested checkpoint layout (also old ``transformer``/``.attention.`` names) or
+        this module's flat ``state_dict()``.
+
+        Raises:
+            ValueError: with ``strict``, missing or unexpected keys or shape mismatches, all
+                listed (and, without ``strict``, shape mismatches).
+        """
+        flat = flatten_checkpoint_state_dict(state_dict)
+        own = self.state_dict()
+        problems = checkpoint_fit_problems(flat, own, strict)
+        if problems:
+            raise ValueError(f"{self.checkpoint_name} checkpoint does not fit the model:\n  "
+                             + "\n  ".join(problems))
+        flat = {k: v for k, v in flat.items() if k in own}
+        return super().load_state_dict(flat, strict=strict, assign=assign)
+
+
+def checkpoint_fit_problems(flat: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor],
+                            strict: bool) -> list[str]:
+    """Every reason the flat checkpoint dict ``flat`` cannot load into a model whose
+    ``state_dict()`` is ``own``: missing/unexpected keys (with ``strict``), shape mismatches."""
+    missing = sorted(set(own) - set(flat))
+    unexpected = sorted(set(flat) - set(own))
+    mismatched = [f"{k}: checkpoint {tuple(flat[k].shape)} vs model {tuple(own[k].shape)}"
+                  for k in sorted(set(own) & set(flat)) if flat[k].shape != own[k].shape]
+    problems = []
+    if strict and missing:
+        problems.append("missing keys: " + ", ".join(missing))
+    if strict and unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    if mismatched:
+        problems.append("shape mismatches (wrong TP size or model shape?): "
+                        + "; ".join(mismatched))
+    return problems
+
+
+def flatten_checkpoint_state_dict(state_dict: Mapping) -> dict[str, torch.Tensor]:
+    """Megatron-LM's nested model dict -> flat module names; flat dicts pass through. Old names
+    (``transformer`` for ``encoder``, ``.attention.`` for ``.self_attention.``) are mapped, and
+    ``word_embeddings_for_head`` becomes the module name ``word_embeddings``."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(f"{prefix}{key}.", value)
+        else:
+            flat[prefix[:-1]] = node
+
+    walk("", state_dict)
+    out = {}
+    for key, value in flat.items():
+        for old, new in LEGACY_RENAMES:
+            key = key.replace(old, new)
+        if key.startswith(HEAD_COPY_KEY + "."):
+            key = "word_embeddings." + key[len(HEAD_COPY_KEY) + 1:]
+        out[key] = value
+    return out
+
+
+def initialize_word_embeddings(model: LanguageModule, embedding_group: ProcessGroup | None
+                               ) -> None:
+    """Make the last stage's copy of the tied word embedding equal to stage 0's (Megatron's
+    ``initialize_word_embeddings``, collective part): the copy is zeros, so summing over the
+    embedding group (first and last stage of a pipeline, same TP rank) gives every member stage
+    0's values exactly. Call on every member of ``embedding_group``, once, after building.
+    """
+    if not model.share_embeddings_and_output_weights:
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight is None:
+        return  # a middle stage: not in the embedding group
+    comm.all_reduce(weight.data, embedding_group, "sum")
+
+
+def pipeline_stage_layers(num_layers: int, pipeline_size: int, pipeline_rank: int
+                          ) -> tuple[int, int]:
+    """``(layers on the stage, global index of its first layer)``: an even split.
+
+    Raises:
+        ValueError: ``num_layers`` is not a multiple of ``pipeline_size``.
+    """
+    if num_layers % pipeline_size != 0:
+        raise ValueError(f"num_layers ({num_layers}) is not divisible by the pipeline size "
+                         f"({pipeline_size}): give every stage the same number of layers")
+    per_stage = num_layers // pipeline_size
+    return per_stage, pipeline_rank * per_stage
+
+
+def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
+                      pre_process: bool | None = None, post_process: bool | None = None,
+                      **kwargs) -> ModelT:
+    """This rank's pipeline stage of ``model_cls`` with parallel_state's groups (one process
+    when they are not initialized), its tied output weight equal on the first and last stage.
+
+    Seed first, identically on all TP ranks (Megatron: ``torch.manual_seed(seed + 100 * pp_rank)``
+    and :func:`~megatron.core.tensor_parallel.model_parallel_manual_seed`): the weights are drawn
+    from torch's default generator.
+
+    Args:
+        model_cls: a :class:`LanguageModule` subclass.
+        config: the model's settings (all layers: this stage gets its even share).
+        pre_process: holds the embedding (default: the first pipeline stage).
+        post_process: holds the head (default: the last pipeline stage).
+        kwargs: passed on to ``model_cls`` (e.g. ``parallel_output``).
+    """
+    group = None
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    num_layers, layer_offset = pipeline_stage_layers(config.num_layers, pp, pp_rank)
+    if pre_process is None:
+        pre_process = pp_rank == 0
+    if post_process is None:
+        post_process = pp_rank == pp - 1
+    model = model_cls(config, group, pre_process=pre_process, post_process=post_process,
+                      num_layers=num_layers, layer_offset=layer_offset, **kwargs)
+    if pp > 1 and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        initialize_word_embeddings(model, parallel_state.get_embedding_group())
+    return model

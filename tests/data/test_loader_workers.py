@@ -1,0 +1,68 @@
+"""Loader worker processes (issue 18): they ignore SIGTERM (so --exit-signal-handler can save
+when the whole process group is signalled), die with their parent, and never keep a process
+that raised from exiting.
+
+The loaders run in a subprocess: forking workers out of the pytest process (which holds the
+pooled worlds' queues and threads) is what the house style forbids, and an exit is the point.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WALL_S = 120  # hang detection only
+
+_SCRIPT = r"""
+import ctypes, os, signal, sys, time
+import torch
+from megatron.data.samplers import build_pretraining_data_loader, stop_loader_workers
+
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, idx):
+        sig = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+        ignored = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        return torch.tensor([sig.value, int(ignored), os.getpid()])
+
+
+def loader():
+    return build_pretraining_data_loader(Probe(), 0, None, 2, 0, 1, num_workers=2)
+
+
+it = iter(loader())
+rows = torch.cat([next(it) for _ in range(4)])
+pids = sorted(set(rows[:, 2].tolist()))
+print("deathsig", sorted(set(rows[:, 0].tolist())), "sigterm-ignored",
+      sorted(set(rows[:, 1].tolist())), "workers", len(pids), flush=True)
+stop_loader_workers()
+time.sleep(0.5)  # torch's SIGCHLD handler would raise here for workers not yet reaped
+print("left after stop", [p for p in pids if os.path.exists(f"/proc/{p}")], flush=True)
+it2 = iter(loader())
+next(it2)
+raise RuntimeError("boom with live loader workers")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc")
+def test_loader_workers_and_an_uncaught_error():
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True,
+                          text=True, timeout=WALL_S, env={"OMP_NUM_THREADS": "1",
+                                                         "PATH": "/usr/bin:/bin",
+                                                         "PYTHONPATH": str(REPO)})
+    out = proc.stdout
+    assert f"deathsig [{int(signal.SIGKILL)}] sigterm-ignored [1] workers 2" in out, (out,
+                                                                                    proc.stderr)
+    assert "left after stop []" in out, (out, proc.stderr)
+    # The interpreter's exit used to SIGTERM the (SIGTERM-ignoring) workers and wait forever.
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "RuntimeError: boom with live loader workers" in proc.stderr
