@@ -17,8 +17,8 @@ import torch
 from megatron.config.datasets import gpt_dataset_config
 from megatron.core import comm, device, parallel_state
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
-from megatron.training.models import gpt_flops_per_sample, gpt_model_from
 from megatron.training import fault
+from megatron.training.models import gpt_flops_per_sample, gpt_model_from
 from megatron.training.pretrain import pretrain
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

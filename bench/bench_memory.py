@@ -18,13 +18,16 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/bench_memory.py`` (about a minute on 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.multiprocess import run_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.launch import run_ranks  # noqa: E402
+from megatron.core import device, parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 HIDDEN, LAYERS = 256, 4
 CONFIGS = {  # name: (params dtype, fp32 grads, theory non-distributed, (a, b) for a + b/d)
@@ -69,11 +72,10 @@ def _backward(ddp, opt, dtype) -> None:
     finalize_model_grads([ddp])
 
 
-def _measure(rank: int, world_size: int, dtype: torch.dtype, fp32_grads: bool,
-             distributed: bool) -> float:
+def _measure(dtype: torch.dtype, fp32_grads: bool, distributed: bool) -> float:
     parallel_state.initialize_model_parallel()
     dp = parallel_state.get_data_parallel_group()
-    ddp = DistributedDataParallel(_model(dtype), data_parallel_group=dp,
+    ddp = DistributedDataParallel(_model(dtype), dp_group=dp,
                                   accumulate_allreduce_grads_in_fp32=fp32_grads,
                                   overlap_grad_reduce=False, use_distributed_optimizer=distributed)
     config = OptimizerConfig(lr=1e-3, fp16=dtype == torch.float16, loss_scale=1.0,
@@ -85,16 +87,29 @@ def _measure(rank: int, world_size: int, dtype: torch.dtype, fp32_grads: bool,
     _backward(ddp, opt, dtype)
     opt._copy_model_grads_to_main_grads()  # the point where main grads exist too
     numel = sum(p.numel() for p in ddp.module.parameters())
-    return _storage_bytes(_held_tensors(ddp, opt)) / numel
+    measured = _storage_bytes(_held_tensors(ddp, opt)) / numel
+    parallel_state.destroy_model_parallel()  # the next measurement builds its own groups
+    return measured
+
+
+def _measure_all(rank: int, world_size: int) -> dict[tuple[str, bool], float]:
+    """Bytes per parameter on this rank, by (config name, distributed optimizer)."""
+    del rank, world_size
+    device.init_distributed(backend="gloo")
+    return {(name, distributed): _measure(dtype, fp32_grads, distributed)
+            for name, (dtype, fp32_grads, _, _) in CONFIGS.items()
+            for distributed in (False, True)}
 
 
 def run() -> list[tuple[str, int, float, float, float, float]]:
     """Rows (config, d, theory non-dist, measured non-dist, theory dist, measured dist)."""
+    # One world per d (spawning one costs several seconds): it measures every configuration.
+    per_d = {d: run_ranks(d, _measure_all) for d in (1, 2, 4)}
     rows = []
-    for name, (dtype, fp32_grads, plain, (a, b)) in CONFIGS.items():
-        for d in (1, 2, 4):
-            measured_plain = max(run_distributed(d, _measure, dtype, fp32_grads, False))
-            measured_dist = max(run_distributed(d, _measure, dtype, fp32_grads, True))
+    for name, (_, _, plain, (a, b)) in CONFIGS.items():
+        for d, per_rank in per_d.items():
+            measured_plain = max(r[(name, False)] for r in per_rank)
+            measured_dist = max(r[(name, True)] for r in per_rank)
             rows.append((name, d, plain, measured_plain, a + b / d, measured_dist))
     return rows
 

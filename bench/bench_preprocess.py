@@ -28,7 +28,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.tokenizer.reference_gpt2 import ReferenceGPT2  # noqa: E402
+from bench.reference_gpt2 import ReferenceGPT2  # noqa: E402
 
 SHARED = Path(os.environ.get("MEGATRON_SHARED_DATA", REPO.parent / "shared" / "data"))
 TOKENIZERS = SHARED / "tokenizers"

@@ -11,9 +11,7 @@ per iteration (2 forward, 2 backward), which gloo on 127.0.0.1 carries at ~1 GB/
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -21,45 +19,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.launch import run_ranks  # noqa: E402
+
 PAPER_2GPU_SPEEDUP = 1.64  # Megatron-LM paper, strong scaling, 2 GPUs
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, args: argparse.Namespace):
+    """(median step seconds, 4 all-reduces' seconds, bytes of one) on rank 0; None elsewhere."""
     import torch
 
-    torch.set_num_threads(1)
     from megatron.core import comm, device, parallel_state
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer.config import TransformerConfig
     from megatron.core.transformer.layer import TransformerLayer
 
-    group = None
+    tp_group = None
     if world > 1:
         device.init_distributed(backend="gloo")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
     config = TransformerConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
                                hidden_dropout=0.1, attention_dropout=0.1)
     torch.manual_seed(1234)
     model_parallel_manual_seed(1234, rank)
-    layer = TransformerLayer(config, 1, group).train()
+    layer = TransformerLayer(config, 1, tp_group).train()
     shape = (args.seq_length, args.micro_batch_size, config.hidden_size)
     x = torch.randn(shape, requires_grad=True)
     grad = torch.randn(shape)
 
     def step() -> float:
-        comm.barrier(group)
+        comm.barrier(tp_group)
         start = time.perf_counter()
         layer(x, None).backward(grad)
-        comm.barrier(group)
+        comm.barrier(tp_group)
         return time.perf_counter() - start
 
     for _ in range(args.warmup):
@@ -68,31 +60,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
     allreduce = None
     if world > 1:  # the same 4 all-reduces of [s, b, h] alone
         buf = torch.randn(shape)
-        comm.all_reduce(buf, group)
+        comm.all_reduce(buf, tp_group)
         start = time.perf_counter()
         for _ in range(4 * args.iters):
-            comm.all_reduce(buf, group)
+            comm.all_reduce(buf, tp_group)
         allreduce = (time.perf_counter() - start) / args.iters
-    if rank == 0:
-        out.put((statistics.median(times), allreduce, buf.numel() * 4 if world > 1 else 0))
-    if world > 1:
-        parallel_state.destroy_model_parallel()
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return statistics.median(times), allreduce, buf.numel() * 4 if world > 1 else 0
 
 
 def _run(world: int, args: argparse.Namespace):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join()
-    return result
+    return run_ranks(world, _worker, args, timeout=600)[0]
 
 
 def main() -> None:

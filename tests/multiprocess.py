@@ -91,7 +91,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
             # Tell the parent this rank is out of fn: a hang then names the ranks still inside.
             results.put((rank, "returned", None))
             try:
-                comm.barrier()
+                comm.barrier(comm.world_group())
             except BaseException:  # noqa: BLE001
                 out, status = traceback.format_exc(), "error"
         results.put((rank, status, out))

@@ -135,10 +135,35 @@ def test_the_checker_sees_cycles_and_upward_imports():
     assert _layer("megatron.training.loop")[1] > _layer("megatron.config.cli")[1]
 
 
-@pytest.mark.parametrize("package", ["megatron.core", "megatron.data", "megatron.tokenizer"])
+@pytest.mark.parametrize("package", ["megatron.core", "megatron.data", "megatron.tokenizer",
+                                     "megatron.checkpointing", "megatron.text_generation"])
 def test_library_layers_do_not_need_the_cli(package):
     # The concrete promise of the issue: these import without megatron.config or .training.
     offenders = sorted(f"{m} -> {t}" for m, targets in _graph().items()
                        if _layer(m) and _layer(m)[0] == package
                        for t in targets if t.startswith(("megatron.config", "megatron.training")))
+    assert not offenders, offenders
+
+
+def _imports_tests(path: Path) -> bool:
+    """Whether ``path`` imports the tests package anywhere (function-local imports too)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name.split(".")[0] == "tests" for name in names):
+            return True
+    return False
+
+
+def test_nothing_outside_tests_imports_tests():
+    # The library, the tools, the entry scripts and the benchmarks run where tests/ may not be
+    # installed; what they share with the tests lives on their side (e.g. bench/launch.py,
+    # bench/reference_gpt2.py), and tests import it from there.
+    sources = [p for d in ("megatron", "tools", "bench") for p in sorted((ROOT / d).rglob("*.py"))]
+    sources += sorted(ROOT.glob("*.py"))
+    offenders = [str(p.relative_to(ROOT)) for p in sources if _imports_tests(p)]
     assert not offenders, offenders

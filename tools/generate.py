@@ -25,6 +25,7 @@ from megatron.core import device  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
     check_generation_lengths, check_sampling_options, generate_tokens)
+from megatron.training import fault  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     get_checkpoint_tracker_filename, load_checkpoint)
 from megatron.training.initialize import (  # noqa: E402
@@ -143,4 +144,5 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    # Any error ends this rank at once and stops the other ranks (see megatron.training.fault).
+    fault.run_rank(main)

@@ -1,8 +1,17 @@
 """All collectives go through here, so API drift between torch releases is fixed in one place.
 
-Every function takes its process group explicitly. In torch 2.13 ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` are deprecated in favour of ``all_gather_single`` /
-``reduce_scatter_single`` (same signatures); older releases only have the former.
+Process groups, one rule for the whole library: every function takes its group explicitly, and
+``None`` means *this rank alone*: size 1, rank 0, every collective a no-op (a reduction or a
+broadcast leaves the data as it is, a gather returns this rank's part, a barrier returns at
+once). ``None`` never reaches torch.distributed, where it would mean the whole world; a caller
+that means every rank says so with :func:`world_group`. Library signatures name their groups for
+what they are: ``tp_group`` (tensor-parallel), ``pp_group`` (pipeline), ``dp_group``
+(data-parallel), ``mp_group`` (model-parallel: TP x PP, what norms and inf flags are reduced
+over), ``embedding_group``; only the generic functions here say plain ``group``.
+
+In torch 2.13 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are deprecated in favour
+of ``all_gather_single`` / ``reduce_scatter_single`` (same signatures); older releases only have
+the former.
 """
 
 from __future__ import annotations
@@ -16,16 +25,22 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def world_group() -> ProcessGroup | None:
+    """Every rank: torch's default (WORLD) group. Before torch.distributed is initialized this
+    process is the whole world, and the answer is None (this rank alone)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
 def world_size(group: ProcessGroup | None) -> int:
-    """Size of ``group`` (1 when torch.distributed is not initialized)."""
-    if not dist.is_initialized():
+    """Size of ``group`` (1 for None, and when torch.distributed is not initialized)."""
+    if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
 
 
 def rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group`` (0 when torch.distributed is not initialized)."""
-    if not dist.is_initialized():
+    """This process's rank in ``group`` (0 for None, and without torch.distributed)."""
+    if group is None or not dist.is_initialized():
         return 0
     return dist.get_rank(group=group)
 
@@ -74,9 +89,12 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of ``group``'s member ``group_rank`` (None: the default group)."""
-    if group is None or not dist.is_initialized():
+    """The global rank of ``group``'s member ``group_rank`` (for None, this process's own)."""
+    if not dist.is_initialized():
         return group_rank
+    if group is None:
+        assert group_rank == 0, f"a group of one has no member {group_rank}"
+        return dist.get_rank()
     return dist.get_global_rank(group, group_rank)
 
 
@@ -86,7 +104,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Non
         dist.broadcast(tensor, src=src, group=group)
 
 
-def broadcast_object(obj, src: int, group: ProcessGroup | None = None):
+def broadcast_object(obj, src: int, group: ProcessGroup | None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     if world_size(group) == 1:
         return obj
@@ -95,17 +113,34 @@ def broadcast_object(obj, src: int, group: ProcessGroup | None = None):
     return box[0]
 
 
-def barrier(group: ProcessGroup | None = None) -> None:
-    """Barrier over ``group`` (no-op without torch.distributed)."""
-    if dist.is_initialized():
+def all_gather_object(obj, group: ProcessGroup | None) -> list:
+    """Gather a picklable object from every rank of ``group``; returns one per rank."""
+    size = world_size(group)
+    if size == 1:
+        return [obj]
+    out: list = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Barrier over ``group`` (returns at once for a group of one)."""
+    if world_size(group) > 1:
         dist.barrier(group=group)
 
 
-def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
-    """Blocking point-to-point send to global rank ``dst``."""
-    dist.send(tensor, dst=dst, group=group)
+def _peer_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    # A rank alone has no peer: a silent no-op would leave the receiver's buffer unfilled.
+    if group is None:
+        raise ValueError(f"{what} needs a group holding both ranks (None is this rank alone)")
+    return group
 
 
-def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
-    """Blocking point-to-point receive from global rank ``src``."""
-    dist.recv(tensor, src=src, group=group)
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> None:
+    """Blocking point-to-point send to global rank ``dst``, a member of ``group``."""
+    dist.send(tensor, dst=dst, group=_peer_group(group, "send"))
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
+    """Blocking point-to-point receive from global rank ``src``, a member of ``group``."""
+    dist.recv(tensor, src=src, group=_peer_group(group, "recv"))

@@ -31,7 +31,7 @@ class Timer:
         if self._started:
             raise RuntimeError(f"timer {self.name!r} has already been started")
         if barrier:
-            comm.barrier()
+            comm.barrier(comm.world_group())
         device.synchronize()
         self._start_time = time.perf_counter()
         self._started = True
@@ -40,7 +40,7 @@ class Timer:
         if not self._started:
             raise RuntimeError(f"timer {self.name!r} is not started")
         if barrier:
-            comm.barrier()
+            comm.barrier(comm.world_group())
         device.synchronize()
         self._elapsed += time.perf_counter() - self._start_time
         self._started = False
@@ -125,7 +125,7 @@ class Timers:
         negated = torch.tensor([-math.inf if v is None else -v for v in mine],
                                dtype=torch.float64)
         both = torch.cat([values, negated])
-        comm.all_reduce(both, None, "max")
+        comm.all_reduce(both, comm.world_group(), "max")
         high, low = both[:len(names)], -both[len(names):]
         return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)
                 if high[i] > -math.inf}

@@ -100,7 +100,7 @@ def cached_arrays(cache_dir: str | None, base: str, description: str, names: lis
             log_rank_0(f"> built and cached {base} indices in {time.time() - t0:.3f} s "
                        f"under {cache_dir}")
     if dist.is_initialized():
-        comm.barrier()
+        comm.barrier(comm.world_group())
     if built is not None:
         return built
     if checked is not None:  # rank 0, valid cache

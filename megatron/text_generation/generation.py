@@ -36,7 +36,7 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
     model.eval()
     dev = device.get_device()
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    group = parallel_state.get_tensor_model_parallel_group() \
+    tp_group = parallel_state.get_tensor_model_parallel_group() \
         if parallel_state.model_parallel_is_initialized() else None
     outputs = []
     for prompt in prompts:
@@ -46,8 +46,8 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
             positions = torch.arange(len(tokens), device=dev).unsqueeze(0)  # [1, s]
             logits = model(ids, positions, None)  # [1, s, V/p]
             last = logits[:, -1, :]  # [1, V/p]
-            if group is not None:
-                last = gather_from_tensor_model_parallel_region(last, group)  # [1, V]
+            if tp_group is not None:
+                last = gather_from_tensor_model_parallel_region(last, tp_group)  # [1, V]
             nxt = int(sample(last.cpu(), greedy=greedy, top_k=top_k, top_p=top_p,
                              temperature=temperature, vocab_size=vocab_size,
                              generator=generator)[0])

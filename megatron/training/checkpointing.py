@@ -84,7 +84,7 @@ def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
     local = parse_tracker(tracker)
     iteration, release = local if local is not None else (-1, False)
     value = torch.tensor([iteration], dtype=torch.long)
-    comm.all_reduce(value, None, op="max")
+    comm.all_reduce(value, comm.world_group(), op="max")
     if int(value) < 0:
         return None
     if int(value) != iteration:
@@ -154,9 +154,7 @@ def _gather_rng_states(data_parallel_random_init: bool) -> list[dict]:
     state = _rng_state()
     if not data_parallel_random_init or parallel_state.get_data_parallel_world_size() == 1:
         return [state]
-    out: list = [None] * parallel_state.get_data_parallel_world_size()
-    dist.all_gather_object(out, state, group=parallel_state.get_data_parallel_group())
-    return out
+    return comm.all_gather_object(state, parallel_state.get_data_parallel_group())
 
 
 # Save -----------------------------------------------------------------------------------------
@@ -212,12 +210,12 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
         if rng_states is not None:
             sd["rng_state"] = rng_states
         save_file(sd, name)  # its directory synced too: this shard's renames are durable
-    comm.barrier()
+    comm.barrier(comm.world_group())
     if _is_global_rank_0():
         # Once, after every shard is in: the new mp_rank / iter directories are durable before
         # the tracker can point at them.
         _publish(root, iteration, name.parent.parent)
-    comm.barrier()
+    comm.barrier(comm.world_group())
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return checkpoint_dir(root, iteration)
 
@@ -240,7 +238,7 @@ def _remove_stale_temp_files(root: Path) -> None:
         if removed:
             log_rank_0(f"  removed {len(removed)} temporary file(s) of an interrupted save "
                        f"under {root}: {', '.join(str(p.relative_to(root)) for p in removed)}")
-    comm.barrier()
+    comm.barrier(comm.world_group())
 
 
 def _publish(root: Path, iteration: int, iteration_dir: Path) -> None:
@@ -272,7 +270,7 @@ def check_fresh_start(cfg, load_dir: str | os.PathLike | None = None) -> None:
     except CheckpointError:
         tracked = (0, False)  # unreadable, but a checkpoint was saved there
     latest = torch.tensor([-1 if tracked is None else tracked[0]], dtype=torch.long)
-    comm.all_reduce(latest, None, op="max")  # every rank refuses, or none
+    comm.all_reduce(latest, comm.world_group(), op="max")  # every rank refuses, or none
     if int(latest) < 0:
         return
     where = f"--load {load_dir} holds no checkpoint ({TRACKER_FILENAME})" \
@@ -400,7 +398,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         log_rank_0(f"  no {CHECKSUM_SUFFIX} file beside "
                    f"{', '.join(p.name for p in unverified)} in {name.parent}: loaded without "
                    "checksum verification (a checkpoint written by Megatron-LM?)")
-    comm.barrier()
+    comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
 

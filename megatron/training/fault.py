@@ -70,6 +70,7 @@ _peers: _Peers | None = None
 _ending = threading.Lock()
 _left_lock = threading.Lock()
 _left = False
+_watcher: threading.Thread | None = None
 
 
 def run_rank(main: Callable[[], object]) -> None:
@@ -114,10 +115,18 @@ def watch_peers() -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     # Keys of an earlier attempt stay in torchrun's store across elastic restarts.
     prefix = f"megatron/fault/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    try:
+        stores = _connect(), _connect()
+    except (RuntimeError, OSError) as err:  # the run works without it, less promptly
+        log_all_ranks(f"WARNING: no peer failure watch (rendezvous store unreachable: {err})",
+                      logging.WARNING)
+        return
+    global _watcher
     _peers = _Peers(rank, world_size, hosts_store=rank == 0 and not agent_store,
-                    watch_store=_connect(), report_store=_connect(), prefix=prefix)
-    threading.Thread(target=_watch_peers, args=(_peers,), name="megatron-peer-watch",
-                     daemon=True).start()
+                    watch_store=stores[0], report_store=stores[1], prefix=prefix)
+    _watcher = threading.Thread(target=_watch_peers, args=(_peers,), name="megatron-peer-watch",
+                                daemon=True)
+    _watcher.start()
 
 
 def _connect() -> dist.Store:
@@ -196,6 +205,10 @@ def _finish() -> None:
     except dist.DistError:
         return  # the host is gone already
     _linger(peers, peers.report_store)
+    # Let the watcher leave its store call before the interpreter tears the stores down under
+    # it (a C++ store destroyed while another thread waits on it aborts the process).
+    if _watcher is not None:
+        _watcher.join(timeout=LINGER_S)
 
 
 def _leave(store: dist.Store) -> None:

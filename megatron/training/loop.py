@@ -42,9 +42,6 @@ class TrainState:
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
     last_saved_iteration: int | None = None
-    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    """Per iteration of this process: the mean loss dict, "skipped", "grad norm", "learning
-    rate" (after the step, as logged) and "global batch size"."""
 
 
 @dataclasses.dataclass
@@ -119,7 +116,8 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
     Raises:
         FloatingPointError: on every rank, before the optimizer step.
     """
-    rank, world = comm.rank(None), comm.world_size(None)
+    everyone = comm.world_group()
+    rank, world = comm.rank(everyone), comm.world_size(everyone)
     grads_bad = not cfg.precision.fp16 and not all(
         getattr(chunk, "local_grads_finite", lambda: True)() for chunk in model)
     local_loss_bad = recorder.nonfinite is not None and bool(recorder.nonfinite)
@@ -128,7 +126,7 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
     first = torch.tensor([world - rank if bad else 0 for bad in
                           (reported_bad, local_loss_bad, grads_bad)],
                          dtype=torch.long, device=device.get_device())
-    comm.all_reduce(first, None, op="max")
+    comm.all_reduce(first, everyone, op="max")
     reported_on, loss_on, grads_on = (world - v if v > 0 else None for v in first.tolist())
     if reported_on is None and grads_on is None:
         return
@@ -283,10 +281,6 @@ class Trainer:
             if self.flops_per_batch is not None:
                 s.floating_point_operations_so_far += self.flops_per_batch(batch)
             self.acc.add(losses, skipped)
-            s.history.append({**losses, "skipped": float(skipped),
-                              "grad norm": grad_norm if grad_norm is not None else float("nan"),
-                              "learning rate": self._learning_rate(),
-                              "global batch size": float(batch)})
             self._maybe_log(losses, grad_norm, num_zeros, batch, train_iters)
             if cfg.training.eval_interval and s.iteration % cfg.training.eval_interval == 0 \
                     and valid_iterator is not None and cfg.training.eval_iters > 0:
@@ -323,7 +317,7 @@ class Trainer:
             reason = "exiting program after receiving SIGTERM"
         if reason is None and cfg.training.exit_duration_in_mins:
             minutes = torch.tensor([(time.time() - self.start_time) / 60.0])
-            comm.all_reduce(minutes, None, op="max")
+            comm.all_reduce(minutes, comm.world_group(), op="max")
             if minutes.item() > cfg.training.exit_duration_in_mins:
                 reason = f"exiting program after {minutes.item():.1f} minutes"
         if reason is None and cfg.training.exit_interval \
@@ -332,7 +326,7 @@ class Trainer:
         if reason is None:
             return False
         self.save()
-        comm.barrier()
+        comm.barrier(comm.world_group())
         log_rank_0(reason)
         return True
 

@@ -133,11 +133,11 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
     log_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({parallel_state.get_tensor_model_parallel_rank()}, "
                f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
-    group = parallel_state.get_data_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group()
     if cfg.parallel.ddp_impl == "torch":
-        return [TorchDistributedDataParallel(module, data_parallel_group=group)]
+        return [TorchDistributedDataParallel(module, dp_group=dp_group)]
     wrapped = DistributedDataParallel(
-        module, data_parallel_group=group,
+        module, dp_group=dp_group,
         accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,

@@ -34,5 +34,5 @@ class DistributedSignalHandler:
     def signals_received(self) -> bool:
         """Collective: True on every rank if any rank received the signal."""
         flag = torch.tensor([int(self._received)])
-        comm.all_reduce(flag, None, op="max")
+        comm.all_reduce(flag, comm.world_group(), op="max")
         return bool(flag.item())

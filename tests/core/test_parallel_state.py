@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from megatron.core import comm
 from megatron.core import parallel_state as ps
 from megatron.core.parallel_state import rank_layout
 from tests.multiprocess import run_distributed
@@ -190,7 +191,7 @@ def _sum_in_each_group(rank, world_size):
                         ("model", ps.get_model_parallel_group()),
                         ("embedding", ps.get_embedding_group())):
         value = torch.tensor([float(2 ** rank)])
-        torch.distributed.all_reduce(value, group=group)
+        comm.all_reduce(value, group)
         sums[kind] = int(value.item())
     info = dict(
         tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
@@ -226,7 +227,7 @@ def test_real_groups_on_eight_ranks():
 def _raise_on_rank_one(rank, world_size):
     if rank == 1:
         raise ValueError("boom on rank one")
-    torch.distributed.barrier()  # rank 0 hangs here: the harness must notice
+    comm.barrier(comm.world_group())  # rank 0 hangs here: the harness must notice
 
 
 def test_harness_reports_failing_rank():
@@ -238,7 +239,7 @@ def test_harness_reports_failing_rank():
 
 def _sum_world(rank, world_size):
     value = torch.tensor([rank + 1])
-    torch.distributed.all_reduce(value)
+    comm.all_reduce(value, comm.world_group())
     return int(value.item())
 
 

@@ -31,7 +31,7 @@ def _wait_for_absent_peer(rank, world_size, sizes, kinds):
     waits on the world group); returns the seconds each took to fail and the error."""
     ps.initialize_model_parallel(*sizes, distributed_timeout_minutes=TIMEOUT_MINUTES)
     if rank != 0:
-        comm.barrier()
+        comm.barrier(comm.world_group())
         return None
     getters = {"tensor": ps.get_tensor_model_parallel_group,
                "pipeline": ps.get_pipeline_model_parallel_group,
@@ -47,7 +47,7 @@ def _wait_for_absent_peer(rank, world_size, sizes, kinds):
             out[kind] = (time.monotonic() - start, "returned")
         except RuntimeError as err:
             out[kind] = (time.monotonic() - start, str(err))
-    comm.barrier()
+    comm.barrier(comm.world_group())
     return out
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from bench.reference_gpt2 import ReferenceGPT2, byte_alphabet
 from megatron.tokenizer.gpt2 import GPT2BPETokenizer, bytes_to_unicode
-from tests.tokenizer.reference_gpt2 import ReferenceGPT2, byte_alphabet
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.reference_gpt2 import ReferenceGPT2
 from megatron.tokenizer.sentences import build_sentence_splitter, split_sentences
-from tests.tokenizer.reference_gpt2 import ReferenceGPT2
 from tools import merge_datasets, preprocess_data
 
 EOD = 50256

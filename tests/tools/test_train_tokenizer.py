@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from bench.reference_gpt2 import ReferenceGPT2
 from megatron.tokenizer.gpt2 import GPT2BPETokenizer
 from megatron.tokenizer.spm import SentencePieceTokenizer
-from tests.tokenizer.reference_gpt2 import ReferenceGPT2
 from tools import train_tokenizer
 
 

@@ -14,11 +14,17 @@ A run is a dict::
 
 and its result is ``{"history", "iteration", "params" (every rank's copy), "error"}``; an
 exception of the expected kind (``expect_error``) is returned as text instead of raised.
+
+``history`` holds one dict per training iteration this rank ran (those before an expected error
+too): the loss dict, "skipped", "grad norm", "learning rate" (after the step, as logged) and
+"global batch size". The training loop keeps no such list (it would grow for the whole run only
+for tests): :class:`_StepRecorder` takes the values from each ``train_step`` call of the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -64,6 +70,20 @@ def gpt_argv(corpus: Corpus, *, tp: int = 1, mbs: int = 2, gbs: int = 8, iters: 
             "--num-workers", "0", "--eval-iters", "0", "--log-interval", "5",
             "--distributed-backend", "gloo"]
     return argv + [str(a) for a in extra]
+
+
+def read_scalars(logdir) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of every scalar in the TensorBoard event files under ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        out[tag] = {}
+        for event in acc.Scalars(tag):
+            out[tag].setdefault(event.step, event.value)  # first value logged at that step
+    return out
 
 
 def losses(result: dict) -> list[float]:
@@ -130,6 +150,31 @@ class _InfInjector:
         return output, poisoned
 
 
+class _StepRecorder:
+    """Stands for ``megatron.training.loop.train_step`` during one run: calls it and appends the
+    iteration's values to ``history`` (see the module docstring), computed as the loop computes
+    the logged ones: the learning rate as ``Trainer._learning_rate``, the batch as the loop's
+    ``batch``. An iteration whose step raises records nothing, as the loop logs nothing."""
+
+    def __init__(self, train_step, history: list[dict[str, float]]) -> None:
+        self.train_step = train_step
+        self.signature = inspect.signature(train_step)
+        self.history = history
+
+    def __call__(self, *args, **kwargs):
+        out = self.train_step(*args, **kwargs)
+        losses_, skipped, grad_norm, _ = out
+        call = self.signature.bind(*args, **kwargs).arguments
+        optimizer, cfg, microbatches = call["optimizer"], call["cfg"], call["microbatches"]
+        batch = microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
+        self.history.append({
+            **losses_, "skipped": float(skipped),
+            "grad norm": grad_norm if grad_norm is not None else float("nan"),
+            "learning rate": optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0,
+            "global batch size": float(batch)})
+        return out
+
+
 class SimulatedCrash(RuntimeError):
     """Raised by the patched checkpoint writer to stand for a process dying mid-save."""
 
@@ -163,6 +208,7 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     import pretrain_gpt
     from megatron.core.distributed import DistributedDataParallel
     from megatron.checkpointing import files as checkpointing
+    from megatron.training import loop
     from megatron.training.pretrain import pretrain
 
     built: list[torch.nn.Module] = []
@@ -183,16 +229,19 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     if run.get("bucket_size") is not None:
         ddp_defaults["bucket_size"] = run["bucket_size"]
     result: dict[str, Any] = {"history": [], "iteration": None, "params": None, "error": None}
+    train_step = loop.train_step
+    loop.train_step = _StepRecorder(train_step, result["history"])
     start = time.perf_counter()
     try:
         state = pretrain(pretrain_gpt.datasets_provider, model_provider, forward_step,
                          argv=run["argv"])
-        result["history"], result["iteration"] = state.history, state.iteration
+        result["iteration"] = state.iteration
         result["seconds"] = time.perf_counter() - start
     except expect_error as err:
         result["error"] = f"{type(err).__name__}: {err}"
         return result
     finally:
+        loop.train_step = train_step
         checkpointing._atomic_write = original
         ddp_defaults["bucket_size"] = saved_bucket_size
     if run.get("params"):
@@ -222,4 +271,4 @@ def pooled(world_size: int, runs: list[dict], expect_error: tuple[type, ...] = (
 
 
 __all__ = ["Corpus", "SimulatedCrash", "TINY_MODEL", "gpt_argv", "losses", "max_abs_diff",
-           "max_param_diff", "pooled", "run_pretrains"]
+           "max_param_diff", "pooled", "read_scalars", "run_pretrains"]

@@ -31,7 +31,7 @@ import torch
 
 from megatron.training.checkpointing import CheckpointError
 from tests.training import e2e
-from tests.training.test_logging import read_scalars
+from tests.training.e2e import read_scalars
 
 SHAPE = {"iters": 8, "seq": 32, "mbs": 1, "gbs": 4}
 # The load-mode runs use dropout, so the RNG streams matter (and advance) as they train.

@@ -18,7 +18,6 @@ import pytest
 
 from tests.multiprocess import run_distributed
 from tests.training import e2e
-from tests.training.test_logging import read_scalars
 
 # A user's log parser: Megatron's cells, in Megatron's order, matched from the line's start.
 TRAIN_LINE = re.compile(
@@ -154,7 +153,7 @@ def runs(gpt2_corpus, tmp_path_factory):
     }
     per_rank = run_distributed(2, run_capturing, list(specs.values()), timeout=300)
     out = {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(specs)}
-    out["tensorboard"] = read_scalars(tb)
+    out["tensorboard"] = e2e.read_scalars(tb)
     out["ckpt"] = ckpt
     return out
 
@@ -276,3 +275,20 @@ def test_exit_checks_are_independent():
     assert trainer(2, exit_interval=3, exit_duration_in_mins=1,
                    start_time=time.time() - 61)._should_exit(None)
     assert not trainer(2, exit_duration_in_mins=1)._should_exit(None)  # the clock starts now
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: what the loop keeps
+# ---------------------------------------------------------------------------------------------
+
+def test_train_state_does_not_grow_with_the_run():
+    """TrainState holds counters only: nothing in it grows per iteration (the per-iteration
+    values the tests compare are recorded by the tests, e2e._StepRecorder)."""
+    import dataclasses
+
+    from megatron.training.loop import TrainState
+
+    state = TrainState()
+    growing = [f.name for f in dataclasses.fields(state)
+               if not isinstance(getattr(state, f.name), (int, float, type(None)))]
+    assert not growing, growing

@@ -15,7 +15,6 @@ import math
 import pytest
 
 from tests.training import e2e
-from tests.training.test_logging import read_scalars
 
 FP16_ITERS = 9
 INF_AT = (3, 4)       # iterations whose loss is multiplied by inf on rank 1
@@ -34,7 +33,7 @@ def fp16_run(gpt2_corpus, tmp_path_factory):
         "--fp16", "--initial-loss-scale", SCALE, "--hysteresis", "2",
         "--loss-scale-window", WINDOW, "--tensorboard-dir", tb, "--tensorboard-log-interval", "1"])
     ranks = e2e.pooled(2, [{"argv": argv, "inf_at": (INF_AT, 1, 1)}])[0]
-    return ranks, read_scalars(tb)
+    return ranks, e2e.read_scalars(tb)
 
 
 def test_injected_inf_skips_the_step_on_every_rank(fp16_run):

@@ -112,7 +112,7 @@ def test_unchecked_run_trains_on_and_counts_nan_iterations(runs):
 def _local_ddp(contiguous: bool) -> tuple[torch.nn.Module, DistributedDataParallel]:
     module = torch.nn.Linear(3, 2)
     return module, DistributedDataParallel(
-        module, data_parallel_group=None, accumulate_allreduce_grads_in_fp32=False,
+        module, dp_group=None, accumulate_allreduce_grads_in_fp32=False,
         overlap_grad_reduce=False, use_distributed_optimizer=False,
         use_contiguous_buffers=contiguous, check_for_nan_in_grad=True)
 

@@ -2,7 +2,7 @@
 
 The training loop uses either wrapper through the same methods::
 
-    model = DistributedDataParallel(module, data_parallel_group=dp_group,
+    model = DistributedDataParallel(module, dp_group=dp_group,
                                     accumulate_allreduce_grads_in_fp32=False,
                                     overlap_grad_reduce=False, use_distributed_optimizer=False)
     model.zero_grad_buffer()                 # start of every iteration
@@ -84,7 +84,8 @@ class DistributedDataParallel(_ModuleStateDict):
 
     Args:
         module: the model (chunk) to wrap.
-        data_parallel_group: the group gradients are averaged over.
+        dp_group: the data-parallel group gradients are averaged over (None: this rank
+            alone, nothing to average).
         accumulate_allreduce_grads_in_fp32: keep gradients in fp32 whatever the param dtype.
         overlap_grad_reduce: reduce bucket by bucket during the backward of the last
             micro-batch.
@@ -102,7 +103,7 @@ class DistributedDataParallel(_ModuleStateDict):
         ValueError: ``use_contiguous_buffers=False`` with an option that needs the buffer.
     """
 
-    def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
+    def __init__(self, module: torch.nn.Module, *, dp_group: comm.ProcessGroup | None,
                  accumulate_allreduce_grads_in_fp32: bool, overlap_grad_reduce: bool,
                  use_distributed_optimizer: bool,
                  bucket_size: int | None = DEFAULT_BUCKET_SIZE,
@@ -114,7 +115,7 @@ class DistributedDataParallel(_ModuleStateDict):
             raise ValueError("fp32 grad accumulation, overlapped reduction and the distributed "
                              "optimizer need the contiguous gradient buffer")
         self.module = module
-        self.data_parallel_group = data_parallel_group
+        self.dp_group = dp_group
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
@@ -135,7 +136,7 @@ class DistributedDataParallel(_ModuleStateDict):
         for param in self._params:
             by_dtype.setdefault(self._grad_dtype(param), []).append(param)
         self.grad_buffers = {
-            dtype: GradBuffer(params, dtype, self.data_parallel_group, self.bucket_size,
+            dtype: GradBuffer(params, dtype, self.dp_group, self.bucket_size,
                               self.use_distributed_optimizer)
             for dtype, params in by_dtype.items()}
         self.param_to_grad_buffer = {p: buf for buf in self.grad_buffers.values()
@@ -181,12 +182,11 @@ class DistributedDataParallel(_ModuleStateDict):
         ``--data-parallel-random-init`` each DP rank seeds differently and so initializes
         differently; Megatron-LM then broadcasts once, so that only the RNG streams (dropout)
         stay per-rank and the replicas train the same weights."""
-        group = self.data_parallel_group
-        if comm.world_size(group) == 1:
+        if comm.world_size(self.dp_group) == 1:
             return
-        src = comm.global_rank(group, 0)
+        src = comm.global_rank(self.dp_group, 0)
         for param in self.module.parameters():
-            comm.broadcast(param.data, src, group)
+            comm.broadcast(param.data, src, self.dp_group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -236,12 +236,12 @@ class DistributedDataParallel(_ModuleStateDict):
             for grads in by_dtype.values():
                 for grad in grads:
                     self._record_finite(grad)
-        if comm.world_size(self.data_parallel_group) == 1:
+        if comm.world_size(self.dp_group) == 1:
             return
         for grads in by_dtype.values():
             flat = torch._utils._flatten_dense_tensors(grads)
-            flat.div_(comm.world_size(self.data_parallel_group))  # before the sum: fp16 range
-            comm.all_reduce(flat, self.data_parallel_group, "sum")
+            flat.div_(comm.world_size(self.dp_group))  # before the sum: fp16 range
+            comm.all_reduce(flat, self.dp_group, "sum")
             for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
 
@@ -258,21 +258,28 @@ class TorchDistributedDataParallel(_ModuleStateDict):
 
     Args:
         module: the model (chunk) to wrap.
-        data_parallel_group: the group gradients are averaged over.
+        dp_group: the data-parallel group gradients are averaged over; a real group, since
+            PyTorch's DDP would read None as the whole world.
         bucket_size: elements per bucket (converted to PyTorch's ``bucket_cap_mb``).
         check_for_nan_in_grad: record whether the gradients are finite; PyTorch reduces them
             inside backward, so they are checked after the reduction (every replica agrees).
+
+    Raises:
+        ValueError: ``dp_group`` is None.
     """
 
-    def __init__(self, module: torch.nn.Module, *, data_parallel_group: comm.ProcessGroup | None,
+    def __init__(self, module: torch.nn.Module, *, dp_group: comm.ProcessGroup,
                  bucket_size: int | None = DEFAULT_BUCKET_SIZE,
                  check_for_nan_in_grad: bool = False) -> None:
         super().__init__()
+        if dp_group is None:
+            raise ValueError("--DDP-impl torch needs a data-parallel process group (None is this "
+                             "rank alone); pass parallel_state.get_data_parallel_group()")
         kwargs = {}
         if bucket_size is not None:
             kwargs["bucket_cap_mb"] = bucket_size * 4 / 2**20
         self.ddp = torch.nn.parallel.DistributedDataParallel(
-            module, process_group=data_parallel_group, **kwargs)
+            module, process_group=dp_group, **kwargs)
         self.module = module
         self.use_distributed_optimizer = False
         self.overlap_grad_reduce = True

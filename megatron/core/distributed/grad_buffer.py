@@ -46,21 +46,21 @@ class Bucket:
         params: the parameters whose gradients live in this bucket.
         data: the bucket's view of the buffer (numel a multiple of the DP size when sharded).
         offset: element offset of ``data`` in the buffer.
-        data_parallel_group: the group to reduce over.
+        dp_group: the data-parallel group to reduce over.
         use_distributed_optimizer: reduce-scatter (each rank keeps its shard) instead of
             all-reduce.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], data: torch.Tensor, offset: int,
-                 data_parallel_group: comm.ProcessGroup | None,
+                 dp_group: comm.ProcessGroup | None,
                  use_distributed_optimizer: bool) -> None:
         self.params = params
         self.param_set = set(params)
         self.data = data
         self.offset = offset
-        self.group = data_parallel_group
-        self.dp_size = comm.world_size(data_parallel_group)
-        self.dp_rank = comm.rank(data_parallel_group)
+        self.dp_group = dp_group
+        self.dp_size = comm.world_size(dp_group)
+        self.dp_rank = comm.rank(dp_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.shard_numel = data.numel() // self.dp_size
         self.reset()
@@ -87,10 +87,10 @@ class Bucket:
         if self.use_distributed_optimizer:
             # A separate output: the collective's input and output must not alias on gloo.
             self._shard_out = torch.empty_like(self.shard())
-            self.handle = comm.reduce_scatter_into(self._shard_out, self.data, self.group,
+            self.handle = comm.reduce_scatter_into(self._shard_out, self.data, self.dp_group,
                                                    async_op=async_op)
         else:
-            self.handle = comm.all_reduce(self.data, self.group, "sum", async_op=async_op)
+            self.handle = comm.all_reduce(self.data, self.dp_group, "sum", async_op=async_op)
 
     def finish_grad_sync(self) -> None:
         """Wait for the collective (starting it synchronously if nobody did)."""
@@ -117,19 +117,19 @@ class GradBuffer:
     Args:
         params: parameters in module order (they are laid out in reverse).
         dtype: gradient dtype of the buffer.
-        data_parallel_group: group the buckets are reduced over.
+        dp_group: the data-parallel group the buckets are reduced over.
         bucket_size: elements per bucket (a bucket closes once it reaches this many);
             ``None`` for one bucket.
         use_distributed_optimizer: pad buckets to a multiple of the DP size and reduce-scatter.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype,
-                 data_parallel_group: comm.ProcessGroup | None, bucket_size: int | None,
+                 dp_group: comm.ProcessGroup | None, bucket_size: int | None,
                  use_distributed_optimizer: bool) -> None:
         self.params = list(params)
         self.dtype = dtype
-        self.data_parallel_group = data_parallel_group
-        self.dp_size = comm.world_size(data_parallel_group)
+        self.dp_group = dp_group
+        self.dp_size = comm.world_size(dp_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         pad_to = self.dp_size if use_distributed_optimizer else 1
         self.param_ranges, bucket_bounds, self.numel = compute_layout(
@@ -144,7 +144,7 @@ class GradBuffer:
         self.buckets = []
         for index, (start, end) in enumerate(bucket_bounds):
             members = [p for p, r in zip(self.params, self.param_ranges) if r.bucket == index]
-            self.buckets.append(Bucket(members, self.data[start:end], start, data_parallel_group,
+            self.buckets.append(Bucket(members, self.data[start:end], start, dp_group,
                                        use_distributed_optimizer))
         self.param_to_bucket = {p: self.buckets[r.bucket]
                                 for p, r in zip(self.params, self.param_ranges)}

@@ -35,10 +35,10 @@ class Embedding(torch.nn.Module):
     Args:
         config: needs ``padded_vocab_size``, ``hidden_size``, ``max_position_embeddings``
             (when ``add_position_embedding``), ``num_tokentypes``, ``hidden_dropout``.
-        group: the TP process group.
+        tp_group: the TP process group.
     """
 
-    def __init__(self, config: TransformerConfig, group: ProcessGroup | None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
         super().__init__()
         if config.padded_vocab_size is None:
             raise ValueError("TransformerConfig.padded_vocab_size is unset: build the tokenizer "
@@ -47,7 +47,7 @@ class Embedding(torch.nn.Module):
         h, dtype = config.hidden_size, config.params_dtype
         self.hidden_dropout = config.hidden_dropout
         self.word_embeddings = tp_layers.VocabParallelEmbedding(
-            config.padded_vocab_size, h, group=group, init_method=init, params_dtype=dtype)
+            config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype)
         self.position_embeddings = None
         if config.add_position_embedding:
             self.position_embeddings = _replicated_embedding(

@@ -46,7 +46,7 @@ class GPTModel(LanguageModule):
     def post_language_model_processing(self, hidden: torch.Tensor,
                                        labels: torch.Tensor | None) -> torch.Tensor:
         """Logits on the (tied) output weight, then the loss if ``labels`` are given."""
-        logits = parallel_lm_logits(hidden, self.output_weight(), self.group,
+        logits = parallel_lm_logits(hidden, self.output_weight(), self.tp_group,
                                     self.parallel_output or labels is not None)  # [s, b, V/p]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/p]

@@ -21,15 +21,16 @@ from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None,
-                       parallel_output: bool = True) -> torch.Tensor:
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                       tp_group: ProcessGroup | None, parallel_output: bool = True
+                       ) -> torch.Tensor:
     """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` -> ``[s, b, V/p]`` (or gathered
     ``[s, b, V]``); a column-parallel linear whose weight is the (tied) word embedding."""
-    hidden = copy_to_tensor_model_parallel_region(hidden, group)
+    hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
     logits = F.linear(hidden, weight)  # [s, b, V/p]
     if parallel_output:
         return logits
-    return gather_from_tensor_model_parallel_region(logits, group)  # [s, b, V]
+    return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]
 
 
 def is_plain_causal_mask(mask: torch.Tensor) -> bool:
@@ -46,7 +47,7 @@ class TransformerLanguageModel(torch.nn.Module):
 
     Args:
         config: transformer and language-model settings.
-        group: the TP process group.
+        tp_group: the TP process group.
         pre_process: holds the embedding (first pipeline stage).
         post_process: holds the final LayerNorm and, if untied, the output layer (last stage).
         num_layers: layers on this stage (default all).
@@ -54,21 +55,21 @@ class TransformerLanguageModel(torch.nn.Module):
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
     """
 
-    def __init__(self, config: TransformerConfig, group: ProcessGroup | None, *,
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, layer_offset: int = 0,
                  attn_mask_type: AttnMaskType = "causal") -> None:
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
-        self.embedding = Embedding(config, group) if pre_process else None
-        self.encoder = TransformerBlock(config, group, num_layers=num_layers,
+        self.embedding = Embedding(config, tp_group) if pre_process else None
+        self.encoder = TransformerBlock(config, tp_group, num_layers=num_layers,
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
                                         attn_mask_type=attn_mask_type)
         self.output_layer = None
         if post_process and config.untie_embeddings_and_output_weights:
             self.output_layer = tp_layers.ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, group=group, bias=False,
+                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
                 init_method=tp_layers.init_method_normal(config.init_method_std),
                 params_dtype=config.params_dtype)
 

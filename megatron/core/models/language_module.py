@@ -50,7 +50,7 @@ class LanguageModule(torch.nn.Module):
 
     Args:
         config: transformer + language-model settings (``padded_vocab_size`` required).
-        group: the TP process group (``None`` = no tensor parallelism).
+        tp_group: the TP process group (``None`` = this rank alone: no tensor parallelism).
         pre_process: first pipeline stage (holds the embedding).
         post_process: last pipeline stage (final LayerNorm, the model's head).
         parallel_output: logits stay vocab-split ``[b, s, V/p]`` (else gathered ``[b, s, V]``).
@@ -62,19 +62,19 @@ class LanguageModule(torch.nn.Module):
     """Names the model in loading errors ("GPT checkpoint does not fit the model")."""
     attn_mask_type: ClassVar[AttnMaskType] = "causal"
 
-    def __init__(self, config: TransformerConfig, group: ProcessGroup | None, *,
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, num_layers: int | None = None,
                  layer_offset: int = 0) -> None:
         super().__init__()
-        self.config, self.group = config, group
+        self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         # Read by finalize_model_grads (embedding-group all-reduce with PP > 1).
         self.share_embeddings_and_output_weights = \
             not config.untie_embeddings_and_output_weights
         self.language_model = TransformerLanguageModel(
-            config, group, pre_process=pre_process, post_process=post_process,
+            config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
             attn_mask_type=self.attn_mask_type)
         self.word_embeddings = self._init_word_embeddings()
@@ -95,7 +95,7 @@ class LanguageModule(torch.nn.Module):
         # Zeros: initialize_word_embeddings sums stage 0's weight into it (zeros draw nothing
         # from the generator, so the other stages' init is unchanged).
         copy = tp_layers.VocabParallelEmbedding(
-            c.padded_vocab_size, c.hidden_size, group=self.group,
+            c.padded_vocab_size, c.hidden_size, tp_group=self.tp_group,
             init_method=torch.nn.init.zeros_, params_dtype=c.params_dtype)
         # A duplicate of stage 0's weight: grad-norm code skips `shared` params. With one stage
         # the logits use the embedding Parameter itself, which is not a duplicate and so is not
@@ -175,7 +175,7 @@ class LanguageModule(torch.nn.Module):
         if logits.dtype in (torch.float16, torch.bfloat16) and not \
                 self.config.fp16_lm_cross_entropy:
             logits = logits.float()  # the loss in fp32 (float64 stays float64)
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.group,
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
                                             inplace=True)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
@@ -301,9 +301,9 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
         post_process: holds the head (default: the last pipeline stage).
         kwargs: passed on to ``model_cls`` (e.g. ``parallel_output``).
     """
-    group = None
+    tp_group = None  # this rank alone: a single process without parallel_state's groups
     if parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     num_layers, layer_offset = pipeline_stage_layers(config.num_layers, pp, pp_rank)
@@ -311,7 +311,7 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
         pre_process = pp_rank == 0
     if post_process is None:
         post_process = pp_rank == pp - 1
-    model = model_cls(config, group, pre_process=pre_process, post_process=post_process,
+    model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
                       num_layers=num_layers, layer_offset=layer_offset, **kwargs)
     if pp > 1 and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
         initialize_word_embeddings(model, parallel_state.get_embedding_group())

@@ -126,7 +126,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
     common = dict(clip_grad=config.clip_grad,
                   log_num_zeros_in_grad=config.log_num_zeros_in_grad,
                   grad_scaler=_build_grad_scaler(config),
-                  model_parallel_group=mp_group,
+                  mp_group=mp_group,
                   tensor_model_parallel_rank=tensor_model_parallel_rank,
                   timers=timers, barrier_with_l1_time=config.barrier_with_L1_time)
     if config.use_distributed_optimizer:

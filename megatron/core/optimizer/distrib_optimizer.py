@@ -91,7 +91,7 @@ class DistributedOptimizer(MegatronOptimizer):
         param_groups: groups of model params (as for the other optimizers).
         optimizer_factory: builds the torch optimizer from groups of main params.
         model_chunks: the local-DDP-wrapped chunks (built with ``use_distributed_optimizer``).
-        data_parallel_group: the group the state is sharded over.
+        dp_group: the data-parallel group the state is sharded over.
         **kwargs: see :class:`MegatronOptimizer`.
 
     Raises:
@@ -101,7 +101,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def __init__(self, param_groups: list[dict[str, Any]],
                  optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
                  model_chunks: list[torch.nn.Module],
-                 data_parallel_group: comm.ProcessGroup | None, **kwargs: Any) -> None:
+                 dp_group: comm.ProcessGroup | None, **kwargs: Any) -> None:
         for chunk in model_chunks:
             if not getattr(chunk, "use_distributed_optimizer", False) or not hasattr(
                     chunk, "grad_buffers"):
@@ -109,8 +109,8 @@ class DistributedOptimizer(MegatronOptimizer):
                                  "DistributedDataParallel(..., use_distributed_optimizer=True) "
                                  "(--DDP-impl local)")
         self.model_chunks = model_chunks
-        self.data_parallel_group = data_parallel_group
-        self.dp_rank = comm.rank(data_parallel_group)
+        self.dp_group = dp_group
+        self.dp_rank = comm.rank(dp_group)
         self.pieces = [piece for chunk in model_chunks for buffer in chunk.grad_buffers.values()
                        for piece in build_shard_pieces(buffer)]
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
@@ -122,7 +122,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def reduction_groups(self) -> list[comm.ProcessGroup | None]:
         """Grads are sharded over DP too: norms and inf flags span the DP x MP world."""
-        return [self.data_parallel_group, self.model_parallel_group]
+        return [self.dp_group, self.mp_group]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for piece in self.pieces:
@@ -172,7 +172,7 @@ class DistributedOptimizer(MegatronOptimizer):
             start = piece.world_start - bucket.offset
             pbuf[start:start + piece.main.numel()].copy_(piece.main)
         local = pbuf[shard].clone()  # the collective's input must not alias its output
-        comm.all_gather_into(pbuf, local, bucket.group)
+        comm.all_gather_into(pbuf, local, bucket.dp_group)
         for param in bucket.params:
             prange = buffer.param_index_map[param]
             param.data.view(-1).copy_(pbuf[prange.start - bucket.offset:
@@ -279,7 +279,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 if state.get(key) is not None:
                     local[row, span] = state[key]
         gathered = torch.empty(dp * len(keys) * size, dtype=torch.float32)
-        comm.all_gather_into(gathered, local.view(-1), bucket.group)
+        comm.all_gather_into(gathered, local.view(-1), bucket.dp_group)
         if full is not None:
             gathered = gathered.view(dp, len(keys), size)  # [dp rank, keys, shard]
             for row, key in enumerate(keys):

@@ -92,7 +92,8 @@ class MegatronOptimizer:
         clip_grad: clip to this global norm; 0 disables.
         log_num_zeros_in_grad: count zero gradient elements at every step.
         grad_scaler: the fp16 loss scaler, or None.
-        model_parallel_group: group the norm / inf flag are reduced over.
+        mp_group: the model-parallel (TP x PP) group the norm / inf flag are reduced over
+            (None: this rank alone).
         tensor_model_parallel_rank: this rank's TP rank (TP duplicates count on rank 0 only).
         timers: times the parts of each step under Megatron-LM's level-1 names
             (``optimizer-copy-to-main-grad``, ``optimizer-unscale-and-check-inf``, ...).
@@ -101,14 +102,14 @@ class MegatronOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float,
                  log_num_zeros_in_grad: bool, grad_scaler: ConstantGradScaler | None,
-                 model_parallel_group: comm.ProcessGroup | None,
+                 mp_group: comm.ProcessGroup | None,
                  tensor_model_parallel_rank: int, timers: Timers | None = None,
                  barrier_with_l1_time: bool = False) -> None:
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.grad_scaler = grad_scaler
-        self.model_parallel_group = model_parallel_group
+        self.mp_group = mp_group
         self.tp_rank = tensor_model_parallel_rank
         self.timers = timers
         self.barrier_with_l1_time = barrier_with_l1_time
@@ -121,7 +122,7 @@ class MegatronOptimizer:
 
     def reduction_groups(self) -> list[comm.ProcessGroup | None]:
         """Groups over which per-rank norms and inf flags are combined."""
-        return [self.model_parallel_group]
+        return [self.mp_group]
 
     def _copy_model_grads_to_main_grads(self) -> None:
         raise NotImplementedError

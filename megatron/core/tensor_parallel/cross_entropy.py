@@ -13,48 +13,48 @@ from megatron.core import comm
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size, vocab_range
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
-    if tp_world_size(group) > 1:
-        comm.all_reduce(x, group=group, op=op)
+def _all_reduce(x: torch.Tensor, tp_group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    if tp_world_size(tp_group) > 1:
+        comm.all_reduce(x, tp_group, op=op)
     return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing, inplace):
+    def forward(ctx, logits, target, tp_group, label_smoothing, inplace):
         # Subtract the global max for a stable exp. With `inplace` the caller's logits buffer is
         # reused for the shifted logits, their exp and the softmax: on CPU every fresh
         # logits-sized temporary (412 MB at mb 8 x seq 256 x 50k) costs its page faults as well as
         # its memory traffic. Otherwise a new tensor, and the caller's logits stay.
-        logits_max = _all_reduce(logits.max(dim=-1)[0], group, op="max")
+        logits_max = _all_reduce(logits.max(dim=-1)[0], tp_group, op="max")
         if inplace:
             logits = logits.sub_(logits_max.unsqueeze(-1))  # [..., V/p]
         else:
             logits = logits - logits_max.unsqueeze(-1)  # [..., V/p]
 
         part = logits.size(-1)
-        start, end = vocab_range(part, tp_rank(group))
+        start, end = vocab_range(part, tp_rank(tp_group))
         outside = (target < start) | (target >= end)
         local_target = (target - start).masked_fill(outside, 0)
         # Target logit: only the rank holding the id contributes, the others add 0.
         predicted = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1)
-        predicted = _all_reduce(predicted.masked_fill(outside, 0.0), group)
+        predicted = _all_reduce(predicted.masked_fill(outside, 0.0), tp_group)
 
         sum_log_probs = None
         if label_smoothing > 0 and inplace:
             # Needs the shifted logits, which the in-place exp below overwrites.
             sum_shifted = logits.sum(dim=-1)
         exp_logits = logits.exp_() if inplace else torch.exp(logits)
-        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1), tp_group)
         loss = torch.log(sum_exp) - predicted  # [...]
         if label_smoothing > 0:
             # Sum over the vocabulary of log-probs = sum(shifted logits) - V/p * log(sum_exp).
             if not inplace:
                 sum_shifted = logits.sum(dim=-1)
-            sum_log_probs = _all_reduce(sum_shifted - part * torch.log(sum_exp), group)
+            sum_log_probs = _all_reduce(sum_shifted - part * torch.log(sum_exp), tp_group)
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
 
-        vocab_size = part * tp_world_size(group)
+        vocab_size = part * tp_world_size(tp_group)
         smoothing = 0.0
         if label_smoothing > 0:
             # Megatron's form: (1 - e) on the target, e / (V - 1) spread over the other ids.
@@ -92,7 +92,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 group: ProcessGroup | None,
+                                 tp_group: ProcessGroup | None,
                                  label_smoothing: float = 0.0, *,
                                  inplace: bool = False) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-split logits.
@@ -100,7 +100,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Args:
         vocab_parallel_logits: ``[..., V/p]``, this rank's slice of the vocabulary.
         target: ``[...]`` int64 ids in ``[0, V)``.
-        group: the TP process group (``None`` = no tensor parallelism).
+        tp_group: the TP process group (``None`` = this rank alone: no tensor parallelism).
         label_smoothing: Megatron-style smoothing (0 = off).
         inplace: reuse ``vocab_parallel_logits``' memory (it is overwritten with the softmax)
             and the saved softmax in backward, which may then run only once. For logits that
@@ -111,6 +111,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Returns:
         The unreduced loss ``[...]`` (same on every TP rank).
     """
-    loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group,
+    loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group,
                                                label_smoothing, inplace)
     return loss

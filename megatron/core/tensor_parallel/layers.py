@@ -2,7 +2,8 @@
 vocabulary-parallel embedding (Megatron-LM paper, section 3).
 
 Shapes: ``p`` TP size; inputs are ``[..., in]`` (the transformer passes ``[s, b, h]``).
-Every layer takes its TP ``group`` explicitly (``None`` = no tensor parallelism).
+Every layer takes its TP group ``tp_group`` explicitly (``None`` = this rank alone: no tensor
+parallelism).
 
 Initialization is TP-invariant: the full weight is drawn on the CPU from torch's default
 generator (seeded identically on all TP ranks by the training code) and each rank keeps its
@@ -48,14 +49,14 @@ def master_dtype(params_dtype: torch.dtype) -> torch.dtype:
 
 
 def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride: int,
-                         init_method: InitMethod, group: ProcessGroup | None,
+                         init_method: InitMethod, tp_group: ProcessGroup | None,
                          params_dtype: torch.dtype, device: torch.device | None,
                          ) -> torch.nn.Parameter:
     """Draw the full weight on the CPU, keep this rank's slice; mark the TP attributes."""
     master = torch.empty(full_shape, dtype=master_dtype(params_dtype))
     init_method(master)
-    shard = split_master_weight(master.to(params_dtype), partition_dim, tp_world_size(group),
-                                tp_rank(group), stride)
+    shard = split_master_weight(master.to(params_dtype), partition_dim,
+                                tp_world_size(tp_group), tp_rank(tp_group), stride)
     weight = torch.nn.Parameter(shard.to(device or device_mod.get_device()))
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     return weight
@@ -83,7 +84,7 @@ class ColumnParallelLinear(torch.nn.Module):
     Args:
         input_size: ``in`` of the full layer.
         output_size: ``out`` of the full layer (divisible by the TP size).
-        group: the TP process group (``None`` = no tensor parallelism).
+        tp_group: the TP process group (``None`` = this rank alone: no tensor parallelism).
         init_method: in-place initializer of the full ``[out, in]`` weight.
         bias: add a bias (split with the output, zero-initialized).
         gather_output: all-gather the output so every rank holds ``[..., out]`` (in the full
@@ -96,19 +97,19 @@ class ColumnParallelLinear(torch.nn.Module):
         device: where parameters live (default: :func:`megatron.core.device.get_device`).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, group: ProcessGroup | None,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, bias: bool = True, gather_output: bool = False,
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.group = group
+        self.tp_group = tp_group
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, tp_world_size(group))
+        self.output_size_per_partition = divide(output_size, tp_world_size(tp_group))
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 0, stride, init_method,
-                                           group, params_dtype, device)
+                                           tp_group, params_dtype, device)
         self.bias = None
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
@@ -116,13 +117,13 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in]`` -> (``[..., out/p]`` or gathered ``[..., out]``, skipped bias)."""
-        x = copy_to_tensor_model_parallel_region(x, self.group)
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, self.weight, bias)  # [..., out/p]
         if self.gather_output:
-            out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [..., out]
             # The shards concatenate rank-major; strided shards need their blocks put back.
-            out = _swap_stride_blocks(out, tp_world_size(self.group), self.stride)
+            out = _swap_stride_blocks(out, tp_world_size(self.tp_group), self.stride)
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -139,7 +140,7 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         input_size: ``in`` of the full layer (divisible by the TP size).
         output_size: ``out`` of the full layer.
-        group: the TP process group (``None`` = no tensor parallelism).
+        tp_group: the TP process group (``None`` = this rank alone: no tensor parallelism).
         init_method: in-place initializer of the full ``[out, in]`` weight.
         bias: add a bias (replicated on all TP ranks, zero-initialized).
         input_is_parallel: the input is already split (the output of a column-parallel layer,
@@ -151,19 +152,19 @@ class RowParallelLinear(torch.nn.Module):
         device: where parameters live.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, group: ProcessGroup | None,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, bias: bool = True, input_is_parallel: bool = False,
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.group = group
+        self.tp_group = tp_group
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, tp_world_size(group))
+        self.input_size_per_partition = divide(input_size, tp_world_size(tp_group))
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 1, stride, init_method,
-                                           group, params_dtype, device)
+                                           tp_group, params_dtype, device)
         self.bias = None
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
@@ -173,10 +174,10 @@ class RowParallelLinear(torch.nn.Module):
         """``x [..., in/p]`` (or ``[..., in]``) -> (``[..., out]``, skipped bias or None)."""
         if not self.input_is_parallel:
             # Rank-major block order first, so the contiguous scatter matches strided weights.
-            x = _swap_stride_blocks(x, self.stride, tp_world_size(self.group))
-            x = scatter_to_tensor_model_parallel_region(x, self.group)  # [..., in/p]
+            x = _swap_stride_blocks(x, self.stride, tp_world_size(self.tp_group))
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [..., in/p]
         out = F.linear(x, self.weight)  # partial sums [..., out]
-        out = reduce_from_tensor_model_parallel_region(out, self.group)
+        out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None
@@ -195,33 +196,33 @@ class VocabParallelEmbedding(torch.nn.Module):
     Args:
         num_embeddings: (padded) vocabulary size, divisible by the TP size.
         embedding_dim: hidden size.
-        group: the TP process group.
+        tp_group: the TP process group.
         init_method: in-place initializer of the full ``[V, h]`` table.
         params_dtype: dtype of the table.
         device: where it lives.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup | None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.group = group
+        self.tp_group = tp_group
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_per_partition = divide(num_embeddings, tp_world_size(group))
+        self.num_embeddings_per_partition = divide(num_embeddings, tp_world_size(tp_group))
         self.vocab_start_index, self.vocab_end_index = vocab_range(
-            self.num_embeddings_per_partition, tp_rank(group))
+            self.num_embeddings_per_partition, tp_rank(tp_group))
         self.weight = _init_sharded_weight((num_embeddings, embedding_dim), 0, 1, init_method,
-                                           group, params_dtype, device)
+                                           tp_group, params_dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` (int) -> ``[..., h]``."""
-        if tp_world_size(self.group) == 1:
+        if tp_world_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)  # [..., h]
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.group)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

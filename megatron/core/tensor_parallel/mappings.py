@@ -7,7 +7,8 @@
 * :func:`gather_from_tensor_model_parallel_region` -- all-gather along the last dim; backward
   keeps this rank's slice.
 
-Every function takes the TP ``group`` explicitly; ``None`` (or a group of one) makes it a no-op.
+Every function takes the TP group ``tp_group`` explicitly; ``None`` (this rank alone: no tensor
+parallelism) or a group of one makes it a no-op.
 """
 
 from __future__ import annotations
@@ -19,44 +20,44 @@ from megatron.core.tensor_parallel.utils import (ProcessGroup, split_along_last_
                                                  tp_world_size)
 
 
-def _reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    if tp_world_size(group) == 1:
+def _reduce(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    if tp_world_size(tp_group) == 1:
         return x
     x = x.contiguous()  # in-place collective on a fresh buffer, not on a view of the input
-    comm.all_reduce(x, group=group)
+    comm.all_reduce(x, tp_group)
     return x
 
 
-def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    size = tp_world_size(group)
+def _split_last(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(tp_group)
     if size == 1:
         return x
-    return split_along_last_dim(x, size)[tp_rank(group)].contiguous()
+    return split_along_last_dim(x, size)[tp_rank(tp_group)].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    size = tp_world_size(group)
+def _gather_last(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(tp_group)
     if size == 1:
         return x
-    parts = comm.all_gather_list(x.contiguous(), group)
+    parts = comm.all_gather_list(x.contiguous(), tp_group)
     return torch.cat(parts, dim=-1).contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad.clone(), ctx.group), None
+        return _reduce(grad.clone(), ctx.tp_group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _reduce(x.clone(), group)
+    def forward(ctx, x, tp_group):
+        return _reduce(x.clone(), tp_group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,53 +66,53 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return _split_last(x, tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return _gather_last(grad, ctx.tp_group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return _gather_last(x, tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+        return _split_last(grad, ctx.tp_group), None
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor,
-                                         group: ProcessGroup | None) -> torch.Tensor:
-    """*f*: identity forward; the backward all-reduces the gradient over ``group``."""
-    if tp_world_size(group) == 1:
+                                         tp_group: ProcessGroup | None) -> torch.Tensor:
+    """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``."""
+    if tp_world_size(tp_group) == 1:
         return x
-    return _CopyToRegion.apply(x, group)
+    return _CopyToRegion.apply(x, tp_group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
-                                             group: ProcessGroup | None) -> torch.Tensor:
-    """*g*: all-reduce (sum) over ``group`` forward; identity backward."""
-    if tp_world_size(group) == 1:
+                                             tp_group: ProcessGroup | None) -> torch.Tensor:
+    """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward."""
+    if tp_world_size(tp_group) == 1:
         return x
-    return _ReduceFromRegion.apply(x, group)
+    return _ReduceFromRegion.apply(x, tp_group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor,
-                                            group: ProcessGroup | None) -> torch.Tensor:
+                                            tp_group: ProcessGroup | None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; backward all-gathers."""
-    if tp_world_size(group) == 1:
+    if tp_world_size(tp_group) == 1:
         return x
-    return _ScatterToRegion.apply(x, group)
+    return _ScatterToRegion.apply(x, tp_group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor,
-                                             group: ProcessGroup | None) -> torch.Tensor:
-    """All-gather the last dimension over ``group``; backward keeps this rank's slice."""
-    if tp_world_size(group) == 1:
+                                             tp_group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather the last dimension over ``tp_group``; backward keeps this rank's slice."""
+    if tp_world_size(tp_group) == 1:
         return x
-    return _GatherFromRegion.apply(x, group)
+    return _GatherFromRegion.apply(x, tp_group)

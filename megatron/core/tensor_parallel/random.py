@@ -163,23 +163,23 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + input_grads
 
 
-def _chunk_for_rank(tensor: torch.Tensor, group) -> torch.Tensor:
+def _chunk_for_rank(tensor: torch.Tensor, tp_group) -> torch.Tensor:
     from megatron.core.tensor_parallel.utils import divide, tp_rank, tp_world_size
 
-    size = tp_world_size(group)
+    size = tp_world_size(tp_group)
     flat = tensor.detach().reshape(-1)
     per_rank = divide(flat.numel(), size)
-    start = tp_rank(group) * per_rank
+    start = tp_rank(tp_group) * per_rank
     return flat[start:start + per_rank].clone()
 
 
-def _gather_chunks(chunk: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
+def _gather_chunks(chunk: torch.Tensor, shape: torch.Size, tp_group) -> torch.Tensor:
     from megatron.core import comm
     from megatron.core.tensor_parallel.utils import tp_world_size
 
-    full = torch.empty(chunk.numel() * tp_world_size(group), dtype=chunk.dtype,
+    full = torch.empty(chunk.numel() * tp_world_size(tp_group), dtype=chunk.dtype,
                        device=chunk.device)
-    comm.all_gather_into(full, chunk, group)
+    comm.all_gather_into(full, chunk, tp_group)
     return full.view(shape)
 
 
@@ -192,7 +192,8 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
         distribute_saved_activations: keep only a 1/TP slice of the first tensor argument
             between forward and backward (it is all-gathered again for the recompute).
         *args: the region's inputs (tensors, or other values passed through unchanged).
-        tp_group: the TP group used by ``distribute_saved_activations``.
+        tp_group: the TP group used by ``distribute_saved_activations`` (None: this rank
+            alone, no tensor parallelism).
 
     Returns:
         ``function(*args)``.

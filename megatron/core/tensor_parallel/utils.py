@@ -30,14 +30,14 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def tp_world_size(group: ProcessGroup | None) -> int:
-    """Ranks in the TP group; ``None`` means no tensor parallelism (size 1)."""
-    return 1 if group is None else comm.world_size(group)
+def tp_world_size(tp_group: ProcessGroup | None) -> int:
+    """Ranks in the TP group; ``None`` (this rank alone) means no tensor parallelism (size 1)."""
+    return comm.world_size(tp_group)
 
 
-def tp_rank(group: ProcessGroup | None) -> int:
-    """This rank's position in the TP group (0 when ``group`` is None)."""
-    return 0 if group is None else comm.rank(group)
+def tp_rank(tp_group: ProcessGroup | None) -> int:
+    """This rank's position in the TP group (0 when ``tp_group`` is None)."""
+    return comm.rank(tp_group)
 
 
 def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
@@ -66,9 +66,10 @@ def set_defaults_if_not_set(param: torch.Tensor) -> None:
         set_tensor_model_parallel_attributes(param, False, -1, 1)
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, group: ProcessGroup | None) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor,
+                                           tp_group: ProcessGroup | None) -> bool:
     """True for TP shards, and for replicated parameters on TP rank 0 (count each once)."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank(group) == 0
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank(tp_group) == 0
 
 
 def split_master_weight(master: torch.Tensor, dim: int, num_partitions: int, rank: int,

@@ -140,28 +140,28 @@ class SelfAttention(torch.nn.Module):
     Args:
         config: transformer settings.
         layer_number: 1-based layer index.
-        group: the TP process group.
+        tp_group: the TP process group.
         attn_mask_type: ``causal`` or ``padding``.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
+                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
         super().__init__()
         self.config = config
-        tp = tp_world_size(group)
+        tp = tp_world_size(tp_group)
         projection = config.kv_channels * config.num_attention_heads
         self.heads_per_partition = divide(config.num_attention_heads, tp)
         self.head_dim = config.kv_channels
         # Full QKV weight rows are ordered [np, 3, hn] (checkpoint version >= 2.0), so a
         # contiguous split over TP ranks hands each rank whole heads with their q, k and v.
         self.query_key_value = tp_layers.ColumnParallelLinear(
-            config.hidden_size, 3 * projection, group=group,
+            config.hidden_size, 3 * projection, tp_group=tp_group,
             init_method=tp_layers.init_method_normal(config.init_method_std),
             bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype)
         self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
-            projection, config.hidden_size, group=group,
+            projection, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
                                                             config.num_layers),
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,

@@ -21,7 +21,7 @@ class TransformerBlock(torch.nn.Module):
 
     Args:
         config: transformer settings.
-        group: the TP process group.
+        tp_group: the TP process group.
         num_layers: layers on this pipeline stage (default: all ``config.num_layers``).
         layer_offset: global index of this stage's first layer (pipeline parallelism).
         pre_process: this stage receives the embedding output as ``hidden_states``; otherwise
@@ -30,16 +30,16 @@ class TransformerBlock(torch.nn.Module):
         attn_mask_type: ``causal`` or ``padding``.
     """
 
-    def __init__(self, config: TransformerConfig, group: ProcessGroup | None,
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
                  num_layers: int | None = None, layer_offset: int = 0,
                  pre_process: bool = True, post_process: bool = True,
                  attn_mask_type: AttnMaskType = "causal") -> None:
         super().__init__()
-        self.config, self.group = config, group
+        self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
         n = config.num_layers if num_layers is None else num_layers
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, group, attn_mask_type)
+            TransformerLayer(config, layer_offset + i + 1, tp_group, attn_mask_type)
             for i in range(n))
         self.final_layernorm = None
         if post_process:
@@ -84,12 +84,12 @@ class TransformerBlock(torch.nn.Module):
             for start in range(0, n, step):
                 hidden_states = checkpoint(run(start, min(start + step, n)),
                                            cfg.distribute_saved_activations, hidden_states,
-                                           attention_mask, tp_group=self.group)
+                                           attention_mask, tp_group=self.tp_group)
             return hidden_states
         for i in range(n):  # block
             if i < step:
                 hidden_states = checkpoint(run(i, i + 1), cfg.distribute_saved_activations,
-                                           hidden_states, attention_mask, tp_group=self.group)
+                                           hidden_states, attention_mask, tp_group=self.tp_group)
             else:
                 hidden_states = self.layers[i](hidden_states, attention_mask)
         return hidden_states

@@ -33,21 +33,21 @@ class TransformerLayer(torch.nn.Module):
     Args:
         config: transformer settings.
         layer_number: 1-based global layer index.
-        group: the TP process group.
+        tp_group: the TP process group.
         attn_mask_type: ``causal`` or ``padding``.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
+                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         norm = dict(eps=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
                     params_dtype=config.params_dtype)
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number, group, attn_mask_type)
+        self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
-        self.mlp = MLP(config, group)
+        self.mlp = MLP(config, tp_group)
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,19 +19,19 @@ class MLP(torch.nn.Module):
 
     Args:
         config: transformer settings (GeLU form: see ``TransformerConfig.gelu_tanh_approximation``).
-        group: the TP process group.
+        tp_group: the TP process group.
     """
 
-    def __init__(self, config: TransformerConfig, group: ProcessGroup | None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
         super().__init__()
         self.approximate = "tanh" if config.gelu_tanh_approximation else "none"
         self.dense_h_to_4h = tp_layers.ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, group=group,
+            config.hidden_size, config.ffn_hidden_size, tp_group=tp_group,
             init_method=tp_layers.init_method_normal(config.init_method_std),
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype)
         self.dense_4h_to_h = tp_layers.RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, group=group,
+            config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
                                                             config.num_layers),
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,

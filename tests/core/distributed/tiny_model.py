@@ -51,9 +51,9 @@ def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=Fal
     if accumulate is None:
         accumulate = dtype == torch.bfloat16
     if ddp_impl == "torch":
-        ddp = TorchDistributedDataParallel(model, data_parallel_group=dp_group)
+        ddp = TorchDistributedDataParallel(model, dp_group=dp_group)
     else:
-        ddp = DistributedDataParallel(model, data_parallel_group=dp_group,
+        ddp = DistributedDataParallel(model, dp_group=dp_group,
                                       accumulate_allreduce_grads_in_fp32=accumulate,
                                       overlap_grad_reduce=overlap,
                                       use_distributed_optimizer=distopt, bucket_size=bucket_size,

@@ -171,8 +171,8 @@ class _TaggerModel(LanguageModule):
     checkpoint_name = "Tagger"
     attn_mask_type = "padding"
 
-    def __init__(self, config, group, **kwargs):
-        super().__init__(config, group, **kwargs)
+    def __init__(self, config, tp_group, **kwargs):
+        super().__init__(config, tp_group, **kwargs)
         self.binary_head = None
         if self.post_process:
             self.binary_head = torch.nn.Linear(config.hidden_size, 2, dtype=config.params_dtype,

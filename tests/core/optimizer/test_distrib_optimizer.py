@@ -67,7 +67,7 @@ def _save(rank, world_size, directory):
         assert set(state[0][torch.float32]) == {"param", "exp_avg", "exp_avg_sq"}
         torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()},
                    os.path.join(directory, "model_optim_rng.pt"))
-    comm.barrier()
+    comm.barrier(comm.world_group())
     # Round trip at this DP size: a freshly initialized copy continues identically.
     copy, copy_opt = _load_into(directory, dp, mp, seed=1)
     expected, _ = tiny_model.train(ddp, opt, 2, dp, first_step=STEPS)

@@ -116,7 +116,7 @@ def _check_clip(rank, world_size):
     out = []
     for distopt in (False, True):
         model = _FakeTPModel(tp_rank)
-        ddp = DistributedDataParallel(model, data_parallel_group=dp,
+        ddp = DistributedDataParallel(model, dp_group=dp,
                                       accumulate_allreduce_grads_in_fp32=False,
                                       overlap_grad_reduce=False,
                                       use_distributed_optimizer=distopt)

@@ -65,7 +65,7 @@ def _count(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for distopt in (False, True):
             model = _KnownZeros(tp_rank, dtype)
-            ddp = DistributedDataParallel(model, data_parallel_group=dp,
+            ddp = DistributedDataParallel(model, dp_group=dp,
                                           accumulate_allreduce_grads_in_fp32=True,
                                           overlap_grad_reduce=False,
                                           use_distributed_optimizer=distopt)

@@ -26,7 +26,7 @@ def _model_and_optimizer(seed: int):
                "weight_decay": 0.0}]
     inner = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
     opt = FP32Optimizer(inner, clip_grad=0.0, log_num_zeros_in_grad=False, grad_scaler=None,
-                        model_parallel_group=None, tensor_model_parallel_rank=0)
+                        mp_group=None, tensor_model_parallel_rank=0)
     return model, opt
 
 

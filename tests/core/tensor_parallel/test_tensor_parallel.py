@@ -74,9 +74,9 @@ def _check_mappings(group, tp, rank):
 def _pair(cls, group, seed, *args, **kwargs):
     """The reference layer (no TP) and the TP layer, from the same seed."""
     torch.manual_seed(seed)
-    ref = cls(*args, group=None, params_dtype=DT, **kwargs)
+    ref = cls(*args, tp_group=None, params_dtype=DT, **kwargs)
     torch.manual_seed(seed)
-    par = cls(*args, group=group, params_dtype=DT, **kwargs)
+    par = cls(*args, tp_group=group, params_dtype=DT, **kwargs)
     return ref, par
 
 

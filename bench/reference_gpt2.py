@@ -1,6 +1,9 @@
 """A pure-Python GPT-2 byte-level BPE written from the published algorithm (OpenAI encoder.py).
 
-Independent of megatron.tokenizer on purpose: tests compare the fast tokenizer's ids to these.
+Independent of megatron.tokenizer on purpose: tests compare the fast tokenizer's ids to these,
+and bench/bench_preprocess.py times it as the plain-Python baseline (Megatron-LM's approach: a
+per-word-cached Python BPE loop). It lives here, not in tests/, because bench/ never imports
+tests/; tests import it from here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""TensorBoard scalars and the learning-rate schedule through the training loop (issue 5).
+"""megatron/training/log_line.py: the TensorBoard scalars and the learning rate written through
+the training loop (issue 5), and the log lines.
 
 One TP=2 run of the tiny GPT with ``--tensorboard-dir``; the event files are read back with
 TensorBoard's own EventAccumulator (the real ``tensorboard`` package), as TensorBoard would.
@@ -18,20 +19,6 @@ ITERS, WARMUP, DECAY = 8, 2, 6
 MAX_LR, MIN_LR = 1e-3, 1e-4
 
 
-def read_scalars(logdir) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} of every scalar in the event files under ``logdir``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    out: dict[str, dict[int, float]] = {}
-    for tag in acc.Tags()["scalars"]:
-        out[tag] = {}
-        for event in acc.Scalars(tag):
-            out[tag].setdefault(event.step, event.value)  # first value logged at that step
-    return out
-
-
 @pytest.fixture(scope="module")
 def logged(gpt2_corpus, tmp_path_factory):
     tb = tmp_path_factory.mktemp("tensorboard")
@@ -40,7 +27,7 @@ def logged(gpt2_corpus, tmp_path_factory):
             "--min-lr", MIN_LR, "--lr-warmup-iters", WARMUP, "--lr-decay-iters", DECAY,
             "--lr-decay-style", "cosine", "--tensorboard-dir", tb,
             "--tensorboard-log-interval", "1", "--eval-interval", "4", "--eval-iters", "1"])}])[0]
-    return result, read_scalars(tb)
+    return result, e2e.read_scalars(tb)
 
 
 def test_tensorboard_event_files_hold_the_scalars(logged):
