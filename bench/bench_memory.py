@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.launch import run_ranks  # noqa: E402
 from megatron.core import device, parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 HIDDEN, LAYERS = 256, 4
@@ -75,9 +76,9 @@ def _backward(ddp, opt, dtype) -> None:
 def _measure(dtype: torch.dtype, fp32_grads: bool, distributed: bool) -> float:
     parallel_state.initialize_model_parallel()
     dp = parallel_state.get_data_parallel_group()
-    ddp = DistributedDataParallel(_model(dtype), dp_group=dp,
-                                  accumulate_allreduce_grads_in_fp32=fp32_grads,
-                                  overlap_grad_reduce=False, use_distributed_optimizer=distributed)
+    config = DistributedDataParallelConfig(accumulate_allreduce_grads_in_fp32=fp32_grads,
+                                           use_distributed_optimizer=distributed)
+    ddp = DistributedDataParallel(_model(dtype), config, dp_group=dp)
     config = OptimizerConfig(lr=1e-3, fp16=dtype == torch.float16, loss_scale=1.0,
                              params_dtype=dtype, use_distributed_optimizer=distributed)
     opt = get_megatron_optimizer(config, [ddp], dp_group=dp,

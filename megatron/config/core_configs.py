@@ -69,6 +69,16 @@ def transformer_config(cfg):
     return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe))
 
 
+def ddp_config(cfg):
+    """The data-parallel wrapper's config. The local gradients are checked for NaN/inf before
+    their reduction with --check-for-nan-in-loss-and-grad, except with --fp16, whose loss
+    scaler owns overflowing gradients (the step is skipped)."""
+    from megatron.core.distributed.config import DistributedDataParallelConfig
+
+    return from_flags(DistributedDataParallelConfig, cfg, check_for_nan_in_grad=(
+        cfg.training.check_for_nan_in_loss_and_grad and not cfg.precision.fp16))
+
+
 def optimizer_config(cfg):
     """The optimizer layer's config (hyper-parameters, precision, loss scaling, sharding)."""
     from megatron.core.optimizer.config import OptimizerConfig

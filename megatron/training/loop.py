@@ -251,14 +251,8 @@ class Trainer:
 
     def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None) -> bool:
         """Train until ``train_iters``; returns True if an exit condition stopped it early."""
-        # The DDP wrappers record their local gradients' finiteness for check_finite (not with
-        # fp16, whose loss scaler owns overflowing gradients).
-        cfg = self.cfg
-        grad_check = cfg.training.check_for_nan_in_loss_and_grad and not cfg.precision.fp16
         for chunk in self.model:
             chunk.train()
-            if hasattr(chunk, "check_for_nan_in_grad"):
-                chunk.check_for_nan_in_grad = grad_check
         self.timers("interval-time", log_level=0).start(barrier=True)
         try:
             return self._train_loop(train_iterator, valid_iterator, train_iters, signal_handler)

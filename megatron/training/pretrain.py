@@ -18,7 +18,7 @@ import torch
 
 from megatron.config import MegatronConfig
 from megatron.config.cli import ExtraArgsProvider
-from megatron.config.core_configs import optimizer_config
+from megatron.config.core_configs import ddp_config, optimizer_config
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.log import log_rank_0
@@ -134,14 +134,11 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
                f"({parallel_state.get_tensor_model_parallel_rank()}, "
                f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
     dp_group = parallel_state.get_data_parallel_group()
+    config = ddp_config(cfg)
     if cfg.parallel.ddp_impl == "torch":
-        return [TorchDistributedDataParallel(module, dp_group=dp_group)]
-    wrapped = DistributedDataParallel(
-        module, dp_group=dp_group,
-        accumulate_allreduce_grads_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        use_contiguous_buffers=cfg.parallel.use_contiguous_buffers_in_local_ddp)
+        return [TorchDistributedDataParallel(
+            module, dp_group=dp_group, check_for_nan_in_grad=config.check_for_nan_in_grad)]
+    wrapped = DistributedDataParallel(module, config, dp_group=dp_group)
     if cfg.model.data_parallel_random_init:
         wrapped.broadcast_params()  # PyTorch's DDP (above) broadcasts at construction
     return [wrapped]

@@ -17,6 +17,7 @@ from megatron.config.base import is_read_only
 from megatron.config.cli import build_parser, parse_flags, validate_or_exit
 from megatron.config.core_configs import (flag_values, optimizer_config, transformer_config,
                                           unmapped_fields)
+from megatron.core.distributed.config import DistributedDataParallelConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer.config import TransformerConfig
 
@@ -28,6 +29,7 @@ BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 16
 NOT_FROM_FLAGS = {
     TransformerConfig: {"num_tokentypes"},  # the model builder (BERT: 2, GPT: 0)
     OptimizerConfig: set(),
+    DistributedDataParallelConfig: {"check_for_nan_in_grad"},  # from the NaN-check flag and fp16
 }
 
 

@@ -22,7 +22,7 @@ import re
 import pytest
 import torch
 
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from tests.training import e2e
 
 ITERS = 4
@@ -111,10 +111,9 @@ def test_unchecked_run_trains_on_and_counts_nan_iterations(runs):
 
 def _local_ddp(contiguous: bool) -> tuple[torch.nn.Module, DistributedDataParallel]:
     module = torch.nn.Linear(3, 2)
-    return module, DistributedDataParallel(
-        module, dp_group=None, accumulate_allreduce_grads_in_fp32=False,
-        overlap_grad_reduce=False, use_distributed_optimizer=False,
-        use_contiguous_buffers=contiguous, check_for_nan_in_grad=True)
+    config = DistributedDataParallelConfig(use_contiguous_buffers_in_local_ddp=contiguous,
+                                           check_for_nan_in_grad=True)
+    return module, DistributedDataParallel(module, config, dp_group=None)
 
 
 @pytest.mark.parametrize("contiguous", [True, False])

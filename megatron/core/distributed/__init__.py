@@ -4,10 +4,12 @@ Public API: :class:`DistributedDataParallel` (``--DDP-impl local``),
 :class:`TorchDistributedDataParallel` (``--DDP-impl torch``), :func:`finalize_model_grads`.
 """
 
+from megatron.core.distributed.config import DistributedDataParallelConfig
 from megatron.core.distributed.ddp import (DEFAULT_BUCKET_SIZE, DistributedDataParallel,
                                            TorchDistributedDataParallel)
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.grad_buffer import GradBuffer
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "TorchDistributedDataParallel",
+__all__ = ["DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "DistributedDataParallelConfig",
+           "TorchDistributedDataParallel",
            "GradBuffer", "finalize_model_grads"]

@@ -2,9 +2,7 @@
 
 The training loop uses either wrapper through the same methods::
 
-    model = DistributedDataParallel(module, dp_group=dp_group,
-                                    accumulate_allreduce_grads_in_fp32=False,
-                                    overlap_grad_reduce=False, use_distributed_optimizer=False)
+    model = DistributedDataParallel(module, DistributedDataParallelConfig(), dp_group=dp_group)
     model.zero_grad_buffer()                 # start of every iteration
     with model.no_sync():                    # micro-batches before the last
         loss(model(batch)).backward()
@@ -46,6 +44,7 @@ from typing import Any
 import torch
 
 from megatron.core import comm
+from megatron.core.distributed.config import DistributedDataParallelConfig
 from megatron.core.distributed.grad_buffer import GradBuffer
 
 # 4M elements: 16 MB fp32 / 8 MB bf16 buckets, the size range gloo reduces fastest
@@ -84,51 +83,32 @@ class DistributedDataParallel(_ModuleStateDict):
 
     Args:
         module: the model (chunk) to wrap.
+        config: buffers, their reduction and the checks before it.
         dp_group: the data-parallel group gradients are averaged over (None: this rank
             alone, nothing to average).
-        accumulate_allreduce_grads_in_fp32: keep gradients in fp32 whatever the param dtype.
-        overlap_grad_reduce: reduce bucket by bucket during the backward of the last
-            micro-batch.
-        use_distributed_optimizer: pad buffers to a multiple of the DP size and reduce-scatter.
         bucket_size: elements per bucket when overlapping (None: one bucket per buffer);
             without overlap each buffer is one bucket, as in Megatron-LM.
-        use_contiguous_buffers: False (``--no-contiguous-buffers-in-local-ddp``) keeps the
-            gradients in ``param.grad`` and all-reduces them per dtype through a temporary
-            flattened copy, as Megatron-LM 23.06 does; incompatible with fp32 accumulation,
-            overlap and the distributed optimizer, which need the buffer.
-        check_for_nan_in_grad: record whether the local gradients are finite before each
-            reduction (read with :meth:`local_grads_finite`; costs one sum over the buffer).
-
-    Raises:
-        ValueError: ``use_contiguous_buffers=False`` with an option that needs the buffer.
     """
 
-    def __init__(self, module: torch.nn.Module, *, dp_group: comm.ProcessGroup | None,
-                 accumulate_allreduce_grads_in_fp32: bool, overlap_grad_reduce: bool,
-                 use_distributed_optimizer: bool,
-                 bucket_size: int | None = DEFAULT_BUCKET_SIZE,
-                 use_contiguous_buffers: bool = True,
-                 check_for_nan_in_grad: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, config: DistributedDataParallelConfig, *,
+                 dp_group: comm.ProcessGroup | None,
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
         super().__init__()
-        if not use_contiguous_buffers and (accumulate_allreduce_grads_in_fp32
-                                           or overlap_grad_reduce or use_distributed_optimizer):
-            raise ValueError("fp32 grad accumulation, overlapped reduction and the distributed "
-                             "optimizer need the contiguous gradient buffer")
         self.module = module
         self.dp_group = dp_group
-        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.bucket_size = bucket_size if overlap_grad_reduce else None
+        self.accumulate_allreduce_grads_in_fp32 = config.accumulate_allreduce_grads_in_fp32
+        self.overlap_grad_reduce = config.overlap_grad_reduce
+        self.use_distributed_optimizer = config.use_distributed_optimizer
+        self.bucket_size = bucket_size if config.overlap_grad_reduce else None
         self._is_last_microbatch = True
-        self.use_contiguous_buffers = use_contiguous_buffers
-        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self.use_contiguous_buffers = config.use_contiguous_buffers_in_local_ddp
+        self.check_for_nan_in_grad = config.check_for_nan_in_grad
         self._nonfinite: torch.Tensor | None = None  # any local grad non-finite this iteration
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.grad_buffers: dict[torch.dtype, GradBuffer] = {}
         self.param_to_grad_buffer: dict[torch.nn.Parameter, GradBuffer] = {}
         self._hooks = []
-        if use_contiguous_buffers:
+        if self.use_contiguous_buffers:
             self._build_grad_buffers()
 
     def _build_grad_buffers(self) -> None:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import comm
-from megatron.core.distributed import (DistributedDataParallel, TorchDistributedDataParallel,
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                        TorchDistributedDataParallel,
                                         finalize_model_grads)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -53,11 +54,10 @@ def build(dp_group, mp_group, *, dtype=torch.float32, distopt=False, overlap=Fal
     if ddp_impl == "torch":
         ddp = TorchDistributedDataParallel(model, dp_group=dp_group)
     else:
-        ddp = DistributedDataParallel(model, dp_group=dp_group,
-                                      accumulate_allreduce_grads_in_fp32=accumulate,
-                                      overlap_grad_reduce=overlap,
-                                      use_distributed_optimizer=distopt, bucket_size=bucket_size,
-                                      use_contiguous_buffers=contiguous)
+        config = DistributedDataParallelConfig(
+            accumulate_allreduce_grads_in_fp32=accumulate, overlap_grad_reduce=overlap,
+            use_distributed_optimizer=distopt, use_contiguous_buffers_in_local_ddp=contiguous)
+        ddp = DistributedDataParallel(model, config, dp_group=dp_group, bucket_size=bucket_size)
     precision = precision or dict(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     config = OptimizerConfig(lr=lr, clip_grad=clip, weight_decay=0.1, optimizer=optimizer,
                              params_dtype=dtype, use_distributed_optimizer=distopt, **precision)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import DynamicGradScaler, OptimizerConfig, get_megatron_optimizer
 from tests.core.distributed import tiny_model
 from tests.multiprocess import run_distributed
@@ -116,10 +116,8 @@ def _check_clip(rank, world_size):
     out = []
     for distopt in (False, True):
         model = _FakeTPModel(tp_rank)
-        ddp = DistributedDataParallel(model, dp_group=dp,
-                                      accumulate_allreduce_grads_in_fp32=False,
-                                      overlap_grad_reduce=False,
-                                      use_distributed_optimizer=distopt)
+        ddp = DistributedDataParallel(
+            model, DistributedDataParallelConfig(use_distributed_optimizer=distopt), dp_group=dp)
         opt = get_megatron_optimizer(
             OptimizerConfig(lr=1.0, clip_grad=0.5, optimizer="sgd", sgd_momentum=0.0,
                             weight_decay=0.0, use_distributed_optimizer=distopt,

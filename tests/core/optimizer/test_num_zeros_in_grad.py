@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.multiprocess import run_distributed
 
@@ -65,10 +65,9 @@ def _count(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for distopt in (False, True):
             model = _KnownZeros(tp_rank, dtype)
-            ddp = DistributedDataParallel(model, dp_group=dp,
-                                          accumulate_allreduce_grads_in_fp32=True,
-                                          overlap_grad_reduce=False,
-                                          use_distributed_optimizer=distopt)
+            config = DistributedDataParallelConfig(accumulate_allreduce_grads_in_fp32=True,
+                                                   use_distributed_optimizer=distopt)
+            ddp = DistributedDataParallel(model, config, dp_group=dp)
             opt = get_megatron_optimizer(
                 OptimizerConfig(lr=0.1, clip_grad=1.0, weight_decay=0.0,
                                 bf16=dtype == torch.bfloat16, params_dtype=dtype,
