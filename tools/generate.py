@@ -54,15 +54,13 @@ class GenerationFlags:
     """Greedy decoding."""
     random_seed: int = 1234
     """Sampling seed."""
-    random_weights: bool = False
-    """Generate from untrained, randomly initialized weights instead of a --load checkpoint
-    (smoke tests; the text is noise)."""
 
 
 TOOL_SECTIONS = [(GenerationFlags, "text generation")]
 
 
-def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int | None) -> None:
+def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int | None,
+                           random_weights: bool) -> None:
     """The tool's own flags, and that a checkpoint will be loaded, before any process group or
     model exists.
 
@@ -76,7 +74,7 @@ def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int
     if ex.num_tokens_to_generate < 0:
         raise ValueError(f"--num-tokens-to-generate ({ex.num_tokens_to_generate}) must be >= 0")
     check_sampling_options(top_k=ex.top_k, top_p=ex.top_p, temperature=ex.temperature)
-    if ex.random_weights:
+    if random_weights:
         if load is not None:
             raise ValueError(f"--random-weights and --load {load} are mutually exclusive: drop "
                              "--random-weights to generate from the checkpoint")
@@ -104,9 +102,9 @@ def generate(argv: list[str] | None = None) -> list[str]:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
     _or_exit(check_generation_flags, flags.section(GenerationFlags), flags.checkpoint.load,
-             flags.checkpoint.ckpt_step)
+             flags.checkpoint.ckpt_step, flags.checkpoint.random_weights)
     # Weights only: refuse to start from random weights if the checkpoint vanished meanwhile.
-    extra = [] if flags.section(GenerationFlags).random_weights else \
+    extra = [] if flags.checkpoint.random_weights else \
         ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
     cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
     ex = cfg.section(GenerationFlags)
@@ -117,7 +115,7 @@ def generate(argv: list[str] | None = None) -> list[str]:
     _or_exit(check_generation_lengths, [len(ids) for ids in encoded], ex.num_tokens_to_generate,
              max_positions)
     model = gpt_model_from(cfg).to(device.get_device())
-    if not ex.random_weights:
+    if not cfg.checkpoint.random_weights:
         load_checkpoint([model], None, None, cfg)
     out = generate_tokens(model, encoded, ex.num_tokens_to_generate, eod=tokenizer.eod,
                           vocab_size=tokenizer.vocab_size, max_sequence_length=max_positions,

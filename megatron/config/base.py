@@ -196,8 +196,3 @@ def make_read_only(obj: Any) -> Any:
         obj.__class__ = _read_only_class(type(obj))
     object.__setattr__(obj, "_read_only", True)
     return obj
-
-
-def is_read_only(obj: Any) -> bool:
-    """True for a config made read-only by :func:`make_read_only`."""
-    return bool(getattr(obj, "__dict__", {}).get("_read_only"))

@@ -46,6 +46,10 @@ class CheckpointConfig:
     """Load checkpoint files without checking them against the sha256 file saved beside each
     (by default a file that differs from its checksum is refused; files written by Megatron-LM
     have no checksum file and load unverified either way; not a Megatron-LM flag)."""
+    random_weights: bool = False
+    """Evaluate (--skip-train) or generate from untrained, randomly initialized weights on
+    purpose; without it, evaluation and generation refuse to start when no checkpoint is loaded
+    (not a Megatron-LM flag)."""
     allow_resume_without_checkpoint_args: bool = False
     """Resume training from a checkpoint that holds no args (so no consumed-sample counts):
     the data order restarts from the first sample. Without it that resume is refused;

@@ -36,13 +36,6 @@ def flag_values(cfg) -> dict[str, Any]:
     return values
 
 
-def unmapped_fields(cls: type, cfg) -> list[str]:
-    """Fields of ``cls`` that no flag or derived value of ``cfg`` provides (tests keep this
-    list to the fields each builder passes explicitly)."""
-    values = flag_values(cfg)
-    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values]
-
-
 def from_flags(cls: type[T], cfg, **explicit: Any) -> T:
     """``cls(...)`` with every init field copied by name from ``cfg``; ``explicit`` wins.
 

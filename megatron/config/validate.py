@@ -165,6 +165,8 @@ def validate(flags, world_size: int, require_model: bool = True,
     _check_schedule(cfg)
     if require_train_length:
         _check_training_run(cfg)
+    if cfg.training.skip_train:
+        _check_evaluates_a_checkpoint(cfg.checkpoint)
     _check_recompute(cfg)
     _check_misc(cfg)
     _check_data(cfg)
@@ -423,6 +425,20 @@ def _check_training_run(cfg) -> None:
                          "(or --skip-train to only evaluate)")
     if cfg.optimizer.lr is None:
         raise ValueError("--lr is required for training")
+
+
+def _check_evaluates_a_checkpoint(ck) -> None:
+    """--skip-train evaluates the --load checkpoint: a missing one must not pass for a model
+    (random weights give a plausible-looking validation loss); --random-weights asks for that."""
+    if ck.random_weights:
+        if ck.load is not None:
+            raise ValueError(f"--random-weights and --load {ck.load} are mutually exclusive: "
+                             "drop --random-weights to evaluate the checkpoint")
+        return
+    if ck.load is None:
+        raise ValueError("--skip-train evaluates a checkpoint: give --load (or --random-weights "
+                         "to evaluate untrained weights on purpose)")
+    ck.exit_on_missing_checkpoint = True  # a --load holding none is refused when loading
 
 
 def _check_recompute(cfg) -> None:

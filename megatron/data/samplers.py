@@ -248,10 +248,13 @@ def _init_worker(parent_pid: int, worker_id: int) -> None:
     """
     del worker_id
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # no prctl: torch's watchdog remains
+    # The death signal follows the worker's parent: only a forked worker's parent is the rank
+    # (under forkserver or spawn it is a helper process; torch's watchdog covers those).
+    if not sys.platform.startswith("linux") or os.getppid() != parent_pid:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # no prctl: torch's watchdog remains
     if os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before the death signal was armed
+        os._exit(1)  # the rank died between the check and arming the death signal

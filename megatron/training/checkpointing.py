@@ -184,7 +184,6 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
             bytes needed and the bytes free); its temporary file is removed.
     """
     root = Path(cfg.checkpoint.save)
-    _remove_stale_temp_files(root)
     args = cfg.to_namespace()
     args.consumed_train_samples = consumed_train_samples
     args.consumed_valid_samples = consumed_valid_samples
@@ -231,9 +230,10 @@ def _is_global_rank_0() -> bool:
     return dist.get_rank() == 0 if dist.is_initialized() else True
 
 
-def _remove_stale_temp_files(root: Path) -> None:
-    """Global rank 0 deletes what killed saves left under --save; nobody writes before that."""
-    if _is_global_rank_0():
+def remove_interrupted_save_files(root: Path) -> None:
+    """At start-up, global rank 0 deletes the temporary files killed saves left under --save
+    (a failed save removes its own); nobody writes there before that (barrier)."""
+    if _is_global_rank_0() and root.is_dir():
         removed = remove_stale_temp_files(root)
         if removed:
             log_rank_0(f"  removed {len(removed)} temporary file(s) of an interrupted save "

@@ -63,6 +63,10 @@ class _Peers:
     def key(self, name: str) -> str:
         return self.prefix + name
 
+    def wake_key(self, rank: int) -> str:
+        """Set to "failed" for every rank when one fails, to "done" by a rank that finished."""
+        return self.key(f"wake/{rank}")
+
 
 _guarded = False
 _peers: _Peers | None = None
@@ -172,7 +176,8 @@ def _record(summary: str) -> str | None:
     try:
         first = store.compare_set(peers.key("first"), "",
                                   f"rank {peers.rank} failed: {summary}").decode()
-        store.set(peers.key("event"), "failed")
+        for rank in range(peers.world_size):  # wake every watcher, finished ranks' included
+            store.set(peers.wake_key(rank), "failed")
     except dist.DistError:
         return None  # the store's host is gone: the peers learn from their collectives
     _leave(store)
@@ -195,13 +200,18 @@ def _end(code: int) -> NoReturn:
 
 
 def _finish() -> None:
-    """Normal end: wake every peer watcher with "done", so the store's host can exit without
-    stranding them in a wait on a store that is gone."""
+    """Normal end: wake this rank's watcher with "done" (the store's host waits until every
+    rank is done with the store before it exits)."""
+    # Claim the ending: a late SIGINT watcher must not cut a finished rank's clean exit short
+    # (if a watcher holds it already, that watcher is ending the rank).
+    if not _ending.acquire(blocking=False):
+        return
     peers = _peers
     if peers is None:
         return
     try:
-        peers.report_store.compare_set(peers.key("event"), "", "done")
+        # Only this rank's watcher: the others keep watching until their own rank is done.
+        peers.report_store.compare_set(peers.wake_key(peers.rank), "", "done")
     except dist.DistError:
         return  # the host is gone already
     _linger(peers, peers.report_store)
@@ -244,11 +254,11 @@ def _watch_peers(peers: _Peers) -> None:
     try:
         while True:
             try:
-                store.wait([peers.key("event")], _WATCH_WAIT)
+                store.wait([peers.wake_key(peers.rank)], _WATCH_WAIT)
                 break
             except dist.DistStoreError:
                 continue  # the wait timed out: keep waiting
-        failed = store.get(peers.key("event")) == b"failed"
+        failed = store.get(peers.wake_key(peers.rank)) == b"failed"
         record = store.get(peers.key("first")).decode() if failed else ""
     except dist.DistError:
         return  # the store is gone: its host has exited

@@ -108,8 +108,9 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
     """--check-for-nan-in-loss-and-grad (on by default): stop on a NaN/inf reported loss, or on
     NaN/inf local gradients, naming the iteration and the first rank where they appeared.
 
-    With --fp16 non-finite gradients are left to the loss scaler (an overflow skips the step
-    and lowers the scale, as dynamic loss scaling expects); the loss is still checked. Every
+    The gradients are checked by the DDP wrappers when their config says so
+    (``megatron.config.core_configs.ddp_config``: not with --fp16, whose loss scaler owns
+    overflowing gradients: the step is skipped); the loss is always checked. Every
     rank joins one small all-reduce and so reaches the same verdict: a rank raising alone
     would leave the others waiting in their next collective.
 
@@ -118,8 +119,7 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
     """
     everyone = comm.world_group()
     rank, world = comm.rank(everyone), comm.world_size(everyone)
-    grads_bad = not cfg.precision.fp16 and not all(
-        getattr(chunk, "local_grads_finite", lambda: True)() for chunk in model)
+    grads_bad = not all(chunk.local_grads_finite() for chunk in model)
     local_loss_bad = recorder.nonfinite is not None and bool(recorder.nonfinite)
     reported_bad = any(not math.isfinite(v) for v in losses.values())
     # MAX over ranks of (world - rank) for the ranks where it is bad: the lowest such rank.
@@ -137,7 +137,8 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
     if loss_on is not None:
         what.append(f"the local loss first went NaN/inf on rank {loss_on}")
     if grads_on is not None:
-        what.append(f"local gradients first went NaN/inf on rank {grads_on} (before the "
+        when = "after" if cfg.parallel.ddp_impl == "torch" else "before"
+        what.append(f"local gradients first went NaN/inf on rank {grads_on} ({when} the "
                     "data-parallel reduction)")
     raise FloatingPointError(
         f"iteration {iteration}: {'; '.join(what)}. Training stopped before the optimizer step "

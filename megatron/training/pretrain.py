@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.timers import Timers
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training import log_line
-from megatron.training.checkpointing import check_fresh_start, load_checkpoint
+from megatron.training.checkpointing import (check_fresh_start, load_checkpoint,
+                                             remove_interrupted_save_files)
 from megatron.training.initialize import build_tokenizer_from_config, initialize_megatron
 from megatron.training.loop import Trainer, TrainState, evaluate_and_print
 from megatron.training.lr_schedule import OptimizerParamScheduler
@@ -100,6 +102,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, model_provider: Callable,
             checkpoints while nothing is loaded.
     """
     timers = timers or Timers(0, "minmax")
+    if cfg.checkpoint.save is not None:
+        remove_interrupted_save_files(Path(cfg.checkpoint.save))
     model = build_model(cfg, model_provider)
     optimizer = get_megatron_optimizer(
         optimizer_config(cfg), model, dp_group=parallel_state.get_data_parallel_group(),

@@ -158,7 +158,7 @@ def test_training_length_and_skip_train_accepted():
         cfg = validate_or_exit(cfg, 1, require_train_length=True)
         assert cfg.checkpoint.no_load_optim is None
     # Evaluation only: no length or --lr needed, and no optimizer state is loaded.
-    cfg = parse_args(BASE + ["--skip-train"], validate_config=False)
+    cfg = parse_args(BASE + ["--skip-train", "--load", "ckpt"], validate_config=False)
     cfg = validate_or_exit(cfg, 1, require_train_length=True)
     assert cfg.checkpoint.no_load_optim is True
 

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.config.base import is_read_only
 from megatron.config.cli import build_parser, parse_flags, validate_or_exit
-from megatron.config.core_configs import (flag_values, optimizer_config, transformer_config,
-                                          unmapped_fields)
+from megatron.config.core_configs import flag_values, optimizer_config, transformer_config
 from megatron.core.distributed.config import DistributedDataParallelConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer.config import TransformerConfig
@@ -31,6 +29,15 @@ NOT_FROM_FLAGS = {
     OptimizerConfig: set(),
     DistributedDataParallelConfig: {"check_for_nan_in_grad"},  # from the NaN-check flag and fp16
 }
+
+
+def is_read_only(obj) -> bool:
+    return bool(obj.__dict__.get("_read_only"))
+
+
+def unmapped_fields(cls: type, cfg) -> list[str]:
+    values = flag_values(cfg)
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values]
 
 
 @pytest.mark.parametrize("cls", list(NOT_FROM_FLAGS))

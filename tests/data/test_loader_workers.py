@@ -66,3 +66,24 @@ def test_loader_workers_and_an_uncaught_error():
     # The interpreter's exit used to SIGTERM the (SIGTERM-ignoring) workers and wait forever.
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "RuntimeError: boom with live loader workers" in proc.stderr
+
+
+_FORKSERVER_SCRIPT = r"""
+import multiprocessing, torch
+from megatron.data.samplers import build_pretraining_data_loader
+
+# Python 3.14's default on Linux: a worker's parent is then the forkserver, not this process.
+multiprocessing.set_start_method("forkserver")
+data = torch.utils.data.TensorDataset(torch.arange(16))
+loader = build_pretraining_data_loader(data, 0, None, 2, 0, 1, num_workers=2)
+print("batches", len([batch for batch in loader]), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver start method")
+def test_loader_workers_start_under_forkserver():
+    proc = subprocess.run([sys.executable, "-c", _FORKSERVER_SCRIPT], cwd=REPO,
+                          capture_output=True, text=True, timeout=WALL_S,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                               "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "batches 8" in proc.stdout, proc.stderr[-3000:]

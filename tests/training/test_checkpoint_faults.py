@@ -37,7 +37,8 @@ from megatron.core.log import get_logger
 from megatron.checkpointing import files as checkpoint_files
 from megatron.training.checkpointing import (MODEL_FILENAME, TRACKER_FILENAME, CheckpointError,
                                              check_fresh_start, load_checkpoint,
-                                             load_checkpoint_file, save_checkpoint)
+                                             load_checkpoint_file,
+                                             remove_interrupted_save_files, save_checkpoint)
 from tests.training import e2e
 
 TINY = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
@@ -162,7 +163,7 @@ def test_write_errors_other_than_space_name_the_file(tmp_path, monkeypatch):
     assert _temp_files(root) == []
 
 
-def test_temp_files_of_a_killed_save_are_removed_by_the_next_save(tmp_path):
+def test_temp_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path):
     root = tmp_path / "run"
     _save(root, 2)
     shard_dir = _shard(root, 2).parent
@@ -177,10 +178,10 @@ def test_temp_files_of_a_killed_save_are_removed_by_the_next_save(tmp_path):
     for path in stale + kept:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\0" * 4096)
-    _save(root, 6)
+    remove_interrupted_save_files(root)  # what setup_model_and_optimizer runs at start-up
     assert [p for p in stale if p.exists()] == []
     assert [p for p in kept if not p.exists()] == []
-    assert (root / TRACKER_FILENAME).read_text() == "6"
+    assert (root / TRACKER_FILENAME).read_text() == "2"
 
 
 def test_save_to_an_older_iteration_says_the_tracker_moves_back(tmp_path, megatron_log):
@@ -217,8 +218,21 @@ def test_load_without_checkpoint_while_save_holds_some_is_refused(tmp_path):
     assert load_checkpoint([_model()], None, None, _cfg(tmp_path / "new", typo)) == (0, 0, 0)
     first = tmp_path / "first"
     assert load_checkpoint([_model()], None, None, _cfg(first, first)) == (0, 0, 0)
-    check_fresh_start(_cfg(run, None, "--skip-train"))
+    check_fresh_start(_cfg(run, None, "--skip-train", "--random-weights"))
     assert (run / TRACKER_FILENAME).read_text() == "4"
+
+
+def test_evaluation_refuses_a_load_without_checkpoint(tmp_path):
+    # --skip-train with a --load that holds nothing (e.g. mistyped): refused, not evaluated
+    # from random weights; --random-weights asks for that (and excludes --load).
+    empty = tmp_path / "typo"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="holds no"):
+        load_checkpoint([_model()], None, None, _cfg(None, empty, "--skip-train"))
+    for extra in (["--skip-train"], ["--skip-train", "--random-weights", "--load", str(empty)]):
+        with pytest.raises(SystemExit):
+            parse_args([*TINY, *extra], world_size=1)
+    assert parse_args([*TINY, "--skip-train", "--random-weights"], world_size=1)
 
 
 # ---------------------------------------------------------------------------------------------

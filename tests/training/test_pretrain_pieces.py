@@ -48,6 +48,9 @@ def test_pieces_restore_and_evaluate_without_pretrain(gpt2_corpus, tmp_path):
     train = e2e.gpt_argv(gpt2_corpus, iters=ITERS, extra=["--save", ckpt, "--save-interval",
                                                           str(ITERS)])
     [trained] = e2e.pooled(2, [{"argv": train, "params": True}])
+    # A save killed mid-write left its temporary file: removed at the next start-up.
+    stale = tmp_path / "ckpt" / "iter_0000004" / "mp_rank_00" / ".model_optim_rng.pt.tmp-4242"
+    stale.write_bytes(b"\0" * 1024)
     pieces = run_distributed(2, _evaluate_with_pieces,
                              train + ["--load", ckpt, "--eval-iters", "2"], timeout=300)
     for rank, result in enumerate(pieces):
@@ -58,5 +61,6 @@ def test_pieces_restore_and_evaluate_without_pretrain(gpt2_corpus, tmp_path):
         for name, value in result["params"].items():
             assert torch.equal(value, reference[name]), name
         assert math.isfinite(result["losses"]["lm loss"])
+    assert not stale.exists()
     # Both data-parallel ranks report the same (DP-averaged) validation loss.
     assert pieces[0]["losses"] == pieces[1]["losses"]
