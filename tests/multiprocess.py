@@ -137,9 +137,6 @@ class DistributedWorld:
         returned: set[int] = set()
         while len(outputs) + len(errors) < self.world_size:
             remaining = deadline - time.monotonic()
-            if errors:
-                # Ranks that did not fail are probably stuck in a collective with a failed one.
-                remaining = min(remaining, 5.0)
             if remaining <= 0 or not self.alive() and self.results.empty():
                 break
             try:
@@ -149,6 +146,10 @@ class DistributedWorld:
             if status == "returned":
                 returned.add(rank)
             elif status == "error":
+                if not errors:
+                    # Ranks that did not fail are probably stuck in a collective with the failed
+                    # one: give them 5 s from the first error, not the whole timeout.
+                    deadline = min(deadline, time.monotonic() + 5.0)
                 errors[rank] = out
             else:
                 outputs[rank] = out
