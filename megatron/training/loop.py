@@ -147,8 +147,8 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers,
-               iteration: int = 0) -> tuple[dict[str, float], bool, float | None, int | None]:
+               scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers, *,
+               iteration: int) -> tuple[dict[str, float], bool, float | None, int | None]:
     """One optimizer step over a global batch (``iteration``: its number, for error messages).
 
     Returns:

@@ -196,3 +196,45 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     check("hang-on-1/rank0", 130, "[rank 0] failed: interrupted (SIGINT)")
     check("hang-on-1/rank1", 1, "[rank 1] stopping: rank 0 failed: interrupted (SIGINT)")
     _assert_no_workers_left(tag)
+
+
+_LATE_FAILURE = r"""
+import os, time
+from megatron.core import comm, device
+from megatron.training import fault
+
+def main():
+    device.init_distributed("gloo", timeout_minutes=2)
+    fault.watch_peers()
+    rank = comm.rank(comm.world_group())
+    if rank == 2:
+        return  # finishes first (and stays up below): must not end the others' failure watch
+    if rank == 1:
+        # Fails after rank 2 finished, and (as a dead NCCL peer) leaves the others' collective
+        # hanging: only the failure record can stop rank 0.
+        time.sleep(3)
+        fault._ending.acquire()
+        fault._record("RuntimeError: late failure on rank one")
+        time.sleep(15)
+        os._exit(1)
+    comm.barrier(comm.world_group())  # rank 0: waits for ranks that never come
+
+fault.run_rank(main)
+time.sleep(15)
+"""
+
+
+def test_a_failure_after_another_rank_finished_still_stops_the_rest(tmp_path):
+    port = _free_port()
+    procs = [_start([sys.executable, "-c", _LATE_FAILURE], _env("late", r, 3, port),
+                    tmp_path / f"rank{r}.log") for r in range(3)]
+    start = time.monotonic()
+    code_0 = procs[0].wait(timeout=WALL_S)
+    elapsed = time.monotonic() - start
+    for proc in procs[1:]:
+        proc.wait(timeout=WALL_S)
+    log_0 = (tmp_path / "rank0.log").read_text()
+    assert code_0 == 1, log_0
+    # Stopped by the record, before rank 1 and 2 exit (15 s later) close their connections.
+    assert "stopping: rank 1 failed: RuntimeError: late failure on rank one" in log_0, log_0
+    assert elapsed < 15, (elapsed, log_0)
