@@ -29,6 +29,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_one_thread_each(procs: list) -> None:
+    """Start ``procs`` with OMP_NUM_THREADS=1 in their environment (read when they import
+    torch), leaving this process's own setting as it was."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -80,18 +95,9 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 900.0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before they import torch
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results))
              for r in range(world_size)]
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    start_one_thread_each(procs)
     try:
         values, errors = _collect(procs, results, timeout)
     finally:

@@ -26,22 +26,17 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from bench.launch import free_port, start_one_thread_each
+
 DEFAULT_TIMEOUT_S = 180.0
 _STARTUP_TIMEOUT_S = 120.0
 RESET_SEED = 0
 """Seed of every rank's python, numpy and torch RNGs at the start of each pooled call."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _reset_rng_state() -> None:
@@ -106,20 +101,11 @@ class DistributedWorld:
         ctx = mp.get_context("spawn")
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads
-        try:
-            self.procs = [ctx.Process(target=_worker, daemon=True,
-                                      args=(r, world_size, port, self.tasks[r], self.results))
-                          for r in range(world_size)]
-            for proc in self.procs:
-                proc.start()
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, world_size, port, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        start_one_thread_each(self.procs)
         self._collect("ready", _STARTUP_TIMEOUT_S, what="start-up")
 
     def alive(self) -> bool:

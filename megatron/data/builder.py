@@ -14,6 +14,7 @@ Every rank builds its datasets; index files are built by rank 0 and loaded by th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_config import Blend, BlendedMegatronDatasetConfig
@@ -57,6 +58,14 @@ class BlendedMegatronDatasetBuilder:
         self.cls = cls
         self.sizes = list(sizes)
         self.config = config
+        self._low_level: dict[str | None, Any] = {}
+
+    def _low_level_dataset(self, prefix: str | None):
+        """Each prefix's low-level dataset, opened (and its index checked) once per build, as
+        Megatron-Core does, however many splits of a blend cut it."""
+        if prefix not in self._low_level:
+            self._low_level[prefix] = self.cls.build_low_level_dataset(prefix, self.config)
+        return self._low_level[prefix]
 
     def build(self) -> list[SplitDataset | None]:
         """The train, valid and test datasets; None for a split with no data.
@@ -100,8 +109,8 @@ class BlendedMegatronDatasetBuilder:
 
     def _splits_of_prefix(self, prefix: str | None, matrix: list[Bookends | None],
                           sizes: list[int | None]) -> list[MegatronDataset | None]:
-        """Every split of one low-level dataset, opened once (None where no book-ends)."""
-        low = self.cls.build_low_level_dataset(prefix, self.config)
+        """Every split of one low-level dataset (None where no book-ends)."""
+        low = self._low_level_dataset(prefix)
         n = self.cls.numel_low_level_dataset(low)
         return [None if matrix[i] is None else
                 self.cls(low, prefix, split_indices(matrix[i], n), sizes[i], split, self.config)
@@ -110,7 +119,7 @@ class BlendedMegatronDatasetBuilder:
     def _component(self, prefix: str, bookends: Bookends, num_samples: int | None,
                    split: Split) -> MegatronDataset:
         """One split of one component of a blend."""
-        low = self.cls.build_low_level_dataset(prefix, self.config)
+        low = self._low_level_dataset(prefix)
         indices = split_indices(bookends, self.cls.numel_low_level_dataset(low))
         return self.cls(low, prefix, indices, num_samples, split, self.config)
 

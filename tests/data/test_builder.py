@@ -135,3 +135,16 @@ def test_base_config_owns_blend_split_and_mock():
     assert issubclass(GPTDatasetConfig, BlendedMegatronDatasetConfig)
     assert not issubclass(ToyConfig, GPTDatasetConfig)
 
+
+
+def test_each_prefix_of_a_blend_is_opened_once(data, monkeypatch):
+    # Every split of a two-prefix blend cuts the same low-level datasets: each .idx is read and
+    # checked against its .bin once per build, as Megatron-Core's builder does.
+    opened = []
+    monkeypatch.setattr(ToyDataset, "build_low_level_dataset",
+                        staticmethod(lambda path, config: opened.append(path) or
+                                     IndexedDataset(path)))
+    cfg = _config(data, blend=([str(data / "a"), str(data / "b")], [1.0, 3.0]), split="8,1,1")
+    train, valid, test = BlendedMegatronDatasetBuilder(ToyDataset, [40, 8, 8], cfg).build()
+    assert all(isinstance(d, BlendedDataset) for d in (train, valid, test))
+    assert sorted(opened) == [str(data / "a"), str(data / "b")]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import _free_port
+from bench.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("fail_fast_driver.py")
@@ -162,7 +162,7 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
             "hang-on-1": ("hang", 1)}
     procs, logs = {}, {}
     for job, (fault, faulty) in jobs.items():
-        port = _free_port()
+        port = free_port()
         for rank in range(2):
             name = f"{job}/rank{rank}"
             logs[name] = tmp_path / f"{job}-rank{rank}.log"
@@ -225,7 +225,7 @@ time.sleep(15)
 
 
 def test_a_failure_after_another_rank_finished_still_stops_the_rest(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [_start([sys.executable, "-c", _LATE_FAILURE], _env("late", r, 3, port),
                     tmp_path / f"rank{r}.log") for r in range(3)]
     start = time.monotonic()

@@ -108,7 +108,7 @@ SIGTERM_SHAPE = {"tp": 2, "iters": 1000, "seq": 32, "mbs": 1, "gbs": 2}
 
 
 def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(gpt2_corpus, tmp_path):
-    from tests.multiprocess import _free_port
+    from bench.launch import free_port
 
     save = tmp_path / "ckpt"
     # Loader workers on: torchrun and SLURM signal the rank's whole process group, workers
@@ -117,7 +117,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(gpt2_corpus, tmp_path):
         "--exit-signal-handler", "--save", save, "--save-interval", "1000",
         "--log-interval", "1", "--num-workers", "2"])
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    port = _free_port()
+    port = free_port()
     procs = [_launch_rank(r, port, argv, logs[r]) for r in range(2)]
     try:
         # The last rank prints the iteration lines.
