@@ -197,7 +197,39 @@ class _PretrainingDataLoader(torch.utils.data.DataLoader):
         before = set(multiprocessing.active_children())
         iterator = super().__iter__()
         _WORKERS.update(set(multiprocessing.active_children()) - before)
-        return iterator
+        return _NamedWorkerDeath(iterator) if self.num_workers > 0 else iterator
+
+
+class _NamedWorkerDeath:
+    """A loader iterator whose broken hand-over from a dead worker says so.
+
+    A worker killed (by the OOM killer, say) after it queued a batch but before the training
+    process took the batch's shared memory from it surfaces as a bare ``ConnectionResetError``
+    or ``EOFError`` from the socket the memory is passed over, instead of torch's "DataLoader
+    worker ... is killed by signal". Both mean the same, and the user should read the same.
+    """
+
+    def __init__(self, iterator) -> None:
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._iterator)
+        except (ConnectionError, EOFError) as err:
+            dead = sorted(w.pid for w in _WORKERS if not w.is_alive())
+            raise RuntimeError(
+                f"DataLoader worker (pid(s) {dead or 'unknown'}) died while handing over a "
+                f"batch ({type(err).__name__}: {err}); was it killed, by the OOM killer "
+                "perhaps?") from err
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __getattr__(self, name: str):
+        return getattr(self._iterator, name)
 
 
 def stop_loader_workers() -> None:

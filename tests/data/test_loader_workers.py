@@ -87,3 +87,23 @@ def test_loader_workers_start_under_forkserver():
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
                                "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and "batches 8" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("broken", [ConnectionResetError(104, "Connection reset by peer"),
+                                    EOFError()])
+def test_a_broken_hand_over_from_a_dead_worker_is_named(broken):
+    """A worker killed between queueing a batch and handing over its shared memory breaks the
+    socket the memory travels on: the user reads that a loader worker died, not a bare
+    ConnectionResetError (seen in CI with the OOM-killer fault test)."""
+    from megatron.data.samplers import _NamedWorkerDeath
+
+    def batches():
+        yield 1
+        raise broken
+
+    iterator = _NamedWorkerDeath(batches())
+    assert next(iterator) == 1
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) .*\) died while "
+                                           r"handing over a batch") as caught:
+        next(iterator)
+    assert caught.value.__cause__ is broken
