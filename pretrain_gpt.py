@@ -36,7 +36,12 @@ def datasets_provider(cfg, tokenizer, num_samples: list[int]):
 
 
 def get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
-    """Next micro-batch on the compute device; a plain causal mask is left implicit."""
+    """Next micro-batch on the compute device; a plain causal mask is left implicit.
+
+    Every pipeline stage reads the micro-batch, as Megatron-LM 23.06's get_batch does: the first
+    stage uses the tokens and positions, the last the labels and loss mask, and every stage the
+    attention mask (an explicit one, with --reset-attention-mask, masks every layer).
+    """
     batch = next(data_iterator)
     dev = device.get_device()
     out = {key: batch[key].to(dev, non_blocking=True) if batch.get(key) is not None else None

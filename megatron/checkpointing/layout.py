@@ -21,6 +21,9 @@ layers.N.mlp.dense_4h_to_h.weight / .bias                  1 / -    layer N's
 language_model.encoder.final_layernorm.*                   -        last
 language_model.output_layer.weight (untied)                0 vocab  last
 word_embeddings_for_head.weight (tied, PP > 1)             0 vocab  last: copy of the embedding
+BERT: language_model.pooler.dense.*                         -        last
+BERT: lm_head.bias (the logits' own bias)                   0 vocab  last
+BERT: lm_head.{dense,layernorm}.*, binary_head.*            -        last
 =========================================================  =======  =============================
 
 (``layers.N`` is ``language_model.encoder.layers.N``; older checkpoints say ``transformer`` and
@@ -32,8 +35,9 @@ each rank holds whole heads). A converter changing TP/PP is a loop over this tab
     for chunk, state in zip(new.chunks(), layout.split_pipeline(full, new)):
         for tp_rank, shard in enumerate(layout.split_tensor_parallel(state, tp)): ...
 
-Other families extend the table (BERT: ``pooler``, ``lm_head``, ``binary_head``):
-``GPT_LAYOUT.extended("BERT", (TensorRule(...), ...))``.
+Other families extend the table: :data:`BERT_LAYOUT` is
+``GPT_LAYOUT.extended("BERT", (TensorRule(...), ...))`` with ``pooler``, ``lm_head``,
+``binary_head``.
 """
 
 from __future__ import annotations
@@ -308,5 +312,16 @@ and the part BERT shares."""
 
 GPT_LAYOUT = CheckpointLayout("GPT", LANGUAGE_MODEL_RULES)
 
-LAYOUTS: dict[str, CheckpointLayout] = {"GPT": GPT_LAYOUT}
+BERT_LAYOUT = GPT_LAYOUT.extended("BERT", (
+    TensorRule("language_model.pooler.dense.{weight,bias}", None, "last",
+               "pooler (first position -> dense -> tanh)"),
+    TensorRule("lm_head.bias", 0, "last", "LM head's own bias over the vocab-split logits",
+               padded_vocab=True),
+    TensorRule("lm_head.{dense,layernorm}.{weight,bias}", None, "last",
+               "LM head transform (dense -> GeLU -> LayerNorm)"),
+    TensorRule("binary_head.{weight,bias}", None, "last", "sentence-order head"),
+))
+"""Megatron-LM's legacy BERT: the language model's table plus the pooler and the heads."""
+
+LAYOUTS: dict[str, CheckpointLayout] = {"GPT": GPT_LAYOUT, "BERT": BERT_LAYOUT}
 """Layouts by model family (a converter's choice)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.config.data import DataConfig
-from megatron.data.dataset_config import Blend
+from megatron.data.dataset_config import BERTMaskedWordPieceDatasetConfig, Blend
 from megatron.data.gpt_dataset import GPTDatasetConfig
 from megatron.data.utils import get_blend_from_list
 
@@ -53,3 +53,31 @@ def gpt_dataset_config(data: DataConfig, tokenizer: Any, seed: int) -> GPTDatase
         mmap_bin_files=data.mmap_bin_files, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.create_attention_mask_in_dataloader)
+
+
+def bert_dataset_config(data: DataConfig, tokenizer: Any, seed: int,
+                        classification_head: bool = True) -> BERTMaskedWordPieceDatasetConfig:
+    """The BERT dataset config of the ``--data-*`` flags, as Megatron-LM's ``pretrain_bert.py``
+    fills it (n-grams up to 3 whole words, no permutation, no geometric n-grams).
+
+    Args:
+        data: the validated data flags (``cfg.data``: --mask-prob, --short-seq-prob...).
+        tokenizer: the built WordPiece tokenizer (``cls``, ``sep``, ``mask``, ``pad``,
+            ``inv_vocab``).
+        seed: --seed.
+        classification_head: the sentence-order head (``cfg.model.bert_binary_head``, off with
+            --bert-no-binary-head).
+
+    Raises:
+        ValueError: see :func:`dataset_blends`; an invalid --split, --seq-length, --mask-prob
+            or --short-seq-prob.
+    """
+    blend, blend_per_split = dataset_blends(data)
+    return BERTMaskedWordPieceDatasetConfig(
+        random_seed=seed, sequence_length=data.seq_length, tokenizer=tokenizer, blend=blend,
+        blend_per_split=blend_per_split, split=data.split, path_to_cache=data.data_cache_path,
+        mmap_bin_files=data.mmap_bin_files, masking_probability=data.mask_prob,
+        short_sequence_probability=data.short_seq_prob, masking_max_ngram=3,
+        masking_do_full_word=True, masking_do_permutation=False,
+        masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
+        classification_head=classification_head)

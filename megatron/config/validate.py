@@ -252,16 +252,17 @@ def _check_pipeline_layers(cfg) -> None:
                          f"--pipeline-model-parallel-size ({pp})")
     per_virtual = par.num_layers_per_virtual_pipeline_stage
     if per_virtual is not None:
-        # Megatron-LM 23.06 (arguments.py and core/parallel_state.py): the interleaved schedule
-        # needs more than two stages.
-        if pp <= 2:
+        # Megatron-LM 23.06 asks for more than two stages; its interleaved schedule (and this
+        # one) also runs on two (later Megatron-LM releases allow it): README differences.
+        if pp < 2:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_virtual}) "
-                             "(interleaved schedule) needs --pipeline-model-parallel-size > 2, "
-                             f"got {pp}")
+                             "(interleaved schedule) needs --pipeline-model-parallel-size >= 2, "
+                             f"got {pp}; drop the flag to run without pipelining")
         if (layers // pp) % per_virtual != 0:
             raise ValueError(
-                f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size "
-                f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
+                f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = "
+                f"{layers // pp} layers per stage is not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage ({per_virtual})")
         cfg.virtual_pipeline_model_parallel_size = (layers // pp) // per_virtual
     else:
         # As Megatron-LM: p2p overlap only exists in the interleaved schedule.
@@ -538,23 +539,55 @@ def _derive_padded_vocab_size(cfg) -> None:
         cfg.parallel.tensor_model_parallel_size)
 
 
+def _check_pipeline_not_implemented(cfg) -> None:
+    """Pipeline combinations Megatron-LM runs and this framework does not (yet)."""
+    par, pp = cfg.parallel, cfg.parallel.pipeline_model_parallel_size
+    if pp > 1 and par.overlap_grad_reduce and par.use_distributed_optimizer \
+            and not cfg.model.untie_embeddings_and_output_weights:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp} with tied embeddings, --overlap-grad-reduce "
+            "and --use-distributed-optimizer: the two stages' embedding gradients would be "
+            "summed after each was reduce-scattered over a different shard layout; drop "
+            "--overlap-grad-reduce, or pass --untie-embeddings-and-output-weights")
+
+
+BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
+"""Tokenizers with the [CLS]/[SEP]/[MASK]/[PAD] tokens BERT samples are made of."""
+
+# GPT-dataset flags that BERT's samples (sentence pairs with a padding mask) never read.
+_GPT_ONLY_DATA_FLAGS = {"reset_position_ids": "--reset-position-ids",
+                        "reset_attention_mask": "--reset-attention-mask",
+                        "eod_mask_loss": "--eod-mask-loss"}
+
+
+def check_bert_flags(cfg) -> None:
+    """pretrain_bert.py's flag checks, on the parsed flags before pretrain() validates the rest
+    (no process group exists yet).
+
+    Raises:
+        ValueError: a flag BERT cannot honour, naming it and the fix.
+    """
+    if cfg.model.untie_embeddings_and_output_weights:
+        raise ValueError("--untie-embeddings-and-output-weights: BERT's LM head is tied to the "
+                         "word embeddings (Megatron-LM refuses it too); drop the flag")
+    for name, flag in _GPT_ONLY_DATA_FLAGS.items():
+        if getattr(cfg.data, name):
+            raise ValueError(f"{flag} is a GPT dataset flag; BERT samples are sentence pairs "
+                             "with a padding mask: drop it")
+    tok = cfg.tokenizer.tokenizer_type
+    if tok is not None and tok not in BERT_TOKENIZERS and not cfg.data.mock_data:
+        raise ValueError(f"--tokenizer-type {tok}: BERT needs a WordPiece vocabulary with "
+                         f"[CLS], [SEP], [MASK] and [PAD]: use --tokenizer-type "
+                         f"{' or '.join(BERT_TOKENIZERS)} with --vocab-file")
+
+
 def _check_not_implemented(cfg) -> None:
     for (section, name), flag in NOT_IMPLEMENTED.items():
         sec = getattr(cfg, section)
         default = {f.name: f.default for f in dataclasses.fields(sec)}[name]
         if getattr(sec, name) != default:
             raise ValueError(f"{flag} is a Megatron-LM flag this framework does not implement yet")
-    pp = cfg.parallel.pipeline_model_parallel_size
-    # Checked last, so that a layout that could never work names its real problem first.
-    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage: the interleaved pipeline "
-                         "schedule is not implemented yet; drop the flag and use "
-                         "--pipeline-model-parallel-size 1")
-    if pp > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {pp}: pipeline-parallel schedules are "
-                         "not implemented yet (the process groups and rank layout are); use "
-                         "--pipeline-model-parallel-size 1 and --tensor-model-parallel-size or "
-                         "data parallelism instead")
+    _check_pipeline_not_implemented(cfg)
     if cfg.model.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, "
                          "which this framework does not use; use --transformer-impl local")

@@ -144,3 +144,34 @@ def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> None:
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking point-to-point receive from global rank ``src``, a member of ``group``."""
     dist.recv(tensor, src=src, group=_peer_group(group, "recv"))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None):
+    """Non-blocking send to global rank ``dst`` (a member of ``group``); returns the work
+    handle to ``wait()`` on."""
+    return dist.isend(tensor, dst=dst, group=_peer_group(group, "isend"))
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None):
+    """Non-blocking receive into ``tensor`` from global rank ``src``; returns the work handle."""
+    return dist.irecv(tensor, src=src, group=_peer_group(group, "irecv"))
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup | None):
+    """Post several sends/receives at once and return their work handles.
+
+    Args:
+        ops: ``("send" | "recv", tensor, peer global rank)`` in the order they are posted. Two
+            messages between the same pair of ranks are matched in posting order on both NCCL
+            and gloo, so sender and receiver must list them in the same order.
+        group: the group holding this rank and every peer.
+
+    Returns:
+        The work handles (empty when ``ops`` is).
+    """
+    if not ops:
+        return []
+    group = _peer_group(group, "batch_isend_irecv")
+    functions = {"send": dist.isend, "recv": dist.irecv}
+    p2p_ops = [dist.P2POp(functions[kind], tensor, peer, group) for kind, tensor, peer in ops]
+    return dist.batch_isend_irecv(p2p_ops)

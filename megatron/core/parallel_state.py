@@ -78,10 +78,11 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
             f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
     if virtual_pipeline_model_parallel_size is not None:
-        # Megatron-LM (23.06 and later): the interleaved schedule needs more than two stages.
-        if pp <= 2:
+        # Megatron-LM 23.06 asked for more than two stages; the interleaved schedule here
+        # orders a pair's messages so that two stages work too (README differences).
+        if pp < 2:
             raise ValueError("virtual pipeline stages (the interleaved schedule) need "
-                             f"--pipeline-model-parallel-size > 2, got {pp}")
+                             f"--pipeline-model-parallel-size >= 2, got {pp}")
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError("virtual pipeline size must be positive, got "
                              f"{virtual_pipeline_model_parallel_size}")
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                         metavar="N",
                         help="Model chunks per pipeline stage (interleaved schedule; needs "
-                             "--pipeline-model-parallel-size > 2). Training derives it from "
+                             "--pipeline-model-parallel-size >= 2). Training derives it from "
                              "--num-layers-per-virtual-pipeline-stage.")
     parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                         metavar="R",

@@ -68,3 +68,69 @@ class BlendedMegatronDatasetConfig:
         if self.split is None:
             raise ValueError("--split is required with --data-path")
         self.split_matrix = split_matrix(parse_and_normalize_split(self.split))
+
+
+@dataclasses.dataclass(kw_only=True)
+class MaskedWordPieceDatasetConfig(BlendedMegatronDatasetConfig):
+    """What masked-LM samples over WordPiece tokens need (Megatron-Core's
+    ``MaskedWordPieceDatasetConfig``).
+
+    ``pretrain_bert.py`` sets only ``masking_probability`` (--mask-prob) and
+    ``short_sequence_probability`` (--short-seq-prob); the n-gram fields keep Megatron's
+    BERT values.
+
+    Raises:
+        ValueError: a probability outside its range, ``masking_max_ngram < 1``, geometric
+            n-grams together with permutation, or no tokenizer.
+    """
+
+    masking_probability: float = 0.15
+    """Fraction of the tokens predicted (--mask-prob)."""
+    short_sequence_probability: float = 0.1
+    """Probability that a sample targets a random shorter length (--short-seq-prob)."""
+    masking_max_ngram: int = 3
+    """Longest n-gram (in whole words) masked at once."""
+    masking_do_full_word: bool = True
+    """Mask whole words: a ``##`` piece goes with the word before it."""
+    masking_do_permutation: bool = False
+    """Also permute a subset of the n-grams (not used by BERT)."""
+    masking_use_longer_ngrams: bool = False
+    """Favour longer n-grams (p proportional to n instead of 1/n)."""
+    masking_use_geometric_distribution: bool = False
+    """Draw n from SpanBERT's geometric distribution (p = 0.2), clipped to the maximum."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tokenizer is None:
+            raise ValueError("masked WordPiece datasets need a tokenizer with a vocabulary "
+                             "(--tokenizer-type BertWordPieceLowerCase/BertWordPieceCase)")
+        if not 0.0 < self.masking_probability < 1.0:
+            raise ValueError(f"--mask-prob must be in (0, 1), got {self.masking_probability}")
+        if not 0.0 <= self.short_sequence_probability <= 1.0:
+            raise ValueError(f"--short-seq-prob must be in [0, 1], got "
+                             f"{self.short_sequence_probability}")
+        if self.masking_max_ngram < 1:
+            raise ValueError(f"masking_max_ngram must be >= 1, got {self.masking_max_ngram}")
+        if self.masking_use_geometric_distribution and self.masking_do_permutation:
+            raise ValueError("masking_use_geometric_distribution and masking_do_permutation "
+                             "cannot be combined")
+
+
+@dataclasses.dataclass(kw_only=True)
+class BERTMaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
+    """BERT samples (Megatron-Core's ``BERTMaskedWordPieceDatasetConfig``).
+
+    Raises:
+        ValueError: see :class:`MaskedWordPieceDatasetConfig`; a sequence length below 4 with
+            the binary head (room for ``[CLS] A [SEP] B [SEP]``).
+    """
+
+    classification_head: bool = True
+    """Two segments per sample and the sentence-order label ``is_random`` (off with
+    --bert-no-binary-head: one segment, ``is_random`` always 0)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sequence_length < 5:
+            raise ValueError(f"--seq-length {self.sequence_length} is too short for BERT "
+                             "samples ([CLS] A [SEP] B [SEP] needs at least 5)")

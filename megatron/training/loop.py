@@ -374,13 +374,15 @@ class Trainer:
 
 
 def _params_norm(model: list) -> float:
-    """L2 norm of the parameters, TP-split ones summed over the model-parallel group once."""
+    """L2 norm of the parameters over the model-parallel group, each counted once: a replicated
+    one on TP rank 0 only, and the last stage's copy of a tied word embedding (``shared``) not
+    at all (stage 0 counts the embedding), as Megatron's ``calc_params_l2_norm``."""
     total = torch.zeros(1, dtype=torch.float64)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for chunk in model:
         for param in chunk.parameters():
             duplicated = not getattr(param, "tensor_model_parallel", False)
-            if duplicated and tp_rank != 0:
+            if (duplicated and tp_rank != 0) or getattr(param, "shared", False):
                 continue
             total += param.detach().double().norm() ** 2
     comm.all_reduce(total, parallel_state.get_model_parallel_group())

@@ -1,5 +1,6 @@
-"""The GPT stage of this rank from the validated flags, for the entry points
-(``pretrain_gpt.py``'s model provider, ``tools/generate.py``) and its FLOPs per sample.
+"""The GPT or BERT stage of this rank from the validated flags, for the entry points
+(``pretrain_gpt.py``'s and ``pretrain_bert.py``'s model providers, ``tools/generate.py``) and
+their FLOPs per sample.
 
 ``megatron.core`` never reads the CLI config: the flags reach it as a
 :class:`~megatron.core.transformer.config.TransformerConfig`
@@ -8,8 +9,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.config.core_configs import transformer_config
 from megatron.core.flops import num_floating_point_operations
+from megatron.core.models.bert import BertModel, bert_model_stage
 from megatron.core.models.gpt import GPTModel, gpt_model_stage
 
 
@@ -25,4 +29,28 @@ def gpt_flops_per_sample(cfg) -> float:
     """Model FLOPs of one GPT training sample of ``--seq-length`` tokens (forward + backward;
     recomputation not counted)."""
     return num_floating_point_operations(transformer_config(cfg), batch_size=1,
+                                         seq_length=cfg.data.seq_length)
+
+
+def bert_transformer_config(cfg):
+    """The transformer config of BERT: Megatron-LM's pretrain_bert.py gives the model two
+    token types with the binary head and none without (there is no --num-tokentypes flag)."""
+    return dataclasses.replace(transformer_config(cfg),
+                               num_tokentypes=2 if cfg.model.bert_binary_head else 0)
+
+
+def bert_model_from(cfg, pre_process: bool | None = None, post_process: bool | None = None,
+                    ) -> BertModel:
+    """This rank's BERT stage from a validated ``MegatronConfig`` (groups from parallel_state;
+    ``--bert-no-binary-head`` drops the pooler, the binary head and the token types; see
+    :func:`~megatron.core.models.bert.bert_model_stage`, and seed first)."""
+    return bert_model_stage(bert_transformer_config(cfg),
+                            add_binary_head=cfg.model.bert_binary_head,
+                            pre_process=pre_process, post_process=post_process)
+
+
+def bert_flops_per_sample(cfg) -> float:
+    """Model FLOPs of one BERT training sample of ``--seq-length`` tokens (forward + backward;
+    the transformer and a full-sequence logits layer, as for GPT: Megatron's count)."""
+    return num_floating_point_operations(bert_transformer_config(cfg), batch_size=1,
                                          seq_length=cfg.data.seq_length)

@@ -22,7 +22,7 @@ from megatron.config.cli import ExtraArgsProvider
 from megatron.config.core_configs import ddp_config, optimizer_config
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
-from megatron.core.log import log_rank_0
+from megatron.core.log import get_logger, log_rank_0
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.timers import Timers
 from megatron.data.samplers import build_pretraining_data_loader
@@ -129,23 +129,41 @@ def build_microbatch_calculator(cfg: MegatronConfig) -> NumMicroBatchesCalculato
 
 
 def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.Module]:
-    """The model chunk(s) of this rank on the compute device, wrapped for data parallelism."""
-    module = model_provider(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
-    module.to(device.get_device())
-    num_params = sum(p.numel() for p in module.parameters())
-    log_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
-               f"({parallel_state.get_tensor_model_parallel_rank()}, "
-               f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
+    """The model chunk(s) of this rank on the compute device, each wrapped for data parallelism:
+    one chunk, or with virtual pipeline stages one per virtual stage (Megatron's ``build_model``:
+    chunk ``k`` is built with the virtual rank set to ``k``, so that its layer offset and its
+    ``pre_process``/``post_process`` are those of virtual stage ``k``)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    modules = []
+    for k in range(vpp or 1):
+        if vpp is not None:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(k)
+        modules.append(model_provider(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
+                                      post_process=parallel_state.is_pipeline_last_stage()))
+    if vpp is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    num_params = 0
+    for module in modules:
+        module.to(device.get_device())
+        num_params += sum(p.numel() for p in module.parameters())
+    if parallel_state.get_data_parallel_rank() == 0:
+        # As Megatron: one line per (TP, PP) shard, each stage counting its own parameters.
+        get_logger().info(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                          f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                          f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}")
+    return [_wrap_for_data_parallel(cfg, module) for module in modules]
+
+
+def _wrap_for_data_parallel(cfg: MegatronConfig, module: torch.nn.Module) -> torch.nn.Module:
     dp_group = parallel_state.get_data_parallel_group()
     config = ddp_config(cfg)
     if cfg.parallel.ddp_impl == "torch":
-        return [TorchDistributedDataParallel(
-            module, dp_group=dp_group, check_for_nan_in_grad=config.check_for_nan_in_grad)]
+        return TorchDistributedDataParallel(
+            module, dp_group=dp_group, check_for_nan_in_grad=config.check_for_nan_in_grad)
     wrapped = DistributedDataParallel(module, config, dp_group=dp_group)
     if cfg.model.data_parallel_random_init:
         wrapped.broadcast_params()  # PyTorch's DDP (above) broadcasts at construction
-    return [wrapped]
+    return wrapped
 
 
 def compute_train_iters(cfg: MegatronConfig) -> int:
@@ -205,7 +223,9 @@ def build_scheduler(cfg: MegatronConfig, optimizer, train_iters: int) -> Optimiz
 
 def build_data_iterators(cfg: MegatronConfig, tokenizer, provider: Callable, train_iters: int,
                          state: TrainState):
-    """Datasets sized as Megatron does, then resumable loaders and iterators."""
+    """Datasets sized as Megatron does, then resumable loaders and iterators: ``(train, valid,
+    test)``, each an iterator (or None), or with virtual pipeline stages a list of one iterator
+    per model chunk."""
     t = cfg.training
     gbs = t.global_batch_size
     eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 1
@@ -222,14 +242,24 @@ def build_data_iterators(cfg: MegatronConfig, tokenizer, provider: Callable, tra
             ds, consumed, cfg.data.dataloader_type, t.micro_batch_size, dp_rank, dp_size,
             cfg.data.num_workers)
 
-    train_loader = loader(train_ds, state.consumed_train_samples)
-    valid_loader = loader(valid_ds, state.consumed_valid_samples)
-    test_loader = loader(test_ds, 0)
-    train_it = iter(train_loader) if train_loader is not None else None
-    # Evaluation may need more batches than one pass holds: cycle over the loader.
-    valid_it = _cycle(valid_loader) if valid_loader is not None else None
-    test_it = _cycle(test_loader) if test_loader is not None else None
-    return train_it, valid_it, test_it
+    def iterators():
+        train_loader = loader(train_ds, state.consumed_train_samples)
+        valid_loader = loader(valid_ds, state.consumed_valid_samples)
+        test_loader = loader(test_ds, 0)
+        train_it = iter(train_loader) if train_loader is not None else None
+        # Evaluation may need more batches than one pass holds: cycle over the loader.
+        valid_it = _cycle(valid_loader) if valid_loader is not None else None
+        test_it = _cycle(test_loader) if test_loader is not None else None
+        return train_it, valid_it, test_it
+
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return iterators()
+    # The interleaved schedule reads micro-batch i once per model chunk, each chunk from its own
+    # iterator (Megatron builds one set per chunk): every chunk's stream stays on the same batch.
+    per_chunk = [iterators() for _ in range(vpp)]
+    return tuple(None if chunk_its[0] is None else list(chunk_its)
+                 for chunk_its in zip(*per_chunk))
 
 
 def _cycle(loader):

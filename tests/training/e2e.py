@@ -9,11 +9,18 @@ A run is a dict::
     {"argv": [...],               # pretrain_gpt.py flags
      "params": True,              # also return the full (TP-gathered) fp32 parameters
      "inf_at": ([iterations], rank, num_microbatches)  # that rank's training loss times inf
+     "grad_inf_at": ([iterations], rank, num_microbatches)  # inf into the gradient of that
+                                  # rank's stage output (a pipeline stage whose loss is finite)
+     "single_process_init": True,  # start every stage from the one-process run's initial
+                                  # weights (Megatron seeds stage p with seed + 100 p)
      "crash_save": (iteration, "shard" | "tracker"),    # die inside that save_checkpoint
      "bucket_size": elements}     # DDP bucket size (no flag sets it; default one 4M bucket)
 
-and its result is ``{"history", "iteration", "params" (every rank's copy), "error"}``; an
-exception of the expected kind (``expect_error``) is returned as text instead of raised.
+and its result is ``{"history", "iteration", "params" (every rank's copy), "evals", "error"}``;
+an exception of the expected kind (``expect_error``) is returned as text instead of raised.
+``params`` hold every model chunk of the rank under the one-process names (layers renumbered
+to their global index), so pipeline stages are compared by merging their ranks' dicts; ``evals``
+the loss dict of every evaluation (empty on pipeline stages without the loss).
 
 ``history`` holds one dict per training iteration this rank ran (those before an expected error
 too): the loss dict, "skipped", "grad norm", "learning rate" (after the step, as logged) and
@@ -107,20 +114,55 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 # Inside the ranks
 # ---------------------------------------------------------------------------------------------
 
-def _gather_full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as the unsharded fp32 tensor (TP slices concatenated on their dim)."""
+def _global_name(module: torch.nn.Module, name: str) -> str:
+    """``name`` of a pipeline stage's parameter as the one-process model calls it: layers
+    renumbered from their ``layer_number``; the last stage's tied-embedding copy is named
+    ``word_embeddings.weight`` (the one-process model has none)."""
+    parts = name.split(".")
+    if "layers" in parts:
+        at = parts.index("layers") + 1
+        encoder = module.get_submodule(".".join(parts[:at]))
+        parts[at] = str(encoder[int(parts[at])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _gather_full_params(modules: torch.nn.Module | Sequence[torch.nn.Module]
+                        ) -> dict[str, torch.Tensor]:
+    """Every parameter of this rank's model chunk(s) as the unsharded fp32 tensor (TP slices
+    concatenated on their dim), under its one-process name."""
     from megatron.core import comm
 
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
-    for name, param in module.named_parameters():
-        value = param.detach().float().clone()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            value = torch.cat(comm.all_gather_list(value.contiguous(), tp_group),
-                              dim=param.partition_dim)
-        out[name] = value
+    for module in modules:
+        for name, param in module.named_parameters():
+            value = param.detach().float().clone()
+            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+                value = torch.cat(comm.all_gather_list(value.contiguous(), tp_group),
+                                  dim=param.partition_dim)
+            out[_global_name(module, name)] = value
     return out
+
+
+@torch.no_grad()
+def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
+    """Overwrite a stage's weights with the one-process run's initial ones: the whole model
+    built from ``--seed`` as a world of one builds it (TP-invariant: this rank's TP slices)."""
+    from megatron.config.core_configs import transformer_config
+    from megatron.core.models.gpt import GPTModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.model.seed)
+        whole = GPTModel(transformer_config(cfg),
+                         parallel_state.get_tensor_model_parallel_group())
+    reference = dict(whole.named_parameters())
+    embedding = "language_model.embedding.word_embeddings.weight"
+    for name, param in module.named_parameters():
+        source = _global_name(module, name)
+        param.copy_(reference[embedding if source == "word_embeddings.weight" else source])
 
 
 class _InfInjector:
@@ -148,6 +190,21 @@ class _InfInjector:
             return loss * math.inf, reported  # the logged loss stays finite: only grads blow up
 
         return output, poisoned
+
+
+class _GradInfInjector(_InfInjector):
+    """Multiplies the gradient reaching one rank's stage output by inf (the loss, and the
+    stages after it, stay finite): the inf appears on that pipeline stage alone."""
+
+    def __call__(self, data_iterator, model):
+        output, loss_func = self.forward_step(data_iterator, model)
+        if not torch.is_grad_enabled():
+            return output, loss_func
+        iteration = self.calls // self.num_microbatches + 1
+        self.calls += 1
+        if iteration in self.iterations and torch.distributed.get_rank() == self.rank:
+            output.register_hook(lambda grad: grad * math.inf)
+        return output, loss_func
 
 
 class _StepRecorder:
@@ -215,12 +272,16 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
 
     def model_provider(cfg, pre_process=True, post_process=True):
         module = pretrain_gpt.model_provider(cfg, pre_process, post_process)
+        if run.get("single_process_init"):
+            _copy_single_process_init(module, cfg)
         built.append(module)
         return module
 
     forward_step = pretrain_gpt.forward_step
     if run.get("inf_at") is not None:
         forward_step = _InfInjector(forward_step, *run["inf_at"])
+    if run.get("grad_inf_at") is not None:
+        forward_step = _GradInfInjector(forward_step, *run["grad_inf_at"])
     original = checkpointing._atomic_write
     if run.get("crash_save") is not None:
         checkpointing._atomic_write = _crashing_atomic_write(original, *run["crash_save"])
@@ -228,9 +289,17 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     saved_bucket_size = ddp_defaults["bucket_size"]
     if run.get("bucket_size") is not None:
         ddp_defaults["bucket_size"] = run["bucket_size"]
-    result: dict[str, Any] = {"history": [], "iteration": None, "params": None, "error": None}
-    train_step = loop.train_step
+    result: dict[str, Any] = {"history": [], "iteration": None, "params": None, "evals": [],
+                              "error": None}
+    train_step, evaluate = loop.train_step, loop.evaluate
     loop.train_step = _StepRecorder(train_step, result["history"])
+
+    def recording_evaluate(*args, **kwargs):
+        losses_ = evaluate(*args, **kwargs)
+        result["evals"].append(losses_)
+        return losses_
+
+    loop.evaluate = recording_evaluate
     start = time.perf_counter()
     try:
         state = pretrain(pretrain_gpt.datasets_provider, model_provider, forward_step,
@@ -241,13 +310,19 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
         result["error"] = f"{type(err).__name__}: {err}"
         return result
     finally:
-        loop.train_step = train_step
+        loop.train_step, loop.evaluate = train_step, evaluate
         checkpointing._atomic_write = original
         ddp_defaults["bucket_size"] = saved_bucket_size
     if run.get("params"):
         # Every rank's copy: replicas must agree too (a missed all-gather shows up here).
-        result["params"] = _gather_full_params(built[-1])
+        result["params"] = _gather_full_params(_last_model(built))
     return result
+
+
+def _last_model(built: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The chunks of the model pretrain() trained last (the provider's last calls)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return built[-(vpp or 1):]
 
 
 def run_pretrains(rank: int, world_size: int, runs: list[dict],

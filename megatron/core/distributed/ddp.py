@@ -53,10 +53,15 @@ DEFAULT_BUCKET_SIZE = 4_000_000
 
 
 class _ModuleStateDict(torch.nn.Module):
-    """State dict passthrough for a wrapper with a ``module``: checkpoints hold the bare
-    module's keys, whichever wrapper trained it."""
+    """State dict (and pipeline input) passthrough for a wrapper with a ``module``: checkpoints
+    hold the bare module's keys, whichever wrapper trained it."""
 
     module: torch.nn.Module
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """The activation from the previous pipeline stage, handed to the wrapped chunk (the
+        pipeline schedules call this on what they were given: the wrapper)."""
+        self.module.set_input_tensor(input_tensor)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)

@@ -1,7 +1,8 @@
 """Pieces every Megatron language model shares: the embedding + encoder container whose
 parameter names are Megatron-LM's checkpoint keys (``language_model.embedding.*``,
-``language_model.encoder.*``, ``language_model.output_layer.*``), the logits projection, and
-the legacy checkpoint-dict (de)nesting.
+``language_model.encoder.*``, BERT's ``language_model.pooler.*``,
+``language_model.output_layer.*``), the logits projection, and the legacy checkpoint-dict
+(de)nesting.
 
 Legend: s sequence, b batch, h hidden, V padded vocabulary, p TP size.
 """
@@ -11,23 +12,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core import device as device_mod
 from megatron.core.models.embedding import Embedding
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
-from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
 from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
-                       tp_group: ProcessGroup | None, parallel_output: bool = True
-                       ) -> torch.Tensor:
-    """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` -> ``[s, b, V/p]`` (or gathered
-    ``[s, b, V]``); a column-parallel linear whose weight is the (tied) word embedding."""
+                       tp_group: ProcessGroup | None, parallel_output: bool = True,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` (+ vocab-split ``bias [V/p]``,
+    BERT's LM head) -> ``[s, b, V/p]`` (or gathered ``[s, b, V]``); a column-parallel linear
+    whose weight is the (tied) word embedding."""
     hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-    logits = F.linear(hidden, weight)  # [s, b, V/p]
+    logits = F.linear(hidden, weight, bias)  # [s, b, V/p]
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]
@@ -42,6 +45,35 @@ def is_plain_causal_mask(mask: torch.Tensor) -> bool:
     return bool(torch.equal(mask.to(torch.bool), ref.expand_as(mask)))
 
 
+def replicated_linear(in_features: int, out_features: int, config: TransformerConfig
+                      ) -> torch.nn.Linear:
+    """Megatron's ``get_linear_layer``: a plain ``Linear`` whole on every TP rank, built on the
+    CPU (so torch's own init draws from the default generator, as in Megatron), then weight
+    N(0, ``init_method_std``) and bias zero. The draws are the same on all TP ranks, so TP = 1
+    and TP = 2 build the same model. BERT's pooler and heads use it."""
+    layer = torch.nn.Linear(in_features, out_features,
+                            dtype=tp_layers.master_dtype(config.params_dtype))
+    tp_layers.init_method_normal(config.init_method_std)(layer.weight.data)
+    layer.bias.data.zero_()
+    layer.to(dtype=config.params_dtype, device=device_mod.get_device())
+    for param in layer.parameters():
+        set_defaults_if_not_set(param)
+    return layer
+
+
+class Pooler(torch.nn.Module):
+    """BERT's pooler (Megatron's ``Pooler``): the hidden state of one position (the first,
+    ``[CLS]``) -> dense -> tanh. State-dict names: ``dense.weight``, ``dense.bias``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.dense = replicated_linear(config.hidden_size, config.hidden_size, config)
+
+    def forward(self, hidden: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+        """``hidden [s, b, h]`` -> ``[b, h]``."""
+        return torch.tanh(self.dense(hidden[sequence_index]))
+
+
 class TransformerLanguageModel(torch.nn.Module):
     """Embedding (first pipeline stage), encoder, and the untied output layer (last stage).
 
@@ -53,12 +85,14 @@ class TransformerLanguageModel(torch.nn.Module):
         num_layers: layers on this stage (default all).
         layer_offset: global index of this stage's first layer.
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
+        add_pooler: the last stage also returns the pooled first position (BERT with its
+            binary head): ``forward`` then returns ``(hidden, pooled)``.
     """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, layer_offset: int = 0,
-                 attn_mask_type: AttnMaskType = "causal") -> None:
+                 attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False) -> None:
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = Embedding(config, tp_group) if pre_process else None
@@ -66,6 +100,8 @@ class TransformerLanguageModel(torch.nn.Module):
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
                                         attn_mask_type=attn_mask_type)
+        # Built after the encoder, as Megatron's, so the default generator's draws match.
+        self.pooler = Pooler(config) if post_process and add_pooler else None
         self.output_layer = None
         if post_process and config.untie_embeddings_and_output_weights:
             self.output_layer = tp_layers.ColumnParallelLinear(
@@ -78,21 +114,30 @@ class TransformerLanguageModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 attention_mask: torch.Tensor | None,
-                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``[b, s]`` ids -> hidden ``[s, b, h]`` (final-LayerNorm-ed on the last stage)."""
+                tokentype_ids: torch.Tensor | None = None,
+                inference_params=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[b, s]`` ids -> hidden ``[s, b, h]`` (final-LayerNorm-ed on the last stage);
+        ``inference_params``: the generation KV cache. With a pooler (BERT's last stage):
+        ``(hidden [s, b, h], pooled [b, h])``."""
         hidden = None
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s, b, h]
-        return self.encoder(hidden, attention_mask)
+        hidden = self.encoder(hidden, attention_mask, inference_params)
+        if self.pooler is None:
+            return hidden
+        return hidden, self.pooler(hidden)
 
     def state_dict_for_save_checkpoint(self) -> dict:
         """Megatron-LM's nested layout: ``embedding`` -> ``{word_embeddings: {weight}, ...}``,
-        ``encoder`` -> flat ``{'layers.0....': tensor}``, ``output_layer`` -> ``{weight}``."""
+        ``encoder`` -> flat ``{'layers.0....': tensor}``, ``pooler`` -> ``{dense.weight, ...}``,
+        ``output_layer`` -> ``{weight}``."""
         out: dict = {}
         if self.embedding is not None:
             out["embedding"] = {name: module.state_dict()
                                 for name, module in self.embedding.named_children()}
         out["encoder"] = self.encoder.state_dict()
+        if self.pooler is not None:
+            out["pooler"] = self.pooler.state_dict()
         if self.output_layer is not None:
             out["output_layer"] = self.output_layer.state_dict()
         return out

@@ -56,6 +56,7 @@ class LanguageModule(torch.nn.Module):
         parallel_output: logits stay vocab-split ``[b, s, V/p]`` (else gathered ``[b, s, V]``).
         num_layers: layers on this stage (default all).
         layer_offset: global index of this stage's first layer.
+        add_pooler: the language model's last stage also pools the first position (BERT).
     """
 
     checkpoint_name: ClassVar[str] = "language model"
@@ -65,7 +66,7 @@ class LanguageModule(torch.nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, num_layers: int | None = None,
-                 layer_offset: int = 0) -> None:
+                 layer_offset: int = 0, add_pooler: bool = False) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -76,7 +77,7 @@ class LanguageModule(torch.nn.Module):
         self.language_model = TransformerLanguageModel(
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
-            attn_mask_type=self.attn_mask_type)
+            attn_mask_type=self.attn_mask_type, add_pooler=add_pooler)
         self.word_embeddings = self._init_word_embeddings()
         self.set_parameter_defaults()
 
@@ -133,7 +134,7 @@ class LanguageModule(torch.nn.Module):
     # Forward -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                tokentype_ids: torch.Tensor | None = None):
+                tokentype_ids: torch.Tensor | None = None, inference_params=None):
         """Run this stage: the language model, then (last stage) the subclass's head.
 
         Args:
@@ -142,6 +143,8 @@ class LanguageModule(torch.nn.Module):
             attention_mask: as :meth:`prepare_attention_mask` takes it.
             labels: ``[b, s]`` target ids, or None.
             tokentype_ids: ``[b, s]`` segment ids (models with ``num_tokentypes``).
+            inference_params: the generation KV cache
+                (:class:`~megatron.core.inference_params.InferenceParams`), or None.
 
         Returns:
             On a non-last pipeline stage the hidden states ``[s, b, h]``; else what
@@ -149,7 +152,7 @@ class LanguageModule(torch.nn.Module):
         """
         attention_mask = self.prepare_attention_mask(attention_mask)
         hidden = self.language_model(input_ids, position_ids, attention_mask,
-                                     tokentype_ids)  # [s, b, h]
+                                     tokentype_ids, inference_params)  # [s, b, h]
         if not self.post_process:
             return hidden
         return self.post_language_model_processing(hidden, labels)
@@ -270,18 +273,31 @@ def initialize_word_embeddings(model: LanguageModule, embedding_group: ProcessGr
     comm.all_reduce(weight.data, embedding_group, "sum")
 
 
-def pipeline_stage_layers(num_layers: int, pipeline_size: int, pipeline_rank: int
+def pipeline_stage_layers(num_layers: int, pipeline_size: int, pipeline_rank: int,
+                          virtual_size: int | None = None, virtual_rank: int | None = None
                           ) -> tuple[int, int]:
-    """``(layers on the stage, global index of its first layer)``: an even split.
+    """``(layers on the model chunk, global index of its first layer)``: an even split.
+
+    Without virtual stages chunk ``pipeline_rank`` holds ``L / pp`` layers from
+    ``pipeline_rank * L / pp``. With ``virtual_size`` chunks per stage (the interleaved schedule)
+    the model is cut into ``pp * vp`` chunks of ``L / (pp * vp)`` layers dealt round-robin: chunk
+    ``virtual_rank`` of stage ``pipeline_rank`` starts at Megatron's
+    ``virtual_rank * (L / vp) + pipeline_rank * L / (pp * vp)``.
 
     Raises:
-        ValueError: ``num_layers`` is not a multiple of ``pipeline_size``.
+        ValueError: the layers do not split evenly over the chunks.
     """
-    if num_layers % pipeline_size != 0:
-        raise ValueError(f"num_layers ({num_layers}) is not divisible by the pipeline size "
-                         f"({pipeline_size}): give every stage the same number of layers")
-    per_stage = num_layers // pipeline_size
-    return per_stage, pipeline_rank * per_stage
+    chunks = pipeline_size * (virtual_size or 1)
+    if num_layers % chunks != 0:
+        what = f"the pipeline size ({pipeline_size})" if virtual_size is None else \
+            f"the pipeline size ({pipeline_size}) x virtual stages ({virtual_size})"
+        raise ValueError(f"num_layers ({num_layers}) is not divisible by {what}: give every "
+                         "model chunk the same number of layers")
+    per_chunk = num_layers // chunks
+    if virtual_size is None:
+        return per_chunk, pipeline_rank * per_chunk
+    return per_chunk, (virtual_rank or 0) * (num_layers // virtual_size) + \
+        pipeline_rank * per_chunk
 
 
 def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
@@ -306,13 +322,18 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
         tp_group = parallel_state.get_tensor_model_parallel_group()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    num_layers, layer_offset = pipeline_stage_layers(config.num_layers, pp, pp_rank)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vpp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    num_layers, layer_offset = pipeline_stage_layers(config.num_layers, pp, pp_rank, vpp,
+                                                     vpp_rank)
     if pre_process is None:
-        pre_process = pp_rank == 0
+        pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
-        post_process = pp_rank == pp - 1
+        post_process = parallel_state.is_pipeline_last_stage()
     model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
                       num_layers=num_layers, layer_offset=layer_offset, **kwargs)
-    if pp > 1 and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+    # With virtual stages only the chunk holding the embedding (chunk 0 of stage 0) or the head
+    # (last chunk of the last stage) is in the group; each member rank joins the sum once.
+    if pp > 1 and parallel_state.is_rank_in_embedding_group() and (pre_process or post_process):
         initialize_word_embeddings(model, parallel_state.get_embedding_group())
     return model

@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
@@ -152,6 +153,7 @@ class SelfAttention(torch.nn.Module):
         projection = config.kv_channels * config.num_attention_heads
         self.heads_per_partition = divide(config.num_attention_heads, tp)
         self.head_dim = config.kv_channels
+        self.layer_number = layer_number  # names this layer's KV cache
         # Full QKV weight rows are ordered [np, 3, hn] (checkpoint version >= 2.0), so a
         # contiguous split over TP ranks hands each rank whole heads with their q, k and v.
         self.query_key_value = tp_layers.ColumnParallelLinear(
@@ -168,15 +170,34 @@ class SelfAttention(torch.nn.Module):
             params_dtype=config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                inference_params: InferenceParams | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias)."""
+        """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias).
+
+        With ``inference_params`` (generation) this step's keys and values are appended to the
+        layer's cache and the queries attend to every cached position (see
+        :mod:`megatron.core.inference_params`).
+        """
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np*3*hn]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.head_dim)  # [s, b, np, 3hn]
         query, key, value = torch.split(mixed, self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
+        if inference_params is not None:
+            key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, np, hn]
+            attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)
         if self.checkpoint_core_attention and self.training:
             # Selective recompute: the s^2 scores are the memory hog, cheap to recompute.
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, hp]
         return self.dense(context)
+
+    def _cached_causal_mask(self, attention_mask: torch.Tensor | None, sq: int, sk: int,
+                            device: torch.device) -> torch.Tensor | None:
+        """The mask of ``sq`` new queries over ``sk`` cached keys: the new queries are the last
+        ``sq`` positions, so the causal mask is the bottom ``sq`` rows of the ``sk x sk`` one
+        (SDPA's ``is_causal`` aligns top-left, which is wrong once ``sq < sk``)."""
+        if attention_mask is not None or self.core_attention.attn_mask_type != "causal" \
+                or sq == sk:
+            return attention_mask
+        return causal_mask(sk, device)[..., sk - sq:, :]  # [1, 1, sq, sk]

@@ -53,15 +53,17 @@ class TransformerBlock(torch.nn.Module):
         self.input_tensor = input_tensor
 
     def forward(self, hidden_states: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage)."""
+                attention_mask: torch.Tensor | None = None,
+                inference_params=None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``inference_params``
+        is the generation KV cache, passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, inference_params)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -50,12 +50,13 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(config, tp_group)
 
     def forward(self, hidden_states: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]``."""
+                attention_mask: torch.Tensor | None = None,
+                inference_params=None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``inference_params``: the generation KV cache)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         p = self.config.hidden_dropout
         ln_out = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask)
+        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params)
         residual = ln_out if post_ln_residual else hidden_states
         ln_in = bias_dropout_add(attn_out, attn_bias, residual, p, self.training)
 

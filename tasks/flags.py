@@ -1,0 +1,35 @@
+"""Megatron-LM's ``tasks`` flag section (``tasks/main.py``'s ``get_tasks_args``), typed.
+
+Every task reads it with ``cfg.section(TaskFlags)``; a task that needs more flags adds them here
+(Megatron-LM has one section for all tasks) and documents which tasks read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.config.base import spec
+
+
+@dataclasses.dataclass(kw_only=True)
+class TaskFlags:
+    """Which task, its data, and its evaluation options."""
+
+    task: str | None = None
+    """Task name (required): WIKITEXT103, LAMBADA."""
+    valid_data: list[str] | None = spec(None, nargs="*")
+    """Path(s) to the validation data (the zero-shot tasks take exactly one file)."""
+    pretrained_checkpoint: str | None = None
+    """Pretrained checkpoint to start from; the zero-shot tasks evaluate it when --load is not
+    given."""
+    overlapping_eval: int = 32
+    """Sliding window for overlapping evaluation (WIKITEXT103): each window after the first
+    scores only its last this-many targets (1 <= value <= --seq-length)."""
+    strict_lambada: bool = False
+    """Use the more difficult formulation of LAMBADA: the whole last word (all its tokens) must
+    be predicted, not only its last token."""
+    eval_micro_batch_size: int | None = None
+    """Evaluation batch size per model instance (default: --micro-batch-size)."""
+
+
+TOOL_SECTIONS = [(TaskFlags, "tasks")]

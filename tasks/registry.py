@@ -1,0 +1,57 @@
+"""The tasks ``tasks/main.py --task`` runs, by name.
+
+A task is a function ``run(argv: list[str]) -> result`` that parses the command line itself
+(the common :class:`~tasks.flags.TaskFlags` plus the model, tokenizer and checkpoint flags),
+initializes, and reports its results. Its module is imported only when the task is chosen, so a
+task's dependencies cost nothing to the others. Add a task with one :func:`register` line in
+the table at the bottom (Megatron-LM's ``tasks/main.py`` chain of ``if args.task == ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A registered task: its name, the ``module:function`` that runs it, and a summary."""
+
+    name: str
+    target: str
+    summary: str
+
+    def load(self) -> Callable[[list[str]], object]:
+        """Import the task's module and return its run function."""
+        module, function = self.target.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(name: str, target: str, summary: str) -> None:
+    """Add task ``name`` (run by ``target``, ``"package.module:function"``)."""
+    if name in TASKS:
+        raise ValueError(f"task {name} is registered twice")
+    TASKS[name] = Task(name, target, summary)
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"--task {name} is not a task this framework has: choose one of "
+                         f"{', '.join(sorted(TASKS))}") from None
+
+
+register("WIKITEXT103", "tasks.zeroshot_gpt.evaluate:run_wikitext",
+         "zero-shot perplexity of a GPT on a word-level WikiText (or PTB) file")
+register("LAMBADA", "tasks.zeroshot_gpt.evaluate:run_lambada",
+         "zero-shot last-word accuracy of a GPT on LAMBADA (jsonl)")

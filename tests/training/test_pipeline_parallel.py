@@ -1,0 +1,290 @@
+"""Pipeline parallelism through ``pretrain()`` equals one process (issue 11).
+
+A GPT of 8 layers (hidden 64, GPT-2 vocabulary padded to 50304, seq 32, global batch 4 of
+micro-batches of 1, fp32, dropout 0) trains for 6 iterations in every layout below and must give
+the one-process loss at every iteration (on the last pipeline stage, which holds it) to 1e-5 and
+the same final parameters (every stage's, TP-gathered, renumbered to global layers, merged) to
+2e-5. Megatron seeds stage ``p`` with ``seed + 100 p``, so each stage starts from the one-process
+run's initial weights (``single_process_init``): the same starting point, as Megatron's own
+equivalence runs load one seed checkpoint.
+
+Layouts: PP=2, PP=4 (tied and untied embeddings), PP=2 x VPP=2, PP=4 x VPP=2, TP=2 x PP=2 (also
+with the distributed optimizer and with block recomputation), TP=2 x PP=2 x DP=2 (also with the
+distributed optimizer and uniform recomputation). Plus: fp16 with an inf on one stage skips the
+step everywhere; exact resume at PP=2 and PP=2 x VPP=2; evaluation; a checkpoint of another
+pipeline split is refused; ``pretrain_gpt.py`` under torchrun at PP=2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.checkpointing import CheckpointError
+from tests.training import e2e
+
+REPO = Path(__file__).resolve().parents[2]
+ITERS = 6
+LAYERS = ["--num-layers", "8"]
+SHAPE = {"iters": ITERS, "seq": 32, "mbs": 1, "gbs": 4}
+EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
+LOSS_TOL = 1e-5
+PARAM_TOL = 2e-5
+RESUME_TOL = 1e-6
+UNTIED = ["--untie-embeddings-and-output-weights"]
+EMBEDDING = "language_model.embedding.word_embeddings.weight"
+HEAD_COPY = "word_embeddings.weight"
+
+
+def _pp(pp: int, vpp_layers: int | None = None) -> list[str]:
+    flags = ["--pipeline-model-parallel-size", str(pp)]
+    if vpp_layers is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    return flags
+
+
+def _run(corpus, tp: int = 1, extra=(), init: bool = True, **shape) -> dict:
+    argv = e2e.gpt_argv(corpus, tp=tp, **{**SHAPE, **shape}, extra=[*LAYERS, *extra])
+    return {"argv": argv, "params": True, "single_process_init": init}
+
+
+# name: (TP, extra flags); PP (and VPP) in the flags, DP = world / (TP x PP).
+_TWO = {"pp2": (1, [*_pp(2), *EVAL]),
+        "pp2_untied": (1, [*_pp(2), *UNTIED]),
+        "pp2_vpp2": (1, [*_pp(2, 2), *EVAL])}
+_FOUR = {"pp4": (1, [*_pp(4), *EVAL]),
+         "pp4_untied": (1, [*_pp(4), *UNTIED]),
+         "pp4_vpp2": (1, _pp(4, 1)),
+         "tp2pp2": (2, _pp(2)),
+         "tp2pp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
+         "tp2pp2_recompute_block": (2, [*_pp(2), "--recompute-granularity", "full",
+                                        "--recompute-method", "block",
+                                        "--recompute-num-layers", "2"])}
+_EIGHT = {"tp2pp2dp2": (2, _pp(2)),
+          "tp2pp2dp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
+          "tp2pp2dp2_recompute": (2, [*_pp(2), "--recompute-granularity", "full",
+                                      "--recompute-method", "uniform",
+                                      "--recompute-num-layers", "1"])}
+
+
+@pytest.fixture(scope="module")
+def single(gpt2_corpus):
+    runs = {"tied": _run(gpt2_corpus, extra=EVAL, init=False),
+            "untied": _run(gpt2_corpus, extra=UNTIED, init=False),
+            # The single-process init replayed at PP=1 is the plain init (the helper is sound).
+            "tied_replayed_init": _run(gpt2_corpus, extra=EVAL)}
+    results = e2e.pooled(1, list(runs.values()))
+    return {name: result[0] for name, result in zip(runs, results)}
+
+
+def _pooled(corpus, world: int, layouts: dict) -> dict:
+    runs = [_run(corpus, tp=tp, extra=extra) for tp, extra in layouts.values()]
+    return dict(zip(layouts, e2e.pooled(world, runs)))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(gpt2_corpus):
+    return _pooled(gpt2_corpus, 4, _FOUR)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(gpt2_corpus):
+    return _pooled(gpt2_corpus, 8, _EIGHT)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(gpt2_corpus, tmp_path_factory):
+    """The PP=2 layouts, fp16 with an inf on stage 0, resume and a mismatched load."""
+    runs = {name: _run(gpt2_corpus, tp=tp, extra=extra) for name, (tp, extra) in _TWO.items()}
+    # Stage 0 (rank 0) alone gets an inf gradient at iteration 3: its loss stays finite.
+    runs["pp2_fp16_inf"] = {"argv": e2e.gpt_argv(gpt2_corpus, **SHAPE, extra=[
+        *LAYERS, *_pp(2), "--fp16", "--initial-loss-scale", "1024"]),
+        "grad_inf_at": ([3], 0, 4)}
+    saves = {}
+    for name, pipeline in (("pp2", _pp(2)), ("pp2_vpp2", _pp(2, 2))):
+        save = saves[name] = str(tmp_path_factory.mktemp(f"pipeline_resume_{name}"))
+        # Dropout on: every stage's RNG streams must come back too.
+        common = dict(dropout=0.1, extra=[*pipeline, "--save", save, "--save-interval", "3"])
+        runs[f"{name}_straight"] = _run(gpt2_corpus, **common)
+        runs[f"{name}_resumed"] = _run(gpt2_corpus, dropout=0.1, extra=[
+            *pipeline, "--load", save, "--ckpt-step", "3"])
+    mismatched = {"pp1_loads_pp2": [], "pp2_loads_pp2_vpp2": _pp(2),
+                  "pp2_vpp2_loads_pp2": _pp(2, 2)}
+    for name, pipeline in mismatched.items():
+        source = "pp2_vpp2" if name.endswith("vpp2") else "pp2"
+        runs[name] = _run(gpt2_corpus, dropout=0.1,
+                          extra=[*pipeline, "--load", saves[source], "--ckpt-step", "3"])
+    results = e2e.pooled(2, list(runs.values()), expect_error=(CheckpointError,))
+    return {**dict(zip(runs, results)), "save_dirs": saves}
+
+
+# ---------------------------------------------------------------------------------------------
+def _last_stage(run_ranks: list[dict]) -> list[dict]:
+    """The ranks that hold the loss (their history has it)."""
+    out = [r for r in run_ranks if r["history"] and "lm loss" in r["history"][0]]
+    assert out, "no rank reported a loss"
+    return out
+
+
+def _merged_params(run_ranks: list[dict]) -> dict:
+    """One dict of the whole model from every stage's ranks; every rank's copy of a name must
+    agree (TP and DP replicas), and the last stage's tied-embedding copy must equal stage 0's
+    embedding (then dropped: the one-process model has none)."""
+    merged: dict = {}
+    for rank, result in enumerate(run_ranks):
+        for name, value in result["params"].items():
+            if name in merged:
+                diff = float((merged[name] - value).abs().max())
+                assert diff == 0.0, f"rank {rank}: replicas of {name} differ by {diff:.3g}"
+            else:
+                merged[name] = value
+    if HEAD_COPY in merged:
+        diff = float((merged.pop(HEAD_COPY) - merged[EMBEDDING]).abs().max())
+        assert diff <= 1e-6, f"the last stage's copy of the tied embedding drifted by {diff:.3g}"
+    return merged
+
+
+def _assert_same_training(reference: dict, run_ranks: list[dict], what: str) -> None:
+    ref = e2e.losses(reference)
+    assert len(ref) == ITERS and not any(h["skipped"] for h in reference["history"])
+    assert ref[-1] < ref[0] - 0.1, f"the reference run did not train: {ref}"
+    for result in _last_stage(run_ranks):
+        diff = e2e.max_abs_diff(ref, e2e.losses(result))
+        assert diff <= LOSS_TOL, (f"{what}: loss differs from one process by {diff:.3g}\n"
+                                  f"  reference {ref}\n  {what} {e2e.losses(result)}")
+    for rank, result in enumerate(run_ranks):
+        ref_norms = [h["grad norm"] for h in reference["history"]]
+        norms = [h["grad norm"] for h in result["history"]]
+        assert e2e.max_abs_diff(ref_norms, norms) <= 1e-4, (what, rank, ref_norms, norms)
+    diff = e2e.max_param_diff(reference["params"], _merged_params(run_ranks))
+    assert diff <= PARAM_TOL, f"{what}: final parameters differ by {diff:.3g}"
+
+
+def _reference(single: dict, layout: str) -> dict:
+    return single["untied" if "untied" in layout else "tied"]
+
+
+def test_single_process_init_replays_the_plain_init(single):
+    """The test helper that starts stages from the one-process weights changes nothing at
+    PP=1 (the same losses and parameters, bit for bit)."""
+    plain, replayed = single["tied"], single["tied_replayed_init"]
+    assert e2e.losses(plain) == e2e.losses(replayed)
+    assert e2e.max_param_diff(plain["params"], replayed["params"]) == 0.0
+
+
+@pytest.mark.parametrize("layout", list(_TWO))
+def test_two_stages_equal_single_process(single, two_ranks, layout):
+    """PP=2 (tied, untied) and PP=2 x VPP=2 (interleaved)."""
+    _assert_same_training(_reference(single, layout), two_ranks[layout], layout)
+
+
+@pytest.mark.parametrize("layout", list(_FOUR))
+def test_four_ranks_equal_single_process(single, four_ranks, layout):
+    """PP=4 (tied, untied), PP=4 x VPP=2, TP=2 x PP=2 (plain, distributed optimizer, block
+    recomputation of 2 of each stage's 4 layers)."""
+    _assert_same_training(_reference(single, layout), four_ranks[layout], layout)
+
+
+@pytest.mark.parametrize("layout", list(_EIGHT))
+def test_eight_ranks_equal_single_process(single, eight_ranks, layout):
+    """TP=2 x PP=2 x DP=2 (plain, distributed optimizer, uniform recomputation)."""
+    _assert_same_training(_reference(single, layout), eight_ranks[layout], layout)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+def test_evaluation_equals_single_process(single, two_ranks, four_ranks, layout):
+    """Validation losses (at iterations 3, 6 and the end) come from the last stage and equal
+    one process's; the other stages report none, as Megatron prints them from the last rank."""
+    ref = [d["lm loss"] for d in single["tied"]["evals"]]
+    assert len(ref) == 3
+    for run_ranks in (two_ranks[layout], four_ranks["pp4"]):
+        last = _last_stage(run_ranks)
+        for result in run_ranks:
+            if result in last:
+                got = [d["lm loss"] for d in result["evals"]]
+                assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
+            else:
+                assert all(d == {} for d in result["evals"]) and len(result["evals"]) == 3
+
+
+def test_fp16_inf_on_one_stage_skips_the_step_on_every_stage(two_ranks):
+    """An inf gradient on stage 0 alone (stage 1's are finite) skips iteration 3 on both stages
+    (found-inf is reduced over the model-parallel group)."""
+    ranks = two_ranks["pp2_fp16_inf"]
+    for rank, result in enumerate(ranks):
+        skipped = [int(h["skipped"]) for h in result["history"]]
+        assert skipped == [0, 0, 1, 0, 0, 0], (rank, skipped)
+    losses = e2e.losses(_last_stage(ranks)[0])
+    assert all(v == v and abs(v) < 20 for v in losses), losses
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+def test_resume_is_exact(two_ranks, layout):
+    """Saved at iteration 3 (``mp_rank_00_00P`` shards, ``model0``/``model1`` with virtual
+    stages), resumed: iterations 4-6 give the straight run's losses (dropout on)."""
+    straight, resumed = two_ranks[f"{layout}_straight"], two_ranks[f"{layout}_resumed"]
+    for s, r in zip(_last_stage(straight), _last_stage(resumed)):
+        assert r["iteration"] == ITERS and len(r["history"]) == ITERS - 3
+        diff = e2e.max_abs_diff(e2e.losses(s)[3:], e2e.losses(r))
+        assert diff <= RESUME_TOL, (layout, e2e.losses(s), e2e.losses(r))
+    for s, r in zip(straight, resumed):
+        assert e2e.max_param_diff(s["params"], r["params"]) <= RESUME_TOL
+
+
+def test_checkpoint_layout_on_disk(two_ranks):
+    """Megatron's names: one ``mp_rank_TT_PPP`` directory per stage; ``model0``/``model1``
+    entries with virtual stages, each chunk with its stage-local layer numbers."""
+    from megatron.checkpointing import load_checkpoint_file
+
+    for name, keys in (("pp2", ["model"]), ("pp2_vpp2", ["model0", "model1"])):
+        iteration_dir = Path(two_ranks["save_dirs"][name]) / "iter_0000003"
+        shards = sorted(p.name for p in iteration_dir.iterdir() if p.is_dir())
+        assert shards == ["mp_rank_00_000", "mp_rank_00_001"], shards
+        for shard in shards:
+            sd = load_checkpoint_file(iteration_dir / shard / "model_optim_rng.pt")
+            assert [k for k in sd if k.startswith("model")] == keys, (name, list(sd))
+            encoder = sd[keys[-1]]["language_model"]["encoder"]
+            layers = sorted({int(k.split(".")[1]) for k in encoder if k.startswith("layers.")})
+            assert layers == list(range(8 // (2 * len(keys)))), (name, shard, layers)
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("pp1_loads_pp2", ["--pipeline-model-parallel-size: checkpoint 2, flags 1"]),
+    ("pp2_loads_pp2_vpp2", ["--num-layers-per-virtual-pipeline-stage: checkpoint 2, flags not "
+                            "set"]),
+    ("pp2_vpp2_loads_pp2", ["--num-layers-per-virtual-pipeline-stage: checkpoint not set, "
+                            "flags 2"])])
+def test_other_pipeline_split_is_refused(two_ranks, name, flags):
+    """A checkpoint of another PP size or virtual split is refused, naming the flags and the
+    converter."""
+    for result in two_ranks[name]:
+        assert result["error"] is not None and result["error"].startswith("CheckpointError")
+        for text in [*flags, "tools/checkpoint/convert.py"]:
+            assert text in result["error"], (text, result["error"])
+
+
+def test_pretrain_gpt_cli_pipeline_parallel(gpt2_corpus, tmp_path):
+    """``torchrun --nproc-per-node 2 pretrain_gpt.py ... --pipeline-model-parallel-size 2``: the
+    log line (with the loss) comes from the last stage; the run exits 0."""
+    argv = e2e.gpt_argv(gpt2_corpus, iters=2, seq=16, mbs=1, gbs=2,
+                        extra=[*_pp(2), "--log-interval", "1"])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), str(REPO / "pretrain_gpt.py"), *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "pipeline model parallel with size 2" in out
+    assert out.count("lm loss:") == 2, out[-4000:]
+
+
+def _free_port() -> int:
+    from bench.launch import free_port
+
+    return free_port()

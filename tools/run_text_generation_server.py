@@ -1,0 +1,136 @@
+"""Serve a checkpoint over HTTP: Megatron's ``PUT /api``, an OpenAI-style ``POST /v1/completions``
+(with streaming) and a web page at ``/``.
+
+    torchrun --nproc-per-node 2 tools/run_text_generation_server.py --load ckpt/ \
+        --use-checkpoint-args --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json \
+        --merge-file merges.txt --port 5000
+
+Rank 0 serves HTTP on ``--host`` (127.0.0.1 unless given; Megatron binds 0.0.0.0) and
+broadcasts each request to the other ranks, which run it with it (tensor parallelism).
+``tools/text_generation_cli.py 127.0.0.1:5000`` is the interactive client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron.config import parse_args  # noqa: E402
+from megatron.core import comm, device  # noqa: E402
+from megatron.core.log import log_rank_0  # noqa: E402
+from megatron.text_generation.api import (follow_requests, lead_request,  # noqa: E402
+                                          stop_followers)
+from megatron.text_generation.server.engine import GenerationEngine  # noqa: E402
+from megatron.training import fault  # noqa: E402
+from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.training.initialize import (  # noqa: E402
+    build_tokenizer_from_config, initialize_megatron)
+from megatron.training.models import gpt_model_from  # noqa: E402
+from tools.generate import check_checkpoint_flags  # noqa: E402
+
+_PROG = "tools/run_text_generation_server.py"
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerFlags:
+    """Where and how to serve."""
+
+    host: str = "127.0.0.1"
+    """Address to bind (Megatron binds 0.0.0.0; give --host 0.0.0.0 to serve other machines)."""
+    port: int = 5000
+    """Port to serve on (0 picks a free one; the log says which)."""
+    max_queue_size: int = 16
+    """Requests that may wait while one runs; more get 503."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body accepted (larger: 413)."""
+    kv_cache: bool = True
+    """Keep keys and values between steps (--no-kv-cache recomputes every step: slower, for
+    checking)."""
+
+
+TOOL_SECTIONS = [(ServerFlags, "text generation server")]
+
+
+def check_server_flags(ex: ServerFlags) -> None:
+    """Raises: ValueError naming the flag."""
+    if not 0 <= ex.port <= 65535:
+        raise ValueError(f"--port ({ex.port}) must be in [0, 65535]")
+    if ex.max_queue_size < 1:
+        raise ValueError(f"--max-queue-size ({ex.max_queue_size}) must be >= 1")
+    if ex.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes ({ex.max_request_bytes}) must be >= 1024")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
+    try:
+        check_server_flags(flags.section(ServerFlags))
+        check_checkpoint_flags(flags.checkpoint.load, flags.checkpoint.ckpt_step,
+                               flags.checkpoint.random_weights)
+    except ValueError as err:
+        raise SystemExit(f"{_PROG}: error: {err}") from None
+    extra = [] if flags.checkpoint.random_weights else \
+        ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
+    cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise SystemExit(f"{_PROG}: error: --pipeline-model-parallel-size > 1 is not supported "
+                         "by text generation yet: serve the checkpoint with one stage")
+    ex = cfg.section(ServerFlags)
+    tokenizer = build_tokenizer_from_config(cfg)
+    model = gpt_model_from(cfg).to(device.get_device())
+    if not cfg.checkpoint.random_weights:
+        load_checkpoint([model], None, None, cfg)
+    model.eval()
+    group, src = comm.world_group(), 0
+    common = dict(max_sequence_length=cfg.model.max_position_embeddings,
+                  use_kv_cache=ex.kv_cache, group=group, src=src)
+    if comm.rank(group) != src:
+        follow_requests(model, tokenizer, **common)
+    else:
+        serve(model, tokenizer, ex, common)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
+    """Rank 0: HTTP until SIGINT/SIGTERM, then stop the other ranks."""
+    from werkzeug.serving import make_server
+
+    from megatron.text_generation.server.app import create_app
+
+    engine = GenerationEngine(
+        lambda request, on_step: lead_request(model, tokenizer, request, on_step=on_step,
+                                              **common),
+        max_queue=ex.max_queue_size)
+    app = create_app(engine, tokenizer, max_sequence_length=common["max_sequence_length"],
+                     max_body_bytes=ex.max_request_bytes)
+    server = make_server(ex.host, ex.port, app, threaded=True)
+    stop = threading.Event()
+
+    def shutdown(*_):
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGINT, shutdown)
+    signal.signal(signal.SIGTERM, shutdown)
+    log_rank_0(f"serving on http://{ex.host}:{server.server_port} (PUT /api, "
+               "POST /v1/completions, web page at /)")
+    try:
+        server.serve_forever()
+    finally:
+        engine.close()
+        stop_followers(common["group"], common["src"])
+        log_rank_0("server stopped")
+
+
+if __name__ == "__main__":
+    fault.run_rank(main)
