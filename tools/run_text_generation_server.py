@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     group, src = comm.world_group(), 0
     common = dict(max_sequence_length=cfg.model.max_position_embeddings,
-                  use_kv_cache=ex.kv_cache, group=group, src=src)
+                  use_kv_cache=ex.kv_cache, mp_group=group, src=src)
     if comm.rank(group) != src:
         follow_requests(model, tokenizer, **common)
     else:
@@ -128,7 +128,7 @@ def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
         server.serve_forever()
     finally:
         engine.close()
-        stop_followers(common["group"], common["src"])
+        stop_followers(common["mp_group"], common["src"])
         log_rank_0("server stopped")
 
 

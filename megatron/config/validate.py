@@ -30,6 +30,8 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     ("model", "init_method_xavier_uniform"): "--init-method-xavier-uniform",
     ("parallel", "sequence_parallel"): "--sequence-parallel",
     ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
+    # Interleaved schedule only (dropped without it, as Megatron-LM does): p2p runs blocking.
+    ("parallel", "overlap_p2p_comm"): "--overlap-p2p-communication",
     ("parallel", "standalone_embedding_stage"): "--standalone-embedding-stage",
     ("parallel", "pipeline_model_parallel_split_rank"): "--pipeline-model-parallel-split-rank",
     ("data", "retriever_seq_length"): "--retriever-seq-length",

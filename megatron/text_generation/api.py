@@ -2,7 +2,7 @@
 ``generate_and_post_process`` / ``beam_search_and_post_process`` and the server's command loop).
 
 The rank serving requests (``src``, global rank 0) owns each request and broadcasts it to the
-other ranks of ``group``, which wait in :func:`follow_requests` (Megatron's GENERATE / BEAM
+other ranks of ``mp_group``, which wait in :func:`follow_requests` (Megatron's GENERATE / BEAM
 SEARCH command loop); then every rank tokenizes it identically and runs the same generation
 steps, so the request's options (the random seed included) are settled before the broadcast.
 """
@@ -97,10 +97,10 @@ def settle_seed(request: GenerationRequest) -> GenerationRequest:
 
 def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *,
                 max_sequence_length: int, use_kv_cache: bool = True,
-                group: ProcessGroup | None = None, src: int = 0,
+                mp_group: ProcessGroup | None = None, src: int = 0,
                 on_step: Callable[[StepReport], list[bool] | None] | None = None
                 ) -> GenerationResult:
-    """Run ``request`` (on every rank of ``group``; ``on_step`` is called on ``src`` only).
+    """Run ``request`` (on every rank of ``mp_group``; ``on_step`` is called on ``src`` only).
 
     Raises:
         ValueError: a prompt too long for the model, an empty prompt, bad options; before any
@@ -111,7 +111,7 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
     special = special_tokens(tokenizer)
     if request.beam_width is not None:
         return _beam(model, tokenizer, request, prompts, special, max_sequence_length,
-                     use_kv_cache, group, src)
+                     use_kv_cache, mp_group, src)
     out = generate_tokens_and_logprobs(
         model, prompts, request.tokens_to_generate, max_sequence_length=max_sequence_length,
         sampling=SamplingOptions(top_k=request.top_k, top_p=request.top_p,
@@ -124,7 +124,7 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
             stop_on_eol=request.stop_on_eol, stop_on_double_eol=request.stop_on_double_eol,
             prevent_newline_after_colon=request.prevent_newline_after_colon),
         vocab_size=tokenizer.vocab_size, return_logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs, use_kv_cache=use_kv_cache, group=group, src=src,
+        top_logprobs=request.top_logprobs, use_kv_cache=use_kv_cache, mp_group=mp_group, src=src,
         on_step=on_step)
     return GenerationResult(
         text=[tokenizer.detokenize(t) for t in out.tokens],
@@ -134,7 +134,7 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
 
 
 def _beam(model, tokenizer, request, prompts, special, max_sequence_length, use_kv_cache,
-          group, src) -> GenerationResult:
+          mp_group, src) -> GenerationResult:
     if len(prompts) != 1:
         raise ValueError(f"beam search takes one prompt; got {len(prompts)}")
     stop = request.stop_token if request.stop_token is not None else special["eod"]
@@ -144,7 +144,7 @@ def _beam(model, tokenizer, request, prompts, special, max_sequence_length, use_
                       num_return=request.beam_width, vocab_size=tokenizer.vocab_size,
                       colon=special["colon"], eol=special["eol"],
                       prevent_newline_after_colon=request.prevent_newline_after_colon,
-                      use_kv_cache=use_kv_cache, group=group, src=src)
+                      use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
     return GenerationResult(
         text=[tokenizer.detokenize(t) for t in out.tokens],
         segments=[token_texts(tokenizer, t) for t in out.tokens], tokens=out.tokens,
@@ -163,7 +163,7 @@ _SHUTDOWN = None
 
 def lead_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *,
                  max_sequence_length: int, use_kv_cache: bool = True,
-                 group: ProcessGroup | None = None, src: int = 0,
+                 mp_group: ProcessGroup | None = None, src: int = 0,
                  on_step: Callable[[StepReport], list[bool] | None] | None = None
                  ) -> GenerationResult:
     """On ``src``: settle the seed, send the request to the other ranks (waiting in
@@ -174,29 +174,29 @@ def lead_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, 
             waiting).
     """
     request = settle_seed(request)
-    comm.broadcast_object(request, src, group)
+    comm.broadcast_object(request, src, mp_group)
     return run_request(model, tokenizer, request, max_sequence_length=max_sequence_length,
-                       use_kv_cache=use_kv_cache, group=group, src=src, on_step=on_step)
+                       use_kv_cache=use_kv_cache, mp_group=mp_group, src=src, on_step=on_step)
 
 
-def stop_followers(group: ProcessGroup | None, src: int = 0) -> None:
+def stop_followers(mp_group: ProcessGroup | None, src: int = 0) -> None:
     """On ``src``: end the other ranks' :func:`follow_requests` loops."""
-    comm.broadcast_object(_SHUTDOWN, src, group)
+    comm.broadcast_object(_SHUTDOWN, src, mp_group)
 
 
 def follow_requests(model: torch.nn.Module, tokenizer, *, max_sequence_length: int,
-                    use_kv_cache: bool = True, group: ProcessGroup | None = None,
+                    use_kv_cache: bool = True, mp_group: ProcessGroup | None = None,
                     src: int = 0) -> int:
     """On the ranks other than ``src``: run every request ``src`` sends until it sends the
     shutdown; returns the number of requests run."""
     count = 0
     while True:
-        request = comm.broadcast_object(None, src, group)
+        request = comm.broadcast_object(None, src, mp_group)
         if request is _SHUTDOWN:
             return count
         count += 1
         try:
             run_request(model, tokenizer, request, max_sequence_length=max_sequence_length,
-                        use_kv_cache=use_kv_cache, group=group, src=src)
+                        use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
         except ValueError as err:  # the serving rank reports it to the client
             logger.debug("request refused: %s", err)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.core import comm, device, parallel_state
+from megatron.core import comm, device
 from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import ProcessGroup
-from megatron.text_generation.generation import check_generation_lengths, refuse_pipeline_parallel
+from megatron.text_generation.generation import (check_generation_lengths, model_tp_group,
+                                                 refuse_pipeline_parallel)
 
 
 class BeamHypotheses:
@@ -71,7 +72,7 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
                 length_penalty: float = 1.0, num_return: int = 1,
                 vocab_size: int | None = None, colon: int | None = None,
                 eol: int | None = None, prevent_newline_after_colon: bool = False,
-                use_kv_cache: bool = True, group: ProcessGroup | None = None,
+                use_kv_cache: bool = True, mp_group: ProcessGroup | None = None,
                 src: int = 0) -> BeamOutput:
     """Beam search from one prompt; returns up to ``num_return`` hypotheses, best first.
 
@@ -87,7 +88,7 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
         raise ValueError("beam search needs tokens_to_generate >= 1")
     model.eval()
     search = _Search(model, prompt, tokens_to_generate, beam_width, length_penalty, vocab_size,
-                     use_kv_cache, group, src)
+                     use_kv_cache, mp_group, src)
     if 2 * beam_width > search.vocab:
         raise ValueError(f"beam_width ({beam_width}) needs 2 x {beam_width} candidate tokens; "
                          f"the vocabulary has {search.vocab}")
@@ -97,8 +98,8 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
 
 class _Search:
     def __init__(self, model, prompt, tokens_to_generate, beam_width, length_penalty,
-                 vocab_size, use_kv_cache, group, src) -> None:
-        self.model, self.group, self.src = model, group, src
+                 vocab_size, use_kv_cache, mp_group, src) -> None:
+        self.model, self.mp_group, self.src = model, mp_group, src
         self.dev = device.get_device()
         self.beam_width = beam_width
         self.prompt_length = len(prompt)
@@ -109,8 +110,7 @@ class _Search:
         self.scores = torch.zeros(beam_width, 1, dtype=torch.float64)  # [b, 1]
         self.hyps = BeamHypotheses(beam_width, length_penalty)
         self.cache = InferenceParams(beam_width, self.final_length) if use_kv_cache else None
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() \
-            if parallel_state.model_parallel_is_initialized() else None
+        self.tp_group = model_tp_group(model)
         self.vocab = vocab_size if vocab_size is not None else \
             model.config.padded_vocab_size
 
@@ -175,7 +175,7 @@ class _Search:
         """Every rank takes ``src``'s beams (one broadcast), reorders tokens and cache."""
         shared = torch.cat([kept.view(-1), torch.tensor([float(done)], dtype=torch.float64)])
         shared = shared.to(self.dev)
-        comm.broadcast(shared, self.src, self.group)
+        comm.broadcast(shared, self.src, self.mp_group)
         shared = shared.cpu()
         kept = shared[:-1].view(self.beam_width, 3)
         beams = kept[:, 0].long()

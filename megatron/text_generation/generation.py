@@ -9,7 +9,7 @@ own real tokens and its tokens and log-probs equal those of generating it alone.
 Megatron-LM, every prompt gets at most ``tokens_to_generate`` new tokens (Megatron lets shorter
 prompts of a batch run on to the longest prompt's end).
 
-Every rank of ``group`` (the TP ranks; with PP the stages would pass activations) runs the same
+Every rank of ``mp_group`` (the TP ranks; with PP the stages would pass activations) runs the same
 steps; the TP ranks gather the full logits, and the source rank's sampled tokens and stop flags
 are broadcast each step so all ranks agree on what comes next (Megatron broadcasts them from the
 last pipeline stage). ``use_kv_cache=False`` recomputes the whole sequence every step: the
@@ -99,7 +99,7 @@ def generate_tokens_and_logprobs(
         max_sequence_length: int, sampling: SamplingOptions = SamplingOptions(),
         stops: StopConditions = StopConditions(), vocab_size: int | None = None,
         return_logprobs: bool = False, top_logprobs: int = 0, use_kv_cache: bool = True,
-        group: ProcessGroup | None = None, src: int = 0,
+        mp_group: ProcessGroup | None = None, src: int = 0,
         on_step: Callable[[StepReport], list[bool] | None] | None = None) -> GenerationOutput:
     """Generate up to ``tokens_to_generate`` tokens after each prompt (0: score the prompts).
 
@@ -113,7 +113,8 @@ def generate_tokens_and_logprobs(
         return_logprobs: compute the log-probs of the prompt and generated tokens.
         top_logprobs: also the ``top_logprobs`` most likely tokens at each position.
         use_kv_cache: False recomputes the whole sequence every step (the reference).
-        group: the ranks generating together (all TP ranks; None = this rank alone).
+        mp_group: the ranks holding the model (TP x PP; the server passes the world, so every
+            rank takes part; None = this rank alone).
         src: global rank whose tokens and stop decisions every rank adopts (the one serving
             the request).
         on_step: called on ``src`` after every step; may return per-row "stop now" flags
@@ -127,7 +128,7 @@ def generate_tokens_and_logprobs(
     check_generation_lengths([len(p) for p in prompts], tokens_to_generate, max_sequence_length)
     model.eval()
     run = _Run(model, prompts, tokens_to_generate, sampling, stops, vocab_size,
-               return_logprobs or top_logprobs > 0, top_logprobs, use_kv_cache, group, src)
+               return_logprobs or top_logprobs > 0, top_logprobs, use_kv_cache, mp_group, src)
     if tokens_to_generate == 0:
         run.score()
     else:
@@ -139,9 +140,9 @@ class _Run:
     """The state of one batch's generation: padded tokens, per-row lengths, log-probs."""
 
     def __init__(self, model, prompts, tokens_to_generate, sampling, stops, vocab_size,
-                 want_logprobs, top_logprobs, use_kv_cache, group, src) -> None:
+                 want_logprobs, top_logprobs, use_kv_cache, mp_group, src) -> None:
         self.model, self.sampling, self.stops = model, sampling, stops
-        self.vocab_size, self.group, self.src = vocab_size, group, src
+        self.vocab_size, self.mp_group, self.src = vocab_size, mp_group, src
         self.want_logprobs, self.top_k_logprobs = want_logprobs, top_logprobs
         self.dev = device.get_device()
         self.prompt_lengths = torch.tensor([len(p) for p in prompts])
@@ -163,8 +164,7 @@ class _Run:
         self.lengths = self.final_lengths.clone()  # shortened where a row stops
         self.cache = InferenceParams(b, self.max_length) if use_kv_cache else None
         self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() \
-            if parallel_state.model_parallel_is_initialized() else None
+        self.tp_group = model_tp_group(model)
 
     # Forward -------------------------------------------------------------------------------
     def logits(self, start: int, end: int) -> torch.Tensor:
@@ -261,7 +261,7 @@ class _Run:
                 stop_now |= torch.tensor(extra, dtype=torch.bool) & ~self.finished
         shared = torch.cat([self.tokens[:, context], stop_now.long(),
                             hit_stop.long()]).to(self.dev)  # [3b]
-        comm.broadcast(shared, self.src, self.group)
+        comm.broadcast(shared, self.src, self.mp_group)
         shared = shared.cpu()
         b = self.tokens.size(0)
         self.tokens[:, context] = shared[:b]
@@ -271,7 +271,7 @@ class _Run:
         return stop_now
 
     def is_src(self) -> bool:
-        return self.group is None or comm.rank(comm.world_group()) == self.src
+        return self.mp_group is None or comm.rank(comm.world_group()) == self.src
 
     def output(self, return_logprobs: bool, return_top: bool) -> GenerationOutput:
         lengths = [int(n) for n in self.lengths]
@@ -284,6 +284,12 @@ class _Run:
                 [(self.top_ids[i, j].tolist(), self.top_values[i, j].tolist())
                  for j in range(n - 1)] for i, n in enumerate(lengths)]
         return out
+
+
+def model_tp_group(model: torch.nn.Module) -> ProcessGroup | None:
+    """The TP group the model's logits are split over (the model's own: a TP=1 model built
+    beside TP groups gathers nothing)."""
+    return getattr(model, "tp_group", None)
 
 
 def refuse_pipeline_parallel() -> None:
@@ -327,7 +333,7 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
                     max_sequence_length: int, greedy: bool = False, top_k: int = 0,
                     top_p: float = 0.0, temperature: float = 1.0, seed: int = 1234,
                     stop_on_eod: bool = True, use_kv_cache: bool = True,
-                    group: ProcessGroup | None = None, src: int = 0) -> list[list[int]]:
+                    mp_group: ProcessGroup | None = None, src: int = 0) -> list[list[int]]:
     """Extend each prompt by up to ``tokens_to_generate`` tokens (the prompt plus generated ids,
     per prompt, stopped after the end-of-document token); ``greedy`` is ``top_k=1``. See
     :func:`generate_tokens_and_logprobs` (tools/generate.py's simple entry).
@@ -342,7 +348,7 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
     out = generate_tokens_and_logprobs(
         model, prompts, tokens_to_generate, max_sequence_length=max_sequence_length,
         sampling=sampling, stops=StopConditions(eod=eod, stop_on_eod=stop_on_eod),
-        vocab_size=vocab_size, use_kv_cache=use_kv_cache, group=group, src=src)
+        vocab_size=vocab_size, use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
     return out.tokens
 
 

@@ -9,9 +9,10 @@ run's initial weights (``single_process_init``): the same starting point, as Meg
 equivalence runs load one seed checkpoint.
 
 Layouts: PP=2, PP=4 (tied and untied embeddings), PP=2 x VPP=2, PP=4 x VPP=2, TP=2 x PP=2 (also
-with the distributed optimizer and with block recomputation), TP=2 x PP=2 x DP=2 (also with the
-distributed optimizer and uniform recomputation). Plus: fp16 with an inf on one stage skips the
-step everywhere; exact resume at PP=2 and PP=2 x VPP=2; evaluation; a checkpoint of another
+with the distributed optimizer and with block recomputation), TP=2 x PP=2 x DP=2 (with overlapped
+bucketed grad reduction, with the distributed optimizer, with uniform recomputation); bf16 at
+PP=2 (to bf16 tolerance). Plus: fp16 with an inf on one stage skips the step everywhere; exact
+resume at PP=2 and PP=2 x VPP=2; evaluation and ``--skip-train``; a checkpoint of another
 pipeline split is refused; ``pretrain_gpt.py`` under torchrun at PP=2.
 """
 
@@ -35,6 +36,11 @@ EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 LOSS_TOL = 1e-5
 PARAM_TOL = 2e-5
 RESUME_TOL = 1e-6
+GRAD_NORM_RTOL = 1e-3
+# bf16 GEMMs are slow on CPUs without AVX512-BF16/AMX: a shorter run, bf16 tolerances (as
+# test_parallel_equivalence.py: other reduction orders in a bf16 forward).
+BF16_SHAPE = {"iters": 4, "seq": 16}
+BF16_LOSS_TOL = 1e-3
 UNTIED = ["--untie-embeddings-and-output-weights"]
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 HEAD_COPY = "word_embeddings.weight"
@@ -49,7 +55,9 @@ def _pp(pp: int, vpp_layers: int | None = None) -> list[str]:
 
 def _run(corpus, tp: int = 1, extra=(), init: bool = True, **shape) -> dict:
     argv = e2e.gpt_argv(corpus, tp=tp, **{**SHAPE, **shape}, extra=[*LAYERS, *extra])
-    return {"argv": argv, "params": True, "single_process_init": init}
+    # A small DDP bucket gives several buckets, so overlap really reduces bucket by bucket.
+    return {"argv": argv, "params": True, "single_process_init": init,
+            "bucket_size": 20_000 if "--overlap-grad-reduce" in extra else None}
 
 
 # name: (TP, extra flags); PP (and VPP) in the flags, DP = world / (TP x PP).
@@ -64,7 +72,7 @@ _FOUR = {"pp4": (1, [*_pp(4), *EVAL]),
          "tp2pp2_recompute_block": (2, [*_pp(2), "--recompute-granularity", "full",
                                         "--recompute-method", "block",
                                         "--recompute-num-layers", "2"])}
-_EIGHT = {"tp2pp2dp2": (2, _pp(2)),
+_EIGHT = {"tp2pp2dp2_overlap": (2, [*_pp(2), "--overlap-grad-reduce"]),
           "tp2pp2dp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
           "tp2pp2dp2_recompute": (2, [*_pp(2), "--recompute-granularity", "full",
                                       "--recompute-method", "uniform",
@@ -76,7 +84,8 @@ def single(gpt2_corpus):
     runs = {"tied": _run(gpt2_corpus, extra=EVAL, init=False),
             "untied": _run(gpt2_corpus, extra=UNTIED, init=False),
             # The single-process init replayed at PP=1 is the plain init (the helper is sound).
-            "tied_replayed_init": _run(gpt2_corpus, extra=EVAL)}
+            "tied_replayed_init": _run(gpt2_corpus, extra=EVAL),
+            "bf16": _run(gpt2_corpus, extra=["--bf16"], init=False, **BF16_SHAPE)}
     results = e2e.pooled(1, list(runs.values()))
     return {name: result[0] for name, result in zip(runs, results)}
 
@@ -101,6 +110,7 @@ def two_ranks(gpt2_corpus, tmp_path_factory):
     """The PP=2 layouts, fp16 with an inf on stage 0, resume and a mismatched load."""
     runs = {name: _run(gpt2_corpus, tp=tp, extra=extra) for name, (tp, extra) in _TWO.items()}
     # Stage 0 (rank 0) alone gets an inf gradient at iteration 3: its loss stays finite.
+    runs["pp2_bf16"] = _run(gpt2_corpus, extra=[*_pp(2), "--bf16"], **BF16_SHAPE)
     runs["pp2_fp16_inf"] = {"argv": e2e.gpt_argv(gpt2_corpus, **SHAPE, extra=[
         *LAYERS, *_pp(2), "--fp16", "--initial-loss-scale", "1024"]),
         "grad_inf_at": ([3], 0, 4)}
@@ -118,6 +128,8 @@ def two_ranks(gpt2_corpus, tmp_path_factory):
         source = "pp2_vpp2" if name.endswith("vpp2") else "pp2"
         runs[name] = _run(gpt2_corpus, dropout=0.1,
                           extra=[*pipeline, "--load", saves[source], "--ckpt-step", "3"])
+    runs["pp2_skip_train"] = _run(gpt2_corpus, extra=[
+        *_pp(2), "--load", saves["pp2"], "--ckpt-step", "3", "--skip-train", "--eval-iters", "2"])
     results = e2e.pooled(2, list(runs.values()), expect_error=(CheckpointError,))
     return {**dict(zip(runs, results)), "save_dirs": saves}
 
@@ -156,10 +168,14 @@ def _assert_same_training(reference: dict, run_ranks: list[dict], what: str) -> 
         diff = e2e.max_abs_diff(ref, e2e.losses(result))
         assert diff <= LOSS_TOL, (f"{what}: loss differs from one process by {diff:.3g}\n"
                                   f"  reference {ref}\n  {what} {e2e.losses(result)}")
+    ref_norms = [h["grad norm"] for h in reference["history"]]
     for rank, result in enumerate(run_ranks):
-        ref_norms = [h["grad norm"] for h in reference["history"]]
+        # Every stage logs the one global norm (the tied embedding counted once). Relative: the
+        # norm amplifies the 1e-6 parameter differences of TP's other reduction order (TP=2
+        # without PP drifts the same 2e-4 by iteration 6; PP alone stays within 1e-6).
         norms = [h["grad norm"] for h in result["history"]]
-        assert e2e.max_abs_diff(ref_norms, norms) <= 1e-4, (what, rank, ref_norms, norms)
+        worst = max(abs(a - b) / a for a, b in zip(ref_norms, norms))
+        assert worst <= GRAD_NORM_RTOL, (what, rank, ref_norms, norms)
     diff = e2e.max_param_diff(reference["params"], _merged_params(run_ranks))
     assert diff <= PARAM_TOL, f"{what}: final parameters differ by {diff:.3g}"
 
@@ -191,7 +207,8 @@ def test_four_ranks_equal_single_process(single, four_ranks, layout):
 
 @pytest.mark.parametrize("layout", list(_EIGHT))
 def test_eight_ranks_equal_single_process(single, eight_ranks, layout):
-    """TP=2 x PP=2 x DP=2 (plain, distributed optimizer, uniform recomputation)."""
+    """TP=2 x PP=2 x DP=2 (overlapped reduction, distributed optimizer, uniform
+    recomputation)."""
     _assert_same_training(_reference(single, layout), eight_ranks[layout], layout)
 
 
@@ -209,6 +226,28 @@ def test_evaluation_equals_single_process(single, two_ranks, four_ranks, layout)
                 assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
             else:
                 assert all(d == {} for d in result["evals"]) and len(result["evals"]) == 3
+
+
+def test_bf16_two_stages_equal_single_process(single, two_ranks):
+    """bf16 at PP=2 (bf16 activations and gradients between the stages) gives the bf16 loss
+    of one process."""
+    ref = e2e.losses(single["bf16"])
+    assert len(ref) == BF16_SHAPE["iters"]
+    for result in _last_stage(two_ranks["pp2_bf16"]):
+        diff = e2e.max_abs_diff(ref, e2e.losses(result))
+        assert diff <= BF16_LOSS_TOL, (ref, e2e.losses(result))
+
+
+def test_skip_train_evaluates_on_the_last_stage(two_ranks):
+    """``--skip-train`` at PP=2: no step, the checkpoint's iteration, the validation loss from
+    the last stage only."""
+    ranks = two_ranks["pp2_skip_train"]
+    for result in ranks:
+        assert result["error"] is None and result["history"] == []
+        assert result["iteration"] == 3 and len(result["evals"]) == 1
+    assert ranks[0]["evals"] == [{}]
+    loss = ranks[1]["evals"][0]["lm loss"]
+    assert 0 < loss < 11, loss
 
 
 def test_fp16_inf_on_one_stage_skips_the_step_on_every_stage(two_ranks):
@@ -270,7 +309,7 @@ def test_other_pipeline_split_is_refused(two_ranks, name, flags):
 def test_pretrain_gpt_cli_pipeline_parallel(gpt2_corpus, tmp_path):
     """``torchrun --nproc-per-node 2 pretrain_gpt.py ... --pipeline-model-parallel-size 2``: the
     log line (with the loss) comes from the last stage; the run exits 0."""
-    argv = e2e.gpt_argv(gpt2_corpus, iters=2, seq=16, mbs=1, gbs=2,
+    argv = e2e.gpt_argv(gpt2_corpus, iters=3, seq=16, mbs=1, gbs=2,
                         extra=[*_pp(2), "--log-interval", "1"])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
@@ -281,7 +320,7 @@ def test_pretrain_gpt_cli_pipeline_parallel(gpt2_corpus, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "pipeline model parallel with size 2" in out
-    assert out.count("lm loss:") == 2, out[-4000:]
+    assert out.count("lm loss:") == 3, out[-4000:]
 
 
 def _free_port() -> int:

@@ -39,6 +39,8 @@ class Exchange:
     send_prev: torch.Tensor | None = None
     recv_prev: bool = False
     recv_next: bool = False
+    name: str = ""
+    """Megatron's name for the call, also its timer's (``forward-send-backward-recv``...)."""
 
     def empty(self) -> bool:
         return (self.send_next is None and self.send_prev is None
@@ -77,53 +79,52 @@ class P2PCommunicator:
     # Megatron-LM's p2p_communication functions ------------------------------------------------
     def recv_forward(self, tensor_shape: Shape) -> torch.Tensor:
         """Activation from the previous stage (gradients flow back into it)."""
-        return self._call("forward-recv", Exchange(recv_prev=True), tensor_shape)[0]
+        return self._call(Exchange(recv_prev=True, name="forward-recv"), tensor_shape)[0]
 
     def recv_backward(self, tensor_shape: Shape) -> torch.Tensor:
         """Gradient of this stage's output, from the next stage."""
-        return self._call("backward-recv", Exchange(recv_next=True), tensor_shape)[1]
+        return self._call(Exchange(recv_next=True, name="backward-recv"), tensor_shape)[1]
 
     def send_forward(self, output_tensor: torch.Tensor) -> None:
-        self._call("forward-send", Exchange(send_next=output_tensor), None)
+        self._call(Exchange(send_next=output_tensor, name="forward-send"), None)
 
     def send_backward(self, input_tensor_grad: torch.Tensor) -> None:
-        self._call("backward-send", Exchange(send_prev=input_tensor_grad), None)
+        self._call(Exchange(send_prev=input_tensor_grad, name="backward-send"), None)
 
     def send_forward_recv_backward(self, output_tensor: torch.Tensor,
                                    tensor_shape: Shape) -> torch.Tensor:
-        return self._call("forward-send-backward-recv",
-                          Exchange(send_next=output_tensor, recv_next=True), tensor_shape)[1]
+        return self._call(Exchange(send_next=output_tensor, recv_next=True,
+                                   name="forward-send-backward-recv"), tensor_shape)[1]
 
     def send_backward_recv_forward(self, input_tensor_grad: torch.Tensor,
                                    tensor_shape: Shape) -> torch.Tensor:
-        return self._call("backward-send-forward-recv",
-                          Exchange(send_prev=input_tensor_grad, recv_prev=True), tensor_shape)[0]
+        return self._call(Exchange(send_prev=input_tensor_grad, recv_prev=True,
+                                   name="backward-send-forward-recv"), tensor_shape)[0]
 
     def send_forward_recv_forward(self, output_tensor: torch.Tensor | None, recv_prev: bool,
                                   tensor_shape: Shape) -> torch.Tensor | None:
-        return self._call("forward-send-forward-recv",
-                          Exchange(send_next=output_tensor, recv_prev=recv_prev), tensor_shape)[0]
+        return self._call(Exchange(send_next=output_tensor, recv_prev=recv_prev,
+                                   name="forward-send-forward-recv"), tensor_shape)[0]
 
     def send_backward_recv_backward(self, input_tensor_grad: torch.Tensor | None,
                                     recv_next: bool, tensor_shape: Shape) -> torch.Tensor | None:
-        return self._call("backward-send-backward-recv",
-                          Exchange(send_prev=input_tensor_grad, recv_next=recv_next),
-                          tensor_shape)[1]
+        return self._call(Exchange(send_prev=input_tensor_grad, recv_next=recv_next,
+                                   name="backward-send-backward-recv"), tensor_shape)[1]
 
     def send_forward_backward_recv_forward_backward(
             self, output_tensor: torch.Tensor | None, input_tensor_grad: torch.Tensor | None,
             recv_prev: bool, recv_next: bool,
             tensor_shape: Shape) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self._call("forward-backward-send-forward-backward-recv",
-                          Exchange(output_tensor, input_tensor_grad, recv_prev, recv_next),
+        return self._call(Exchange(output_tensor, input_tensor_grad, recv_prev, recv_next,
+                                   name="forward-backward-send-forward-backward-recv"),
                           tensor_shape)
 
     # The one primitive -----------------------------------------------------------------------
-    def _call(self, timer_name: str, exchange: Exchange,
+    def _call(self, exchange: Exchange,
               tensor_shape: Shape | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if exchange.empty():
             return None, None  # nothing moves: no timer entry either, as Megatron's
-        with timed(self.timers, timer_name, 2):
+        with timed(self.timers, exchange.name, 2):
             return self.communicate(exchange, tensor_shape)
 
     def communicate(self, exchange: Exchange,
@@ -136,6 +137,12 @@ class P2PCommunicator:
         if self.size == 1:
             raise RuntimeError("point-to-point communication needs a pipeline group of more "
                                "than one stage")
+        for sent in (exchange.send_next, exchange.send_prev):
+            if sent is not None and sent.dtype != self.dtype:
+                # The receiver allocates self.dtype: the bytes would be misread.
+                raise ValueError(f"a pipeline stage sends {sent.dtype} but the stages exchange "
+                                 f"{self.dtype}: pass the activations' dtype to the schedule "
+                                 "(dtype=, Megatron's pipeline_dtype)")
         shape_prev = shape_next = tensor_shape
         if self.variable_seq_lengths:
             shape_prev, shape_next = self._exchange_shapes(exchange)

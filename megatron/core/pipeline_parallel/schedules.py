@@ -109,13 +109,19 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc,
                                    forward_only: bool = False,
                                    collect_non_loss_data: bool = False,
                                    grad_scale_func: Callable | None = None,
-                                   timers: Timers | None = None, **_pipeline_options) -> list:
+                                   timers: Timers | None = None,
+                                   hidden_size: int | None = None,
+                                   dtype: torch.dtype | None = None,
+                                   sequence_parallel: bool | None = None,
+                                   variable_seq_lengths: bool = False,
+                                   batch_p2p_comm: bool = True,
+                                   p2p_communicator: P2PCommunicator | None = None) -> list:
     """Run every micro-batch forward then backward on one model chunk.
 
     Gradient reduction across data-parallel ranks is suppressed (``model.no_sync()``) for all but
-    the last micro-batch, so an overlapping DDP reduces each bucket once per step. Options of the
-    pipelined schedules (``dtype``, ``hidden_size``...) are accepted and ignored, so a caller can
-    pass the same arguments whatever :func:`get_forward_backward_func` returned.
+    the last micro-batch, so an overlapping DDP reduces each bucket once per step. The pipelined
+    schedules' options (``hidden_size`` to ``p2p_communicator``) are accepted and unused, so a
+    caller passes the same arguments whatever :func:`get_forward_backward_func` returned.
 
     Returns:
         One entry per micro-batch: the loss function's reduced-loss dict.
@@ -307,7 +313,7 @@ class _Stages:
         return input_tensor.grad
 
 
-def _as_list(value, what: str) -> list:
+def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
@@ -348,7 +354,7 @@ def forward_backward_pipelining_without_interleaving(
     Returns:
         On the last stage the reduced-loss dicts, one per micro-batch; elsewhere ``[]``.
     """
-    chunks = _as_list(model, "model")
+    chunks = _as_list(model)
     if len(chunks) != 1:
         raise ValueError(f"the non-interleaved pipeline schedule runs one model chunk per rank, "
                          f"got {len(chunks)}")
@@ -358,7 +364,7 @@ def forward_backward_pipelining_without_interleaving(
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size, hidden_size,
                           sequence_parallel)
     run = _Stages(forward_step_func=forward_step_func,
-                  data_iterators=_as_list(data_iterator, "data_iterator")[:1], chunks=chunks,
+                  data_iterators=_as_list(data_iterator)[:1], chunks=chunks,
                   num_microbatches=num_microbatches, forward_only=forward_only,
                   collect_non_loss_data=collect_non_loss_data, grad_scale_func=grad_scale_func,
                   timers=timers, p2p=p2p)
@@ -439,8 +445,8 @@ def forward_backward_pipelining_with_interleaving(
         ValueError: m is not a multiple of p (Megatron's condition), or the lists' lengths
             differ.
     """
-    chunks = _as_list(model, "model")
-    iterators = _as_list(data_iterator, "data_iterator")
+    chunks = _as_list(model)
+    iterators = _as_list(data_iterator)
     if len(iterators) != len(chunks):
         raise ValueError(f"the interleaved schedule needs one data iterator per model chunk: "
                          f"{len(chunks)} chunks, {len(iterators)} iterators")

@@ -36,6 +36,14 @@ class CompletionText:
         self.final_text: str | None = None
         self.finish_reason: str | None = None
 
+    def _text_of(self, generated: list[int]) -> str:
+        """The generated ids' text as it reads after the prompt (tokenizers that join ids with
+        spaces, or merge across the seam, give it only from the whole sequence)."""
+        whole = self.tokenizer.detokenize(self.prompt_ids + generated)
+        if whole.startswith(self.prompt_text):
+            return whole[len(self.prompt_text):]
+        return self.tokenizer.detokenize(generated)
+
     def _cut(self, text: str) -> tuple[str, bool]:
         ends = [text.find(s) for s in self.stops if s in text]
         return (text[:min(ends)], True) if ends else (text, False)
@@ -54,7 +62,7 @@ class CompletionText:
         if self.stop_hit or token == self.eod:
             return ""
         self.generated.append(token)
-        text, self.stop_hit = self._cut(self.tokenizer.detokenize(self.generated))
+        text, self.stop_hit = self._cut(self._text_of(self.generated))
         safe = text if self.stop_hit else self._held_back(text)
         delta = safe[self.sent:]
         self.sent = max(self.sent, len(safe))
@@ -66,7 +74,7 @@ class CompletionText:
         generated = ids[len(self.prompt_ids):]
         if generated and generated[-1] == self.eod:
             generated = generated[:-1]
-        text, hit = self._cut(self.tokenizer.detokenize(generated))
+        text, hit = self._cut(self._text_of(generated))
         self.final_text = text
         self.finish_reason = "stop" if stopped or hit else "length"
         rest = text[self.sent:]

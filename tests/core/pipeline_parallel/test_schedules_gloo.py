@@ -45,7 +45,7 @@ def _pipelined(pp_size: int, num_chunks: int, num_layers: int, batches: list,
         num_microbatches=len(batches), seq_length=toy_stack.SEQ,
         micro_batch_size=toy_stack.BATCH, hidden_size=toy_stack.HIDDEN,
         dtype=torch.float32, forward_only=forward_only, timers=timers)
-    return [d["loss"].item() for d in losses], layers, chunks
+    return [d["loss"].item() for d in losses], layers, chunks, schedule.__name__
 
 
 def _max_diff(a: list, b: list) -> float:
@@ -62,17 +62,17 @@ def _check_cases(rank, world_size):
         batches = toy_stack.micro_batches(m)
         ref_losses, ref_grads = _reference(num_layers, batches, forward_only=False)
         timers = Timers(log_level=2)
-        losses, layers, chunks = _pipelined(world_size, num_chunks, num_layers, batches, False,
-                                            timers)
+        losses, layers, chunks, schedule = _pipelined(world_size, num_chunks, num_layers,
+                                                      batches, False, timers)
         mine = {id(p) for c in chunks for p in c.parameters()}
         grad_diff = max((l.weight.grad - g).abs().max().item()
                         for l, g in zip(layers, ref_grads) if id(l.weight) in mine)
         others_untouched = all(l.weight.grad is None for l in layers if id(l.weight) not in mine)
         fwd_ref, _ = _reference(num_layers, batches, forward_only=True)
-        fwd_losses, _, _ = _pipelined(world_size, num_chunks, num_layers, batches, True)
+        fwd_losses, _, _, _ = _pipelined(world_size, num_chunks, num_layers, batches, True)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         out.append({
-            "case": (world_size, num_chunks, m), "last": last,
+            "case": (world_size, num_chunks, m), "last": last, "schedule": schedule,
             "n_losses": len(losses), "loss_diff": _max_diff(losses, ref_losses) if last else 0.0,
             "grad_diff": grad_diff, "others_untouched": others_untouched,
             "fwd_n": len(fwd_losses), "fwd_diff": _max_diff(fwd_losses, fwd_ref) if last else 0.0,
@@ -88,7 +88,10 @@ def test_pipelined_schedules_equal_one_process(world_size):
     for rank, cases in enumerate(results):
         for case in cases:
             what = f"rank {rank} case (pp, chunks, m) = {case['case']}"
-            m = case["case"][2]
+            m, interleaved = case["case"][2], case["case"][1] > 1
+            assert case["schedule"] == ("forward_backward_pipelining_with_interleaving"
+                                        if interleaved else
+                                        "forward_backward_pipelining_without_interleaving"), what
             assert case["n_losses"] == (m if case["last"] else 0), what
             assert case["fwd_n"] == (m if case["last"] else 0), what
             assert case["loss_diff"] <= TOLERANCE, what

@@ -1,0 +1,179 @@
+"""Generation with the KV cache equals full recomputation (tokens identical, log-probs to 1e-5)
+at TP = 1 and 2; a batch of prompts of different lengths equals each prompt alone; Megatron's
+stop rules, scoring, top-p decay and seeded sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import comm
+from megatron.core import parallel_state as ps
+from megatron.text_generation import (SamplingOptions, StopConditions, decay_top_p,
+                                      generate_tokens_and_logprobs)
+from tests.multiprocess import run_distributed
+from tests.text_generation.tiny import MAX_POSITIONS, tiny_model
+
+PROMPTS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33, 32, 40, 41], [65]]
+GREEDY = SamplingOptions(top_k=1)
+NO_STOP = StopConditions(stop_on_eod=False)
+
+
+def _generate(model, prompts, n=12, **kwargs):
+    kwargs = {"sampling": GREEDY, "stops": NO_STOP, "return_logprobs": True, **kwargs}
+    return generate_tokens_and_logprobs(model, prompts, n, max_sequence_length=MAX_POSITIONS,
+                                        **kwargs)
+
+
+def _assert_same(a, b, tol=1e-5):
+    assert a.tokens == b.tokens
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert len(x) == len(y)
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused"])
+def test_kv_cache_equals_recomputation(backend):
+    model = tiny_model(attention_backend=backend)
+    cached, full = _generate(model, PROMPTS), _generate(model, PROMPTS, use_kv_cache=False)
+    _assert_same(cached, full)
+    assert [len(t) for t in cached.tokens] == [len(p) + 12 for p in PROMPTS]
+    # The outputs say something: not one token repeated (a dead model would pass anything).
+    assert len(set(cached.tokens[0][5:])) > 1
+
+
+def test_kv_cache_fp32_within_1e5():
+    model = tiny_model(dtype=torch.float32)
+    _assert_same(_generate(model, PROMPTS), _generate(model, PROMPTS, use_kv_cache=False))
+
+
+def test_batched_equals_one_by_one():
+    model = tiny_model()
+    batch = _generate(model, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        alone = _generate(model, [prompt])
+        assert alone.tokens[0] == batch.tokens[i]
+        assert torch.allclose(torch.tensor(alone.logprobs[0]), torch.tensor(batch.logprobs[i]),
+                              atol=1e-10)
+
+
+def test_logprobs_are_the_models_own():
+    """Each log-prob is log_softmax of one full forward over the finished sequence."""
+    model = tiny_model()
+    out = _generate(model, PROMPTS[:1], n=6)
+    ids = torch.tensor(out.tokens)
+    logits = model(ids[:, :-1], torch.arange(ids.size(1) - 1).unsqueeze(0), None)
+    expected = F.log_softmax(logits.double(), -1).gather(2, ids[:, 1:, None]).view(-1)
+    assert torch.allclose(torch.tensor(out.logprobs[0], dtype=torch.float64), expected, atol=1e-10)
+
+
+def test_scoring_generates_nothing():
+    model = tiny_model()
+    scored = _generate(model, PROMPTS, n=0)
+    generated = _generate(model, PROMPTS, n=3)
+    for i, prompt in enumerate(PROMPTS):
+        assert scored.tokens[i] == prompt
+        assert len(scored.logprobs[i]) == len(prompt) - 1
+        assert torch.allclose(torch.tensor(scored.logprobs[i]),
+                              torch.tensor(generated.logprobs[i][:len(prompt) - 1]), atol=1e-10)
+
+
+def test_stop_rules():
+    model = tiny_model()
+    free = _generate(model, PROMPTS[:1], n=12).tokens[0]
+    gen = free[5:]
+    stop = gen[3]
+    first = gen.index(stop)
+    # The end-of-document id ends the row, the stop token included.
+    out = _generate(model, PROMPTS[:1], stops=StopConditions(eod=stop))
+    assert out.tokens[0] == free[:5 + first + 1] and out.stopped == [True]
+    # stop_token overrides eod; stop_on_eol stops on "\n" (here: that id) instead of eod.
+    out = _generate(model, PROMPTS[:1], stops=StopConditions(eod=999, stop_token=stop))
+    assert out.tokens[0] == free[:5 + first + 1]
+    out = _generate(model, PROMPTS[:1], stops=StopConditions(eod=stop, eol=999,
+                                                             stop_on_eol=True))
+    assert out.tokens[0] == free and out.stopped == [False]
+    out = _generate(model, PROMPTS[:1], stops=StopConditions(eol=stop, stop_on_eol=True))
+    assert out.tokens[0] == free[:5 + first + 1]
+    # double EOL: the "\n\n" id alone, or "\n" right after "\n".
+    out = _generate(model, PROMPTS[:1], stops=StopConditions(double_eol=stop,
+                                                             stop_on_double_eol=True))
+    assert out.tokens[0] == free[:5 + first + 1]
+    pair = next((j for j in range(1, len(gen)) if gen[j] == gen[j - 1]), None)
+    lone = StopConditions(eol=gen[0], stop_on_double_eol=True)
+    expected = free if pair is None or gen[pair] != gen[0] else free[:5 + pair + 1]
+    assert _generate(model, PROMPTS[:1], stops=lone).tokens[0] == expected
+
+
+def test_a_stopped_row_does_not_stop_the_others():
+    model = tiny_model()
+    free = _generate(model, PROMPTS)
+    stop = free.tokens[0][6]
+    out = _generate(model, PROMPTS, stops=StopConditions(eod=stop))
+    for i, row in enumerate(free.tokens):
+        gen = row[len(PROMPTS[i]):]
+        end = len(PROMPTS[i]) + (gen.index(stop) + 1 if stop in gen else len(gen))
+        assert out.tokens[i] == row[:end]
+
+
+def test_prevent_newline_after_colon():
+    model = tiny_model()
+    prompt = PROMPTS[0]
+    chosen = _generate(model, [prompt], n=1).tokens[0][-1]
+    stops = StopConditions(colon=prompt[-1], eol=chosen, prevent_newline_after_colon=True,
+                           stop_on_eod=False)
+    assert _generate(model, [prompt], n=1, stops=stops).tokens[0][-1] != chosen
+
+
+def test_on_step_reports_and_stops():
+    model = tiny_model()
+    seen = []
+
+    def on_step(report):
+        seen.append((report.rows, report.tokens))
+        return [len(seen) >= 3] * len(PROMPTS)
+
+    out = _generate(model, PROMPTS, on_step=on_step)
+    free = _generate(model, PROMPTS)
+    assert len(seen) == 3 and seen[0][0] == [2]  # only the 1-token prompt has started
+    assert out.tokens[2] == free.tokens[2][:1 + 3]
+
+
+def test_seeded_sampling_and_top_p_decay():
+    model = tiny_model()
+    sampled = [_generate(model, PROMPTS, sampling=SamplingOptions(top_p=0.9, seed=s)).tokens
+               for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+    assert decay_top_p(0.9, 0.5, 0.3) == 0.45 and decay_top_p(0.45, 0.5, 0.3) == 0.3
+    assert decay_top_p(0.9, 0.0, 0.3) == 0.9 and decay_top_p(0.0, 0.5, 0.3) == 0.0
+
+
+def test_vocab_padding_never_sampled():
+    model = tiny_model()
+    out = _generate(model, PROMPTS, sampling=SamplingOptions(temperature=50.0, seed=3),
+                    vocab_size=257)
+    assert max(max(t) for t in out.tokens) < 257
+
+
+def _tp_equivalence(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp2 = tiny_model(ps.get_tensor_model_parallel_group(), attention_backend="unfused")
+    tp1 = tiny_model(None, attention_backend="unfused")
+    group = comm.world_group()
+    results = []
+    for model in (tp2, tp1):
+        results.append([_generate(model, PROMPTS, mp_group=group if model is tp2 else None,
+                                  use_kv_cache=cache) for cache in (True, False)])
+    sampled = _generate(tp2, PROMPTS, mp_group=group,
+                        sampling=SamplingOptions(top_k=5, seed=11 + rank))
+    return results, sampled.tokens
+
+
+def test_tp2_equals_tp1_with_and_without_cache():
+    out = run_distributed(2, _tp_equivalence)
+    for (tp2, tp1), _ in out:
+        _assert_same(tp2[0], tp2[1])
+        _assert_same(tp2[0], tp1[0])
+    # Different seeds per rank, yet one answer: rank 0's tokens are broadcast each step.
+    assert out[0][1] == out[1][1]
