@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--warmup", type=int, default=1)

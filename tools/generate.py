@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from megatron.config import parse_args  # noqa: E402
 from megatron.config.base import spec  # noqa: E402
-from megatron.core import comm, device  # noqa: E402
+from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
     check_generation_lengths, check_sampling_options, generate_tokens)
@@ -134,7 +134,8 @@ def generate(argv: list[str] | None = None) -> list[str]:
                           vocab_size=tokenizer.vocab_size, max_sequence_length=max_positions,
                           greedy=ex.greedy, top_k=ex.top_k, top_p=ex.top_p,
                           temperature=ex.temperature, seed=ex.random_seed,
-                          use_kv_cache=ex.kv_cache, mp_group=comm.world_group())
+                          use_kv_cache=ex.kv_cache, mp_group=comm.world_group(),
+                          pp_group=parallel_state.get_pipeline_model_parallel_group())
     texts = [tokenizer.detokenize(ids) for ids in out]
     for prompt, text in zip(prompts, texts):
         log_rank_0(f"--- prompt: {prompt!r}\n{text}\n")

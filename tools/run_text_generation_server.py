@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.config import parse_args  # noqa: E402
-from megatron.core import comm, device  # noqa: E402
+from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation.api import (follow_requests, lead_request,  # noqa: E402
                                           stop_followers)
@@ -80,18 +80,20 @@ def main(argv: list[str] | None = None) -> None:
     extra = [] if flags.checkpoint.random_weights else \
         ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
     cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        raise SystemExit(f"{_PROG}: error: --pipeline-model-parallel-size > 1 is not supported "
-                         "by text generation yet: serve the checkpoint with one stage")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise SystemExit(f"{_PROG}: error: --num-layers-per-virtual-pipeline-stage is for "
+                         "training (the interleaved schedule): serve without it")
     ex = cfg.section(ServerFlags)
     tokenizer = build_tokenizer_from_config(cfg)
     model = gpt_model_from(cfg).to(device.get_device())
     if not cfg.checkpoint.random_weights:
         load_checkpoint([model], None, None, cfg)
     model.eval()
+    # Every rank takes part in every request: the world is the model-parallel group here.
     group, src = comm.world_group(), 0
     common = dict(max_sequence_length=cfg.model.max_position_embeddings,
-                  use_kv_cache=ex.kv_cache, mp_group=group, src=src)
+                  use_kv_cache=ex.kv_cache, mp_group=group,
+                  pp_group=parallel_state.get_pipeline_model_parallel_group(), src=src)
     if comm.rank(group) != src:
         follow_requests(model, tokenizer, **common)
     else:

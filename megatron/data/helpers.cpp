@@ -241,9 +241,11 @@ uint64_t pack_sentences(const int64_t *docs, int64_t num_docs, const int32_t *si
   return count;
 }
 
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
 template <typename T>
-py::array build_mapping_of(const py::array_t<int64_t, py::array::c_style | py::array::forcecast> &docs_arr,
-                           const py::array_t<int32_t, py::array::c_style | py::array::forcecast> &sizes_arr,
+py::array build_mapping_of(const Int64Array &docs_arr, const Int32Array &sizes_arr,
                            int32_t num_epochs, uint64_t max_num_samples, int32_t max_seq_length,
                            double short_seq_prob, int32_t seed, int32_t min_num_sent) {
   const int64_t *docs = docs_arr.data();
@@ -280,10 +282,9 @@ py::array build_mapping_of(const py::array_t<int64_t, py::array::c_style | py::a
 }
 
 // uint32 rows unless the dataset has more sentences than uint32 holds.
-py::array build_mapping(const py::array_t<int64_t, py::array::c_style | py::array::forcecast> &docs,
-                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast> &sizes,
-                        int32_t num_epochs, uint64_t max_num_samples, int32_t max_seq_length,
-                        double short_seq_prob, int32_t seed, bool verbose, int32_t min_num_sent) {
+py::array build_mapping(const Int64Array &docs, const Int32Array &sizes, int32_t num_epochs,
+                        uint64_t max_num_samples, int32_t max_seq_length, double short_seq_prob,
+                        int32_t seed, bool verbose, int32_t min_num_sent) {
   (void)verbose;
   if (num_epochs <= 0 || max_seq_length <= 1 || short_seq_prob < 0.0 || short_seq_prob > 1.0 ||
       docs.shape(0) < 1) {

@@ -233,7 +233,8 @@ def build_mapping_numpy(docs: np.ndarray, sizes: np.ndarray, num_epochs: int,
                 length += lengths[s]
                 num_sent += 1
                 remaining = last - s - 1
-                if (length >= goal and remaining > 1 and num_sent >= min_num_sent) or remaining == 0:
+                full = length >= goal and remaining > 1 and num_sent >= min_num_sent
+                if full or remaining == 0:
                     rows.append((start, s + 1, goal))
                     start, length, num_sent, goal = s + 1, 0, 0, target()
     dtype = np.uint64 if len(sizes) > np.iinfo(np.uint32).max else np.uint32

@@ -1,4 +1,5 @@
-"""The base of masked-LM datasets over WordPiece tokens (Megatron-Core's ``MaskedWordPieceDataset``).
+"""The base of masked-LM datasets over WordPiece tokens (Megatron-Core's
+``MaskedWordPieceDataset``).
 
 Input: a dataset made with ``tools/preprocess_data.py --split-sentences`` (``_text_sentence``
 files): every sentence is one sequence of the ``.idx`` and the document index groups them into
@@ -242,9 +243,9 @@ class MaskedWordPieceDataset(MegatronDataset):
                 candidates[-1].append(position)
         return candidates
 
-    def _draw_n(self, rng: np.random.RandomState) -> int:
+    def _draw_n(self, rng: np.random.RandomState, geometric: bool) -> int:
         """Length (in units) of the next n-gram: SpanBERT's clipped geometric, or p ~ 1/n."""
-        if self.config.masking_use_geometric_distribution:
+        if geometric:
             return min(int(rng.geometric(0.2)), self.config.masking_max_ngram)
         # What RandomState.choice(values, p=...) does with one uniform draw.
         return int(np.searchsorted(self._ngram_cdf, rng.random_sample(), side="right")) + 1
@@ -282,8 +283,8 @@ class MaskedWordPieceDataset(MegatronDataset):
         for start in order.tolist():
             if len(predicted) >= budget:
                 break
-            positions = self._pick_ngram(candidates, start, self._draw_n(rng), budget,
-                                         len(predicted))
+            n = self._draw_n(rng, self.config.masking_use_geometric_distribution)
+            positions = self._pick_ngram(candidates, start, n, budget, len(predicted))
             if positions is None or any(q in predicted for q in positions):
                 continue
             for q in positions:
@@ -306,7 +307,7 @@ class MaskedWordPieceDataset(MegatronDataset):
         for start in order.tolist():
             if len(chosen) >= budget:
                 break
-            positions = self._pick_ngram(candidates, start, self._draw_n_inverse(rng), budget,
+            positions = self._pick_ngram(candidates, start, self._draw_n(rng, False), budget,
                                          len(chosen))
             if positions is None or any(q in predicted or q in chosen for q in positions):
                 continue
@@ -318,9 +319,6 @@ class MaskedWordPieceDataset(MegatronDataset):
         for q, source in zip(sources, targets):
             masked[q] = before[source]
             predicted[q] = before[q]
-
-    def _draw_n_inverse(self, rng: np.random.RandomState) -> int:
-        return int(np.searchsorted(self._ngram_cdf, rng.random_sample(), side="right")) + 1
 
     def _get_token_mask(self, rng: np.random.RandomState) -> int | None:
         """The replacement of a predicted token (None: keep it)."""

@@ -97,8 +97,8 @@ def settle_seed(request: GenerationRequest) -> GenerationRequest:
 
 def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *,
                 max_sequence_length: int, use_kv_cache: bool = True,
-                mp_group: ProcessGroup | None = None, src: int = 0,
-                on_step: Callable[[StepReport], list[bool] | None] | None = None
+                mp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
+                src: int = 0, on_step: Callable[[StepReport], list[bool] | None] | None = None
                 ) -> GenerationResult:
     """Run ``request`` (on every rank of ``mp_group``; ``on_step`` is called on ``src`` only).
 
@@ -111,7 +111,7 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
     special = special_tokens(tokenizer)
     if request.beam_width is not None:
         return _beam(model, tokenizer, request, prompts, special, max_sequence_length,
-                     use_kv_cache, mp_group, src)
+                     use_kv_cache, mp_group, pp_group, src)
     out = generate_tokens_and_logprobs(
         model, prompts, request.tokens_to_generate, max_sequence_length=max_sequence_length,
         sampling=SamplingOptions(top_k=request.top_k, top_p=request.top_p,
@@ -124,8 +124,8 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
             stop_on_eol=request.stop_on_eol, stop_on_double_eol=request.stop_on_double_eol,
             prevent_newline_after_colon=request.prevent_newline_after_colon),
         vocab_size=tokenizer.vocab_size, return_logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs, use_kv_cache=use_kv_cache, mp_group=mp_group, src=src,
-        on_step=on_step)
+        top_logprobs=request.top_logprobs, use_kv_cache=use_kv_cache, mp_group=mp_group,
+        pp_group=pp_group, src=src, on_step=on_step)
     return GenerationResult(
         text=[tokenizer.detokenize(t) for t in out.tokens],
         segments=[token_texts(tokenizer, t) for t in out.tokens], tokens=out.tokens,
@@ -134,7 +134,7 @@ def run_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *
 
 
 def _beam(model, tokenizer, request, prompts, special, max_sequence_length, use_kv_cache,
-          mp_group, src) -> GenerationResult:
+          mp_group, pp_group, src) -> GenerationResult:
     if len(prompts) != 1:
         raise ValueError(f"beam search takes one prompt; got {len(prompts)}")
     stop = request.stop_token if request.stop_token is not None else special["eod"]
@@ -144,7 +144,7 @@ def _beam(model, tokenizer, request, prompts, special, max_sequence_length, use_
                       num_return=request.beam_width, vocab_size=tokenizer.vocab_size,
                       colon=special["colon"], eol=special["eol"],
                       prevent_newline_after_colon=request.prevent_newline_after_colon,
-                      use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
+                      use_kv_cache=use_kv_cache, mp_group=mp_group, pp_group=pp_group, src=src)
     return GenerationResult(
         text=[tokenizer.detokenize(t) for t in out.tokens],
         segments=[token_texts(tokenizer, t) for t in out.tokens], tokens=out.tokens,
@@ -163,8 +163,8 @@ _SHUTDOWN = None
 
 def lead_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, *,
                  max_sequence_length: int, use_kv_cache: bool = True,
-                 mp_group: ProcessGroup | None = None, src: int = 0,
-                 on_step: Callable[[StepReport], list[bool] | None] | None = None
+                 mp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
+                 src: int = 0, on_step: Callable[[StepReport], list[bool] | None] | None = None
                  ) -> GenerationResult:
     """On ``src``: settle the seed, send the request to the other ranks (waiting in
     :func:`follow_requests`) and run it with them.
@@ -176,7 +176,8 @@ def lead_request(model: torch.nn.Module, tokenizer, request: GenerationRequest, 
     request = settle_seed(request)
     comm.broadcast_object(request, src, mp_group)
     return run_request(model, tokenizer, request, max_sequence_length=max_sequence_length,
-                       use_kv_cache=use_kv_cache, mp_group=mp_group, src=src, on_step=on_step)
+                       use_kv_cache=use_kv_cache, mp_group=mp_group, pp_group=pp_group,
+                       src=src, on_step=on_step)
 
 
 def stop_followers(mp_group: ProcessGroup | None, src: int = 0) -> None:
@@ -186,7 +187,7 @@ def stop_followers(mp_group: ProcessGroup | None, src: int = 0) -> None:
 
 def follow_requests(model: torch.nn.Module, tokenizer, *, max_sequence_length: int,
                     use_kv_cache: bool = True, mp_group: ProcessGroup | None = None,
-                    src: int = 0) -> int:
+                    pp_group: ProcessGroup | None = None, src: int = 0) -> int:
     """On the ranks other than ``src``: run every request ``src`` sends until it sends the
     shutdown; returns the number of requests run."""
     count = 0
@@ -197,6 +198,6 @@ def follow_requests(model: torch.nn.Module, tokenizer, *, max_sequence_length: i
         count += 1
         try:
             run_request(model, tokenizer, request, max_sequence_length=max_sequence_length,
-                        use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
+                        use_kv_cache=use_kv_cache, mp_group=mp_group, pp_group=pp_group, src=src)
         except ValueError as err:  # the serving rank reports it to the client
             logger.debug("request refused: %s", err)

@@ -24,8 +24,8 @@ from megatron.core import comm, device
 from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import ProcessGroup
-from megatron.text_generation.generation import (check_generation_lengths, model_tp_group,
-                                                 refuse_pipeline_parallel)
+from megatron.text_generation.generation import (StageForward, check_generation_lengths,
+                                                 last_stage_rank, model_tp_group)
 
 
 class BeamHypotheses:
@@ -73,7 +73,7 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
                 vocab_size: int | None = None, colon: int | None = None,
                 eol: int | None = None, prevent_newline_after_colon: bool = False,
                 use_kv_cache: bool = True, mp_group: ProcessGroup | None = None,
-                src: int = 0) -> BeamOutput:
+                pp_group: ProcessGroup | None = None, src: int = 0) -> BeamOutput:
     """Beam search from one prompt; returns up to ``num_return`` hypotheses, best first.
 
     Raises:
@@ -82,13 +82,12 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
     """
     if beam_width < 1:
         raise ValueError(f"beam_width ({beam_width}) must be >= 1")
-    refuse_pipeline_parallel()
     check_generation_lengths([len(prompt)], tokens_to_generate, max_sequence_length)
     if tokens_to_generate < 1:
         raise ValueError("beam search needs tokens_to_generate >= 1")
     model.eval()
     search = _Search(model, prompt, tokens_to_generate, beam_width, length_penalty, vocab_size,
-                     use_kv_cache, mp_group, src)
+                     use_kv_cache, mp_group, src, pp_group)
     if 2 * beam_width > search.vocab:
         raise ValueError(f"beam_width ({beam_width}) needs 2 x {beam_width} candidate tokens; "
                          f"the vocabulary has {search.vocab}")
@@ -98,7 +97,7 @@ def beam_search(model: torch.nn.Module, prompt: list[int], tokens_to_generate: i
 
 class _Search:
     def __init__(self, model, prompt, tokens_to_generate, beam_width, length_penalty,
-                 vocab_size, use_kv_cache, mp_group, src) -> None:
+                 vocab_size, use_kv_cache, mp_group, src, pp_group) -> None:
         self.model, self.mp_group, self.src = model, mp_group, src
         self.dev = device.get_device()
         self.beam_width = beam_width
@@ -111,18 +110,22 @@ class _Search:
         self.hyps = BeamHypotheses(beam_width, length_penalty)
         self.cache = InferenceParams(beam_width, self.final_length) if use_kv_cache else None
         self.tp_group = model_tp_group(model)
+        self.forward, self.pp_group = StageForward(model, pp_group), pp_group
+        self.last = self.forward.last
         self.vocab = vocab_size if vocab_size is not None else \
             model.config.padded_vocab_size
 
-    def log_probs(self, start: int, end: int) -> torch.Tensor:
-        """Next-token log-probs ``[b, V]`` after position ``end - 1``."""
+    def log_probs(self, start: int, end: int) -> torch.Tensor | None:
+        """Next-token logits ``[b, V]`` after position ``end - 1`` (last stage; else None)."""
         first = start if self.cache is not None else 0
         ids = self.tokens[:, first:end].to(self.dev)  # [b, s]
         positions = torch.arange(first, end, device=self.dev).unsqueeze(0).expand_as(ids)
-        kwargs = {"inference_params": self.cache} if self.cache is not None else {}
-        logits = self.model(ids, positions, None, **kwargs)[:, -1, :]  # [b, V/p]
+        logits = self.forward(ids, positions, self.cache)  # [b, s, V/p] or None
         if self.cache is not None:
             self.cache.sequence_len_offset = end
+        if logits is None:
+            return None
+        logits = logits[:, -1, :]  # [b, V/p]
         if self.tp_group is not None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [b, V]
         logits = logits.cpu().double()
@@ -134,26 +137,39 @@ class _Search:
         prev = 0
         for context in range(self.prompt_length, self.final_length):
             logits = self.log_probs(prev, context)
-            if colon is not None and eol is not None:
-                logits[self.tokens[:, context - 1] == colon, eol] = -1e10
-            new_scores = F.log_softmax(logits, dim=-1) + self.scores  # [b, V]
-            # At the first step all beams are the same prompt: rank one row only.
-            flat = new_scores[0] if context == self.prompt_length else new_scores.view(-1)
-            order_scores, order = torch.sort(flat, descending=True)
-            beams, words = order // logits.size(1), order % logits.size(1)
-            kept = self.step(context, stop_token, beams, words, order_scores)
-            done = self.hyps.is_done(float(order_scores[:2 * self.beam_width].max()),
-                                     context + 1 - self.prompt_length)
+            kept = torch.zeros(self.beam_width, 3, dtype=torch.float64)
+            if logits is not None:
+                kept, done = self.rank_candidates(logits, context, stop_token, colon, eol)
             done = self.agree(kept, context, done)
             if done:
                 break
             prev = context
+        if not self.last:
+            return comm.broadcast_object(None, last_stage_rank(self.pp_group), self.pp_group)
         if not done:
             for i in range(self.beam_width):
                 self.hyps.add(self.tokens[i, :self.final_length].tolist(),
                               float(self.scores[i]), self.final_length - self.prompt_length)
         best = sorted(self.hyps.beams, key=lambda item: item[0], reverse=True)[:num_return]
-        return BeamOutput(tokens=[t for _, t in best], scores=[s for s, _ in best])
+        out = BeamOutput(tokens=[t for _, t in best], scores=[s for s, _ in best])
+        if comm.world_size(self.pp_group) > 1:  # the other stages take the last one's answer
+            comm.broadcast_object(out, last_stage_rank(self.pp_group), self.pp_group)
+        return out
+
+    def rank_candidates(self, logits, context, stop_token, colon, eol
+                        ) -> tuple[torch.Tensor, bool]:
+        """The last stage's step: the kept beams ``[b, 3]`` and whether search is done."""
+        if colon is not None and eol is not None:
+            logits[self.tokens[:, context - 1] == colon, eol] = -1e10
+        new_scores = F.log_softmax(logits, dim=-1) + self.scores  # [b, V]
+        # At the first step all beams are the same prompt: rank one row only.
+        flat = new_scores[0] if context == self.prompt_length else new_scores.view(-1)
+        order_scores, order = torch.sort(flat, descending=True)
+        beams, words = order // logits.size(1), order % logits.size(1)
+        kept = self.step(context, stop_token, beams, words, order_scores)
+        done = self.hyps.is_done(float(order_scores[:2 * self.beam_width].max()),
+                                 context + 1 - self.prompt_length)
+        return kept, done
 
     def step(self, context, stop_token, beams, words, scores) -> torch.Tensor:
         """Finish the candidates ending in ``stop_token``, keep ``beam_width`` others; returns
@@ -172,9 +188,12 @@ class _Search:
         return torch.tensor(kept, dtype=torch.float64)
 
     def agree(self, kept: torch.Tensor, context: int, done: bool) -> bool:
-        """Every rank takes ``src``'s beams (one broadcast), reorders tokens and cache."""
+        """Every rank takes the last stage's beams (over the pipeline), then ``src``'s (over
+        every rank), and reorders its tokens and cache."""
         shared = torch.cat([kept.view(-1), torch.tensor([float(done)], dtype=torch.float64)])
         shared = shared.to(self.dev)
+        if comm.world_size(self.pp_group) > 1:
+            comm.broadcast(shared, last_stage_rank(self.pp_group), self.pp_group)
         comm.broadcast(shared, self.src, self.mp_group)
         shared = shared.cpu()
         kept = shared[:-1].view(self.beam_width, 3)

@@ -9,10 +9,12 @@ own real tokens and its tokens and log-probs equal those of generating it alone.
 Megatron-LM, every prompt gets at most ``tokens_to_generate`` new tokens (Megatron lets shorter
 prompts of a batch run on to the longest prompt's end).
 
-Every rank of ``mp_group`` (the TP ranks; with PP the stages would pass activations) runs the same
-steps; the TP ranks gather the full logits, and the source rank's sampled tokens and stop flags
-are broadcast each step so all ranks agree on what comes next (Megatron broadcasts them from the
-last pipeline stage). ``use_kv_cache=False`` recomputes the whole sequence every step: the
+Every rank of ``mp_group`` (TP x PP) runs the same steps. With pipeline parallelism each step's
+activations pass stage to stage (:class:`StageForward`); the last stage's TP ranks gather the
+full logits and sample, and the sampled tokens and log-probs are broadcast from the last stage
+over the pipeline (Megatron's ``broadcast_from_last_pipeline_stage``). The source rank (which
+serves the request) then broadcasts its stop decisions and tokens to every rank, so all agree
+on what comes next. ``use_kv_cache=False`` recomputes the whole sequence every step: the
 reference the cache is checked against.
 
 Legend: b batch, s sequence, V padded vocabulary, p TP size.
@@ -26,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatron.core import comm, device, parallel_state
+from megatron.core import comm, device
 from megatron.core.inference_params import InferenceParams
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.text_generation.sampling import check_sampling_options, decay_top_p, sample
@@ -99,7 +102,8 @@ def generate_tokens_and_logprobs(
         max_sequence_length: int, sampling: SamplingOptions = SamplingOptions(),
         stops: StopConditions = StopConditions(), vocab_size: int | None = None,
         return_logprobs: bool = False, top_logprobs: int = 0, use_kv_cache: bool = True,
-        mp_group: ProcessGroup | None = None, src: int = 0,
+        mp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
+        src: int = 0,
         on_step: Callable[[StepReport], list[bool] | None] | None = None) -> GenerationOutput:
     """Generate up to ``tokens_to_generate`` tokens after each prompt (0: score the prompts).
 
@@ -115,6 +119,7 @@ def generate_tokens_and_logprobs(
         use_kv_cache: False recomputes the whole sequence every step (the reference).
         mp_group: the ranks holding the model (TP x PP; the server passes the world, so every
             rank takes part; None = this rank alone).
+        pp_group: this rank's pipeline (``model`` is one stage of it; None = one stage).
         src: global rank whose tokens and stop decisions every rank adopts (the one serving
             the request).
         on_step: called on ``src`` after every step; may return per-row "stop now" flags
@@ -124,11 +129,11 @@ def generate_tokens_and_logprobs(
         ValueError: an empty prompt, a prompt that would outgrow ``max_sequence_length``, or a
             sampling option out of range; before any forward pass.
     """
-    refuse_pipeline_parallel()
     check_generation_lengths([len(p) for p in prompts], tokens_to_generate, max_sequence_length)
     model.eval()
     run = _Run(model, prompts, tokens_to_generate, sampling, stops, vocab_size,
-               return_logprobs or top_logprobs > 0, top_logprobs, use_kv_cache, mp_group, src)
+               return_logprobs or top_logprobs > 0, top_logprobs, use_kv_cache, mp_group, src,
+               pp_group)
     if tokens_to_generate == 0:
         run.score()
     else:
@@ -136,11 +141,46 @@ def generate_tokens_and_logprobs(
     return run.output(return_logprobs, top_logprobs > 0)
 
 
+class StageForward:
+    """One forward through the pipeline (Megatron's ``ForwardStep``): the first stage embeds the
+    ids, each stage receives the previous stage's activation ``[s, b, h]`` and sends its own on;
+    the last stage returns the logits ``[b, s, V/p]``, the others None. The whole batch passes
+    as one micro-batch (the stages take turns; no pipelining within a step)."""
+
+    def __init__(self, model: torch.nn.Module, pp_group: ProcessGroup | None) -> None:
+        self.model = model
+        self.first = getattr(model, "pre_process", True)
+        self.last = getattr(model, "post_process", True)
+        self.p2p = None
+        if comm.world_size(pp_group) > 1:
+            self.p2p = P2PCommunicator(pp_group, dtype=model.config.params_dtype)
+            self.hidden = model.config.hidden_size
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 inference_params: InferenceParams | None) -> torch.Tensor | None:
+        kwargs = {"inference_params": inference_params} if inference_params is not None else {}
+        if not self.first:
+            b, s = ids.shape
+            self.model.set_input_tensor(self.p2p.recv_forward((s, b, self.hidden)))
+            ids = positions = None
+        out = self.model(ids, positions, None, **kwargs)
+        if not self.last:
+            self.p2p.send_forward(out)  # [s, b, h]
+            return None
+        return out
+
+
+def last_stage_rank(pp_group: ProcessGroup | None) -> int:
+    """Global rank of the last stage of this rank's pipeline (this rank with one stage)."""
+    return comm.global_rank(pp_group, comm.world_size(pp_group) - 1) \
+        if comm.world_size(pp_group) > 1 else comm.rank(comm.world_group())
+
+
 class _Run:
     """The state of one batch's generation: padded tokens, per-row lengths, log-probs."""
 
     def __init__(self, model, prompts, tokens_to_generate, sampling, stops, vocab_size,
-                 want_logprobs, top_logprobs, use_kv_cache, mp_group, src) -> None:
+                 want_logprobs, top_logprobs, use_kv_cache, mp_group, src, pp_group) -> None:
         self.model, self.sampling, self.stops = model, sampling, stops
         self.vocab_size, self.mp_group, self.src = vocab_size, mp_group, src
         self.want_logprobs, self.top_k_logprobs = want_logprobs, top_logprobs
@@ -165,36 +205,58 @@ class _Run:
         self.cache = InferenceParams(b, self.max_length) if use_kv_cache else None
         self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
         self.tp_group = model_tp_group(model)
+        self.forward = StageForward(model, pp_group)
+        self.pp_group = pp_group
 
     # Forward -------------------------------------------------------------------------------
-    def logits(self, start: int, end: int) -> torch.Tensor:
+    def logits(self, start: int, end: int) -> torch.Tensor | None:
         """Full-vocabulary logits ``[b, end - start, V]`` (fp32 or wider, on the CPU) of
-        positions ``start..end-1``; with the cache only those positions are fed."""
+        positions ``start..end-1`` on the last pipeline stage (None on the others); with the
+        cache only those positions are fed."""
         first = start if self.cache is not None else 0
         ids = self.tokens[:, first:end].to(self.dev)  # [b, s]
         positions = torch.arange(first, end, device=self.dev).unsqueeze(0).expand_as(ids)
+        out = self.forward(ids, positions, self.cache)  # [b, s, V/p] or None
         if self.cache is not None:
-            out = self.model(ids, positions, None, inference_params=self.cache)  # [b, s, V/p]
             self.cache.sequence_len_offset = end
-        else:
-            out = self.model(ids, positions, None)[:, start - first:]  # [b, s, V/p]
+        if out is None:
+            return None
+        out = out[:, start - first:]
         if self.tp_group is not None:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [b, s, V]
         out = out.cpu()
         return out if out.dtype == torch.float64 else out.float()
 
-    def record_logprobs(self, logits: torch.Tensor, start: int, end: int) -> None:
+    def record_logprobs(self, logits: torch.Tensor | None, start: int, end: int) -> None:
         """Log-probs of tokens ``start+1..end`` given their prefixes (Megatron: the raw logits,
-        before temperature, after the newline-after-colon block)."""
+        before temperature, after the newline-after-colon block), computed on the last stage
+        and sent to the others."""
         if not self.want_logprobs:
             return
-        log_probs = F.log_softmax(logits, dim=-1)  # [b, s, V]
-        targets = self.tokens[:, start + 1:end + 1].unsqueeze(-1)  # [b, s, 1]
-        self.logprobs[:, start:end] = torch.gather(log_probs, 2, targets).squeeze(-1).double()
-        if self.top_k_logprobs:
-            values, ids = torch.topk(log_probs, self.top_k_logprobs, dim=-1)  # [b, s, k]
-            self.top_ids[:, start:end] = ids
-            self.top_values[:, start:end] = values.double()
+        b, s, k = self.tokens.size(0), end - start, self.top_k_logprobs
+        packed = torch.zeros(b, s, 1 + 2 * k, dtype=torch.float64)  # [b, s, 1 + 2k]
+        if logits is not None:
+            log_probs = F.log_softmax(logits, dim=-1)  # [b, s, V]
+            targets = self.tokens[:, start + 1:end + 1].unsqueeze(-1)  # [b, s, 1]
+            packed[..., 0] = torch.gather(log_probs, 2, targets).squeeze(-1).double()
+            if k:
+                values, ids = torch.topk(log_probs, k, dim=-1)  # [b, s, k]
+                packed[..., 1:1 + k] = ids.double()
+                packed[..., 1 + k:] = values.double()
+        packed = self.from_last_stage(packed)
+        self.logprobs[:, start:end] = packed[..., 0]
+        if k:
+            self.top_ids[:, start:end] = packed[..., 1:1 + k].long()
+            self.top_values[:, start:end] = packed[..., 1 + k:]
+
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the last pipeline stage has it (Megatron's
+        ``broadcast_from_last_pipeline_stage``; as is with one stage)."""
+        if comm.world_size(self.pp_group) == 1:
+            return tensor
+        tensor = tensor.to(self.dev)
+        comm.broadcast(tensor, last_stage_rank(self.pp_group), self.pp_group)
+        return tensor.cpu()
 
     # Scoring (tokens_to_generate == 0) -----------------------------------------------------
     def score(self) -> None:
@@ -209,11 +271,14 @@ class _Run:
         start = int(self.prompt_lengths.min())
         for context in range(start, self.max_length):
             prev = context - 1 if context > start else 0
-            logits = self.logits(prev, context)  # [b, s, V]
-            self.block_newline_after_colon(logits, context)
-            new = sample(logits[:, -1, :], top_k=self.sampling.top_k, top_p=top_p,
-                         temperature=self.sampling.temperature, vocab_size=self.vocab_size,
-                         generator=self.generator)  # [b]
+            logits = self.logits(prev, context)  # [b, s, V] on the last stage, else None
+            new = torch.zeros(self.tokens.size(0), dtype=torch.long)
+            if logits is not None:
+                self.block_newline_after_colon(logits, context)
+                new = sample(logits[:, -1, :], top_k=self.sampling.top_k, top_p=top_p,
+                             temperature=self.sampling.temperature, vocab_size=self.vocab_size,
+                             generator=self.generator)  # [b]
+            new = self.from_last_stage(new)
             top_p = decay_top_p(top_p, self.sampling.top_p_decay, self.sampling.top_p_bound)
             started = (self.prompt_lengths <= context) & ~self.finished
             self.tokens[started, context] = new[started]
@@ -292,19 +357,6 @@ def model_tp_group(model: torch.nn.Module) -> ProcessGroup | None:
     return getattr(model, "tp_group", None)
 
 
-def refuse_pipeline_parallel() -> None:
-    """Generation runs the whole model on each rank (TP only) for now.
-
-    Raises:
-        ValueError: pipeline parallelism is initialized with more than one stage.
-    """
-    if parallel_state.model_parallel_is_initialized() and \
-            parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("text generation does not run with --pipeline-model-parallel-size > 1 "
-                         "yet: generate with --pipeline-model-parallel-size 1 (same TP size; "
-                         "the checkpoint's stages merge with megatron.checkpointing.stages)")
-
-
 def check_generation_lengths(prompt_lengths: list[int], tokens_to_generate: int,
                              max_sequence_length: int) -> None:
     """Megatron-LM's length checks: every prompt has a token, and the prompt plus the tokens
@@ -333,7 +385,8 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
                     max_sequence_length: int, greedy: bool = False, top_k: int = 0,
                     top_p: float = 0.0, temperature: float = 1.0, seed: int = 1234,
                     stop_on_eod: bool = True, use_kv_cache: bool = True,
-                    mp_group: ProcessGroup | None = None, src: int = 0) -> list[list[int]]:
+                    mp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
+                    src: int = 0) -> list[list[int]]:
     """Extend each prompt by up to ``tokens_to_generate`` tokens (the prompt plus generated ids,
     per prompt, stopped after the end-of-document token); ``greedy`` is ``top_k=1``. See
     :func:`generate_tokens_and_logprobs` (tools/generate.py's simple entry).
@@ -348,7 +401,8 @@ def generate_tokens(model: torch.nn.Module, prompts: list[list[int]], tokens_to_
     out = generate_tokens_and_logprobs(
         model, prompts, tokens_to_generate, max_sequence_length=max_sequence_length,
         sampling=sampling, stops=StopConditions(eod=eod, stop_on_eod=stop_on_eod),
-        vocab_size=vocab_size, use_kv_cache=use_kv_cache, mp_group=mp_group, src=src)
+        vocab_size=vocab_size, use_kv_cache=use_kv_cache, mp_group=mp_group, pp_group=pp_group,
+        src=src)
     return out.tokens
 
 

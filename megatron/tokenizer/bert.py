@@ -73,6 +73,7 @@ class BertWordPieceTokenizer(VocabTokenizer):
                  vocab_extra_ids: int = 0) -> None:
         super().__init__("BERT Lower Case" if lower_case else "BERT Upper Case")
         self._set_vocab(load_vocab(vocab_file))
+        self._vocab_file = os.fspath(vocab_file)
         missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in self._vocab]
         if missing:
             raise ValueError(f"{vocab_file}: BERT vocabulary lacks {missing}")
@@ -128,6 +129,14 @@ class BertWordPieceTokenizer(VocabTokenizer):
         return " ".join(tokens).replace(" ##", "").strip()
 
     decode = detokenize
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """What dataset cache descriptions record of this tokenizer, in Megatron-LM's form, so
+        the cache file names (md5 of the description) match Megatron-Core's."""
+        return {"class": "_BertWordPieceTokenizer", "tokenizer_path": [self._vocab_file],
+                "lower_case": str(self.lower_case),
+                "vocab_extra_ids": str(len(self.additional_special_tokens))}
 
     @property
     def cls(self) -> int:

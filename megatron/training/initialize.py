@@ -85,7 +85,7 @@ _CHECKPOINT_ARCH_FIELDS = {
               "max_position_embeddings", "add_position_embedding", "make_vocab_size_divisible_by",
               "layernorm_epsilon", "apply_residual_connection_post_layernorm", "openai_gelu",
               "untie_embeddings_and_output_weights", "add_bias_linear",
-              "apply_query_key_layer_scaling"),
+              "apply_query_key_layer_scaling", "bert_binary_head"),
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
     "data": ("seq_length",),
     "tokenizer": ("tokenizer_type", "vocab_file", "merge_file", "vocab_size", "tokenizer_model"),

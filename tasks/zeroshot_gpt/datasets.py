@@ -10,7 +10,7 @@ however large the file (users run the 500 MB WikiText-103 train split as well as
   its target the last BPE token, or with ``--strict-lambada`` the last whole word (every one of
   its tokens must be predicted).
 
-Pieces are tokenized separately once the text outgrows ``chunk_chars`` (default 16 M
+Pieces are tokenized separately once the text outgrows ``chunk_chars`` (default 4 M
 characters, so WikiText-103's 1.3 MB test file is tokenized whole, as Megatron-LM does). They
 are cut after a newline that ends a line and before one that starts a paragraph (``x\\n|\\nY``
 or ``x\\n|Y``), where GPT-2's pre-tokenizer splits anyway: for ``GPT2BPETokenizer`` the ids are
@@ -31,7 +31,7 @@ import numpy as np
 
 from tasks.zeroshot_gpt.detokenizer import ChunkDetokenizer, count_pair_closings
 
-DEFAULT_CHUNK_CHARS = 16 * 2**20
+DEFAULT_CHUNK_CHARS = 4 * 2**20
 # The end of a chunk of raw text: between two ASCII letters (no detokenizer rule spans it).
 _LETTER_PAIR = re.compile(r"[A-Za-z](?=[A-Za-z])")
 # Where detokenized text may be cut before tokenizing (see the module docstring).

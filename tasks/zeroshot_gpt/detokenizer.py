@@ -107,22 +107,19 @@ class PairState:
 
     def __init__(self, opener: str, closer: str) -> None:
         self.opener, self.closer = opener, closer
+        # The rule's pairs without its spaces: an opener, then everything up to the first closer.
+        self._pair = re.compile(f"{re.escape(opener)}[^{re.escape(closer)}]*{re.escape(closer)}")
         self.open = False
         self.closed = 0
 
     def scan(self, text: str) -> None:
         """Advance over ``text`` as the regex pairs it (left to right, first closer wins)."""
-        if self.opener == self.closer:
-            toggles = text.count(self.opener)
-            self.closed += (toggles + self.open) // 2
-            self.open = bool((toggles + self.open) % 2)
-            return
-        for char in re.findall(f"[{re.escape(self.opener + self.closer)}]", text):
-            if self.open and char == self.closer:
-                self.open = False
-                self.closed += 1
-            elif not self.open and char == self.opener:
-                self.open = True
+        text = (self.opener if self.open else "") + text
+        end = 0
+        for match in self._pair.finditer(text):
+            self.closed += 1
+            end = match.end()
+        self.open = text.find(self.opener, end) >= 0
 
 
 def count_pair_closings(chunks) -> list[int]:

@@ -305,7 +305,7 @@ def report(task: str, metric: str, sums: dict[str, float], data) -> dict:
     log_rank_last("-" * (len(line) + 1))
     log_rank_last(line)
     log_rank_last("-" * (len(line) + 1))
-    log_rank_0("done :-)")
+    log_rank_last("done :-)")
     return result
 
 

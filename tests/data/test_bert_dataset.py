@@ -16,7 +16,8 @@ import pytest
 from megatron.config import DataConfig
 from megatron.config.datasets import bert_dataset_config
 from megatron.data import helpers
-from megatron.data.bert_dataset import (BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig,
+from megatron.data.bert_dataset import (BERTMaskedWordPieceDataset,
+                                        BERTMaskedWordPieceDatasetConfig,
                                         MockBERTMaskedWordPieceDataset,
                                         build_train_valid_test_datasets)
 from megatron.data.blended_dataset import BlendedDataset
@@ -205,7 +206,8 @@ def test_masking_sop_and_length_statistics(corpus, tok):
         assert text[0] == tok.cls and (text[:length] == tok.sep).sum() == 2
         assert text[length - 1] == tok.sep and (text[length:] == tok.pad).all()
         first_sep = int(np.flatnonzero(text == tok.sep)[0])
-        assert (s["types"][:first_sep + 1] == 0).all() and (s["types"][first_sep + 1:length] == 1).all()
+        assert (s["types"][:first_sep + 1] == 0).all()
+        assert (s["types"][first_sep + 1:length] == 1).all()
         assert (loss == (labels >= 0)).all() and not loss[length:].any()
         assert not loss[[0, first_sep, length - 1]].any()  # never [CLS]/[SEP]
         original = np.where(loss == 1, labels, text)
@@ -352,3 +354,41 @@ def test_config_errors_name_the_flags(tok):
     with pytest.raises(ValueError, match="cannot be combined"):
         BERTMaskedWordPieceDatasetConfig(**base, masking_do_permutation=True,
                                          masking_use_geometric_distribution=True)
+
+
+def test_masking_options_keep_their_meaning(corpus, tok):
+    """Options pretrain_bert.py leaves at Megatron's values: single pieces, permutation, n-gram
+    distributions (no reference needed: what each promises, and no sample breaks)."""
+    prefix = corpus / "pp_text_sentence"
+    pieces = build_train_valid_test_datasets(
+        _config(tok, prefix, masking_do_full_word=False), [200, 5, 5])[0]
+    split_word = 0
+    for idx in range(200):
+        s = pieces[idx]
+        original = np.where(s["loss_mask"] == 1, s["labels"], s["text"])
+        for word in _words_of(original[:int(s["padding_mask"].sum())], tok):
+            split_word += len(set(s["loss_mask"][word].tolist())) > 1
+    assert split_word > 0  # word pieces are masked on their own
+
+    permuted = build_train_valid_test_datasets(
+        _config(tok, prefix, masking_do_permutation=True), [100, 5, 5])[0]
+    predicted = other = 0
+    for idx in range(100):
+        s = permuted[idx]
+        loss = s["loss_mask"] == 1
+        assert loss.sum() <= 2 * 0.15 * int(permuted.sample_index[idx][2])
+        predicted += int(loss.sum())
+        other += int((loss & (s["text"] != s["labels"]) & (s["text"] != tok.mask)).sum())
+    # Half the predictions are permuted tokens (most not in place): far above the 10% of
+    # random replacements without permutation.
+    assert other / predicted > 0.3
+    again = build_train_valid_test_datasets(
+        _config(tok, prefix, masking_do_permutation=True), [100, 5, 5])[0]
+    np.testing.assert_array_equal(permuted[3]["text"], again[3]["text"])  # reproducible
+
+    for option in ("masking_use_longer_ngrams", "masking_use_geometric_distribution"):
+        dataset = build_train_valid_test_datasets(_config(tok, prefix, **{option: True}),
+                                                  [100, 5, 5])[0]
+        ratio = np.mean([dataset[i]["loss_mask"].sum() / dataset[i]["padding_mask"].sum()
+                         for i in range(100)])
+        assert 0.1 < ratio < 0.16, option

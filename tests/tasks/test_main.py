@@ -64,7 +64,7 @@ def test_cli_smoke_wikitext(tmp_path, shared_data):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    words = len(text.strip().split(" "))  # Megatron's count: 53
+    words = len(text.strip().split(" "))  # Megatron's count: 58
     assert f" > number of original tokens: {words}, number of detokenized tokens: " in out
     assert " validation results on WIKITEXT103 | avg loss: " in out
     assert "| adjusted ppl: " in out and "| token ratio: " in out

@@ -1,5 +1,5 @@
 """Requests through the command loop: rank 0 leads, the other ranks follow, and the answers at
-TP = 2 equal TP = 1's; Megatron's post-processing (segments, log-probs, add_BOS)."""
+TP = 2 and at PP = 2 (generation, beam search, a refused request, sampling) equal one process's; Megatron's post-processing (segments, log-probs, add_BOS)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.text_generation import (GenerationRequest, follow_requests, lead_request,
                                       run_request, stop_followers)
 from tests.multiprocess import run_distributed
-from tests.text_generation.tiny import MAX_POSITIONS, ByteTokenizer, tiny_model
+from tests.text_generation.tiny import MAX_POSITIONS, ByteTokenizer, tiny_model, tiny_stage
 
 REQUESTS = [
     GenerationRequest(prompts=["Hello", "A longer prompt"], tokens_to_generate=8,
@@ -23,30 +23,35 @@ REQUESTS = [
 ]
 
 
-def _run_all(model, tokenizer, group):
+def _run_all(model, tokenizer, group, pp_group=None):
     out = []
     for request in REQUESTS:
         try:
             out.append(lead_request(model, tokenizer, request, mp_group=group,
-                                    max_sequence_length=MAX_POSITIONS))
+                                    pp_group=pp_group, max_sequence_length=MAX_POSITIONS))
         except ValueError as err:
             out.append(str(err))
     return out
 
 
-def _command_loop(rank, world_size):
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    model = tiny_model(ps.get_tensor_model_parallel_group(), attention_backend="unfused")
+def _command_loop(rank, world_size, tp, pp):
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    model = tiny_stage(tp_group, ps.get_pipeline_model_parallel_rank(), pp,
+                       attention_backend="unfused")
     tokenizer, group = ByteTokenizer(), comm.world_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
     if rank == 0:
-        results = _run_all(model, tokenizer, group)
+        results = _run_all(model, tokenizer, group, pp_group)
         stop_followers(group)
         return results
-    return follow_requests(model, tokenizer, mp_group=group, max_sequence_length=MAX_POSITIONS)
+    return follow_requests(model, tokenizer, mp_group=group, pp_group=pp_group,
+                           max_sequence_length=MAX_POSITIONS)
 
 
-def test_tp2_command_loop_equals_tp1():
-    leader, followed = run_distributed(2, _command_loop)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_command_loop_at_tp2_and_pp2_equals_one_process(tp, pp):
+    leader, followed = run_distributed(2, _command_loop, tp, pp)
     assert followed == len(REQUESTS)
     single = _run_all(tiny_model(attention_backend="unfused"), ByteTokenizer(), None)
     for tp2, tp1 in zip(leader, single):

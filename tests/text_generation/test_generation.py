@@ -13,7 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron.text_generation import (SamplingOptions, StopConditions, decay_top_p,
                                       generate_tokens_and_logprobs)
 from tests.multiprocess import run_distributed
-from tests.text_generation.tiny import MAX_POSITIONS, tiny_model
+from tests.text_generation.tiny import MAX_POSITIONS, tiny_model, tiny_stage
 
 PROMPTS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33, 32, 40, 41], [65]]
 GREEDY = SamplingOptions(top_k=1)
@@ -177,3 +177,28 @@ def test_tp2_equals_tp1_with_and_without_cache():
         _assert_same(tp2[0], tp1[0])
     # Different seeds per rank, yet one answer: rank 0's tokens are broadcast each step.
     assert out[0][1] == out[1][1]
+
+
+def _pp_equivalence(rank, world_size, tp):
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    stage = tiny_stage(tp_group, ps.get_pipeline_model_parallel_rank(), 2,
+                       attention_backend="unfused")
+    groups = dict(mp_group=comm.world_group(), pp_group=ps.get_pipeline_model_parallel_group())
+    out = [_generate(stage, PROMPTS, use_kv_cache=cache, top_logprobs=2, **groups)
+           for cache in (True, False)]
+    out.append(_generate(stage, PROMPTS, n=0, **groups))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_equal_one_process(tp):
+    """PP=2 (and TP=2 x PP=2): every rank gets the one-process tokens and log-probs."""
+    reference = tiny_model(attention_backend="unfused")
+    full = _generate(reference, PROMPTS, top_logprobs=2)
+    scored = _generate(reference, PROMPTS, n=0)
+    for cached, recomputed, score in run_distributed(2 * tp, _pp_equivalence, tp):
+        _assert_same(cached, full)
+        _assert_same(recomputed, full)
+        _assert_same(score, scored)
+        assert cached.top_logprobs[0][3][0] == full.top_logprobs[0][3][0]

@@ -38,3 +38,28 @@ def tiny_model(tp_group=None, seed: int = 5, **kwargs) -> GPTModel:
     """The same weights at any TP size (one seed, TP-invariant init)."""
     torch.manual_seed(seed)
     return GPTModel(tiny_config(**kwargs), tp_group).eval()
+
+
+def tiny_stage(tp_group, pp_rank: int, pp_size: int, seed: int = 5, **kwargs) -> GPTModel:
+    """This pipeline stage of :func:`tiny_model` (same weights: its layers and, on the last
+    stage, the tied output weight are copied from the whole model)."""
+    full = tiny_model(tp_group, seed, **kwargs)
+    config = tiny_config(**kwargs)
+    per_stage = config.num_layers // pp_size
+    offset = pp_rank * per_stage
+    stage = GPTModel(config, tp_group, pre_process=pp_rank == 0,
+                     post_process=pp_rank == pp_size - 1, num_layers=per_stage,
+                     layer_offset=offset).eval()
+    whole = full.state_dict()
+    own = {}
+    for name in stage.state_dict():
+        source = name
+        if name.startswith("language_model.encoder.layers."):
+            rest = name[len("language_model.encoder.layers."):]
+            index, tail = rest.split(".", 1)
+            source = f"language_model.encoder.layers.{int(index) + offset}.{tail}"
+        elif name == "word_embeddings.weight":  # the last stage's copy of the tied embedding
+            source = "language_model.embedding.word_embeddings.weight"
+        own[name] = whole[source]
+    stage.load_state_dict(own)
+    return stage

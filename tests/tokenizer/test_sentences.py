@@ -72,6 +72,14 @@ def test_bundled_trained_english_is_the_offline_default(monkeypatch, warnings):
     assert warnings == []
     for text, expected in NLTK_TRAINED_ENGLISH_CASES:
         assert sentences.split_sentences(splitter, text) == expected, text
+    # A quirk only the trained tables have: "ill" is an abbreviation (Illinois), so trained
+    # Punkt (Megatron-LM's splits) keeps this as one sentence where untrained Punkt splits.
+    quirk = 'She is ill."\n\nLydia declared herself satisfied.'
+    assert sentences.split_sentences(splitter, quirk) == [quirk]
+    monkeypatch.setattr(sentences, "_trained_params", lambda lang: None)
+    untrained = sentences.build_sentence_splitter("english")
+    assert sentences.split_sentences(untrained, quirk) == [
+        'She is ill."', "Lydia declared herself satisfied."]
     assert sentences.bundled_params("klingon") is None
 
 

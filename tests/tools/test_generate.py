@@ -126,6 +126,8 @@ def _tool_cases(rank: int, world_size: int, save_dir: str) -> dict:
     return {
         "expected": " ".join(str(t) for t in expected),
         "loaded": _run_tool(MODEL + ["--load", save_dir, "--seed", "99"] + PROMPT),
+        "no_cache": _run_tool(MODEL + ["--load", save_dir, "--seed", "99", "--no-kv-cache"]
+                              + PROMPT),
         "random": _run_tool(MODEL + ["--random-weights", "--seed", "99"] + PROMPT),
         "fits": _run_tool(MODEL + ["--random-weights", "--prompt", " ".join(["1"] * 10),
                                    "--num-tokens-to-generate", "6", "--greedy"]),
@@ -139,6 +141,7 @@ def _tool_cases(rank: int, world_size: int, save_dir: str) -> dict:
 def test_generates_from_the_loaded_checkpoint_and_bounds_the_length(tmp_path):
     out = run_distributed(1, _tool_cases, str(tmp_path / "ckpt"))[0]
     assert out["loaded"] == [out["expected"]]
+    assert out["no_cache"] == out["loaded"]  # --no-kv-cache recomputes: the same tokens
     # The check above means something: fresh weights continue differently.
     assert out["random"] != [out["expected"]]
     assert len(out["fits"][0].split()) == 16

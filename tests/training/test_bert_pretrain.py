@@ -1,5 +1,5 @@
 """BERT through ``pretrain()`` with ``pretrain_bert.py``'s model provider and forward step
-(issue 12): TP=2 and DP=2 equal the single process (the lm and sop losses at every iteration and
+(issue 12): TP=2, DP=2 and PP=2 equal the single process (the lm and sop losses at every iteration and
 the final parameters, fp32, no dropout); an exact resume with dropout on; fp16, bf16 with the
 distributed optimizer, and --bert-no-binary-head train; both losses reach TensorBoard.
 
@@ -97,6 +97,25 @@ def bert_argv(*, tp: int = 1, iters: int = ITERS, dropout: float = 0.0,
 # Inside the ranks
 # ---------------------------------------------------------------------------------------------
 
+def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
+    """Overwrite a pipeline stage's weights with the one-process run's initial ones (stage k
+    draws from ``seed + 100 k``, as Megatron's): the whole BERT built from ``--seed``."""
+    from megatron.core.models.bert import BertModel
+    from megatron.training.models import bert_transformer_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.model.seed)
+        whole = BertModel(bert_transformer_config(cfg),
+                          parallel_state.get_tensor_model_parallel_group(),
+                          add_binary_head=cfg.model.bert_binary_head)
+    reference = dict(whole.named_parameters())
+    embedding = "language_model.embedding.word_embeddings.weight"
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            source = e2e._global_name(module, name)
+            param.copy_(reference[embedding if source == "word_embeddings.weight" else source])
+
+
 def _one_bert_run(run: dict) -> dict[str, Any]:
     import pretrain_bert
     from megatron.training import loop
@@ -106,6 +125,8 @@ def _one_bert_run(run: dict) -> dict[str, Any]:
 
     def model_provider(cfg, pre_process=True, post_process=True):
         module = pretrain_bert.model_provider(cfg, pre_process, post_process)
+        if run.get("single_process_init"):
+            _copy_single_process_init(module, cfg)
         built.append(module)
         return module
 
@@ -164,6 +185,8 @@ def two_ranks(tmp_path_factory):
     runs = {
         "tp2": {"argv": bert_argv(tp=2, extra=["--tensorboard-dir", board]), "params": True},
         "dp2": {"argv": bert_argv(), "params": True},
+        "pp2": {"argv": bert_argv(extra=["--pipeline-model-parallel-size", "2"]),
+                "params": True, "single_process_init": True},
         "straight_dropout": {"argv": bert_argv(tp=2, dropout=0.1)},
         "first_half": {"argv": bert_argv(tp=2, dropout=0.1, extra=[
             "--save", save, "--save-interval", "1000", "--exit-interval", str(ITERS // 2)])},
@@ -193,6 +216,23 @@ def test_two_ranks_equal_single_process(single, two_ranks, layout):
     # The run learned something (the comparison is not between two untrained models).
     losses = _series(single, "lm loss")
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_two_pipeline_stages_equal_single_process(single, two_ranks):
+    """PP=2: the embedding on stage 0; the pooler, both heads and the loss on stage 1 (its copy
+    of the tied word embedding kept equal to stage 0's)."""
+    first, last = two_ranks["pp2"]
+    assert first["iteration"] == last["iteration"] == ITERS
+    for key in ("lm loss", "sop loss"):
+        diff = e2e.max_abs_diff(_series(single, key), _series(last, key))
+        assert diff <= EQUAL_TOL, f"pp2 {key}: {diff:.3g}"
+    stage_params = {**first["params"], **last["params"]}
+    stage_params.pop("word_embeddings.weight")  # the last stage's copy...
+    torch.testing.assert_close(last["params"]["word_embeddings.weight"],  # ...kept equal
+                               first["params"]["language_model.embedding.word_embeddings.weight"])
+    assert "lm_head.bias" in last["params"] and "binary_head.weight" in last["params"]
+    diff = e2e.max_param_diff(single["params"], stage_params)
+    assert diff <= EQUAL_TOL, f"pp2: parameters differ by {diff:.3g}"
 
 
 def test_resume_is_exact(two_ranks):

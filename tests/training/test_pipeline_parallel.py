@@ -79,9 +79,20 @@ _EIGHT = {"tp2pp2dp2_overlap": (2, [*_pp(2), "--overlap-grad-reduce"]),
                                       "--recompute-num-layers", "1"])}
 
 
+def _params_norm_flags(tb_root: Path, name: str) -> list[str]:
+    """Log the params norm to TensorBoard at every iteration (read back from ``tb_root/name``)."""
+    return ["--log-params-norm", "--tensorboard-dir", str(tb_root / name)]
+
+
 @pytest.fixture(scope="module")
-def single(gpt2_corpus):
-    runs = {"tied": _run(gpt2_corpus, extra=EVAL, init=False),
+def tb_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline_tensorboard")
+
+
+@pytest.fixture(scope="module")
+def single(gpt2_corpus, tb_root):
+    norm = _params_norm_flags(tb_root, "single")
+    runs = {"tied": _run(gpt2_corpus, extra=[*EVAL, *norm], init=False),
             "untied": _run(gpt2_corpus, extra=UNTIED, init=False),
             # The single-process init replayed at PP=1 is the plain init (the helper is sound).
             "tied_replayed_init": _run(gpt2_corpus, extra=EVAL),
@@ -90,14 +101,16 @@ def single(gpt2_corpus):
     return {name: result[0] for name, result in zip(runs, results)}
 
 
-def _pooled(corpus, world: int, layouts: dict) -> dict:
-    runs = [_run(corpus, tp=tp, extra=extra) for tp, extra in layouts.values()]
+def _pooled(corpus, world: int, layouts: dict, more_flags: dict | None = None) -> dict:
+    more_flags = more_flags or {}
+    runs = [_run(corpus, tp=tp, extra=[*extra, *more_flags.get(name, [])])
+            for name, (tp, extra) in layouts.items()]
     return dict(zip(layouts, e2e.pooled(world, runs)))
 
 
 @pytest.fixture(scope="module")
-def four_ranks(gpt2_corpus):
-    return _pooled(gpt2_corpus, 4, _FOUR)
+def four_ranks(gpt2_corpus, tb_root):
+    return _pooled(gpt2_corpus, 4, _FOUR, {"pp4": _params_norm_flags(tb_root, "pp4")})
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +239,18 @@ def test_evaluation_equals_single_process(single, two_ranks, four_ranks, layout)
                 assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
             else:
                 assert all(d == {} for d in result["evals"]) and len(result["evals"]) == 3
+
+
+def test_params_norm_counts_the_tied_embedding_once(single, four_ranks, tb_root):
+    """The logged params norm at PP=4 (the last stage holds a copy of the embedding, the
+    middle stages none) is the one-process norm at every iteration."""
+    def norms(name: str):
+        return e2e.read_scalars(tb_root / name)["params-norm"]
+
+    ref, got = norms("single"), norms("pp4")
+    assert sorted(ref) == sorted(got) == list(range(1, ITERS + 1))
+    for step in ref:
+        assert abs(ref[step] - got[step]) <= 1e-5 * ref[step], (step, ref[step], got[step])
 
 
 def test_bf16_two_stages_equal_single_process(single, two_ranks):

@@ -11,9 +11,12 @@ on NCCL and on gloo alike; with two stages the next and the previous rank are th
 an activation and a gradient can share the pair. Every exchange therefore posts the
 forward-direction messages (send to next, receive from previous) before the backward-direction
 ones (send to previous, receive from next) on every rank: both ends list a pair's messages in
-the same order. Batched (``batch_isend_irecv``, Megatron's default) posts them as one group; the
-unbatched path posts them one by one with Megatron's even/odd order, so that on a backend whose
-single sends block until matched, each pair has one rank sending while the other receives.
+the same order. Batched (``batch_isend_irecv``, Megatron's default and the schedules') posts
+them as one group; the unbatched path (``batch_p2p_comm=False``) posts them one by one with
+Megatron's even/odd order, so that on a backend whose single sends block until matched, each
+pair has one rank sending while the other receives (gloo's never block; with an odd number of
+stages the interleaved schedule's wrap-around pair is two even ranks, so use the batched path
+there on NCCL).
 
 Legend: s = sequence length (divided by TP with sequence parallelism), b = micro-batch size,
 h = hidden size.

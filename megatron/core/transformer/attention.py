@@ -200,4 +200,7 @@ class SelfAttention(torch.nn.Module):
         if attention_mask is not None or self.core_attention.attn_mask_type != "causal" \
                 or sq == sk:
             return attention_mask
-        return causal_mask(sk, device)[..., sk - sq:, :]  # [1, 1, sq, sk]
+        # O(sq * sk) per step, not the sk x sk triangle: one new query is one row of False.
+        query_positions = torch.arange(sk - sq, sk, device=device).view(sq, 1)
+        key_positions = torch.arange(sk, device=device).view(1, sk)
+        return (key_positions > query_positions).view(1, 1, sq, sk)

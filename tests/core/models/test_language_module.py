@@ -262,3 +262,49 @@ def test_model_library_never_reads_the_cli_config():
     config = transformer_config(cfg)
     assert (config.num_layers, config.hidden_size, config.padded_vocab_size) == (2, 16, VOCAB)
     assert gpt_flops_per_sample(cfg) == num_floating_point_operations(config, 1, 8)
+
+
+@pytest.mark.parametrize("layers,pp,vpp", [(8, 2, None), (8, 4, None), (8, 2, 2), (8, 4, 2),
+                                           (12, 3, 4), (6, 1, None)])
+def test_stage_layer_offsets_match_the_checkpoint_layout(layers, pp, vpp):
+    """Megatron's offsets (``pp_rank * L/pp``; interleaved ``vpp_rank * L/vpp +
+    pp_rank * L/(pp*vpp)``), as the checkpoint format's table has them: every layer on exactly
+    one chunk."""
+    from megatron.checkpointing.stages import PipelineStages
+    from megatron.core.models.language_module import pipeline_stage_layers
+
+    table = PipelineStages(layers, pp, vpp).chunks()
+    seen = []
+    for chunk in table:
+        got = pipeline_stage_layers(layers, pp, chunk.pipeline_rank, vpp, chunk.virtual_rank)
+        assert got == (chunk.num_layers, chunk.first_layer), chunk
+        seen += range(got[1], got[1] + got[0])
+    assert sorted(seen) == list(range(layers))
+    if vpp == 2 and pp == 2:  # stage 0 holds layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7
+        assert pipeline_stage_layers(8, 2, 0, 2, 1) == (2, 4)
+
+
+def test_stage_layers_refuse_an_uneven_split():
+    from megatron.core.models.language_module import pipeline_stage_layers
+
+    with pytest.raises(ValueError, match=r"num_layers \(8\).*\(3\)"):
+        pipeline_stage_layers(8, 3, 0)
+    with pytest.raises(ValueError, match="virtual stages"):
+        pipeline_stage_layers(8, 2, 0, 3, 0)
+
+
+def test_data_parallel_wrappers_pass_the_pipeline_input_on():
+    """The schedules call ``set_input_tensor`` on the DDP-wrapped chunk: it reaches the block."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                               padded_vocab_size=64, max_position_embeddings=8,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, None, pre_process=False, post_process=False, num_layers=1,
+                     layer_offset=1)
+    wrapped = DistributedDataParallel(model, DistributedDataParallelConfig(), dp_group=None)
+    activation = torch.randn(8, 2, 16)
+    wrapped.set_input_tensor(activation)
+    assert model.language_model.encoder.input_tensor is activation
+    assert model.language_model.encoder.layers[0].layer_number == 2
+    assert wrapped(None, None).shape == (8, 2, 16)

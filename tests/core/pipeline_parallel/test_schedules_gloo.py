@@ -2,7 +2,8 @@
 
 A stack of Linear + tanh layers is split over PP = 2 and 4 ranks, with 1 or 2 chunks per rank;
 every micro-batch's loss, every gradient and the forward-only losses must equal the whole stack
-run on one process by the no-pipelining schedule.
+run on one process by the no-pipelining schedule; with DP = 2 and the local DDP's overlapping
+reduction too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tests.core.pipeline_parallel import toy_stack
 from tests.multiprocess import run_distributed
 
 TOLERANCE = 1e-6
+HIDDEN_SQUARED = toy_stack.HIDDEN * toy_stack.HIDDEN  # a bucket per layer weight: several
 
 # (chunks per rank, micro-batches) per pipeline size: m < p, m = p (the interleaved schedule's
 # all-warm-up case) and m > p.
@@ -24,12 +26,16 @@ CASES = {2: [(1, 1), (1, 2), (1, 5), (2, 2), (2, 6)],
          4: [(1, 2), (1, 6), (2, 4), (2, 8)]}
 
 
+def _loss_scale(loss: torch.Tensor) -> torch.Tensor:
+    return loss * 8.0  # the fp16 loss scale's place: applied once, on the last stage
+
+
 def _reference(num_layers: int, batches: list, forward_only: bool):
     layers = toy_stack.whole_stack(num_layers)
     whole = toy_stack.Chunk(layers, virtual_stage=0)
     losses = schedules.forward_backward_no_pipelining(
         forward_step_func=toy_stack.forward_step, data_iterator=iter(batches), model=[whole],
-        num_microbatches=len(batches), forward_only=forward_only)
+        num_microbatches=len(batches), forward_only=forward_only, grad_scale_func=_loss_scale)
     return [d["loss"].item() for d in losses], [l.weight.grad for l in layers]
 
 
@@ -44,7 +50,8 @@ def _pipelined(pp_size: int, num_chunks: int, num_layers: int, batches: list,
         data_iterator=[iter(batches) for _ in chunks], model=chunks,
         num_microbatches=len(batches), seq_length=toy_stack.SEQ,
         micro_batch_size=toy_stack.BATCH, hidden_size=toy_stack.HIDDEN,
-        dtype=torch.float32, forward_only=forward_only, timers=timers)
+        dtype=torch.float32, forward_only=forward_only, timers=timers,
+        grad_scale_func=_loss_scale)
     return [d["loss"].item() for d in losses], layers, chunks, schedule.__name__
 
 
@@ -104,3 +111,51 @@ def test_pipelined_schedules_equal_one_process(world_size):
     timer_names = {n for cases in results for c in cases for n in c["timers"]}
     assert {"forward-recv", "forward-send", "backward-recv", "backward-send",
             "forward-send-backward-recv", "backward-send-forward-recv"} <= timer_names
+
+
+def _check_with_data_parallel(rank, world_size):
+    """PP = 2 x DP = 2 with the local DDP (overlapping, small buckets): each chunk's reduction
+    starts during its last backward, and the averaged gradients equal one process running all
+    the micro-batches."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.distributed.config import DistributedDataParallelConfig
+    from megatron.core.distributed.ddp import DistributedDataParallel
+
+    out = []
+    for num_chunks in (1, 2):
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        num_layers, m = 2 * num_chunks * 2, 4
+        batches = toy_stack.micro_batches(2 * m)
+        _, ref_grads = _reference(num_layers, batches, forward_only=False)
+        layers = toy_stack.whole_stack(num_layers)
+        chunks = toy_stack.chunks_of_rank(
+            layers, 2, parallel_state.get_pipeline_model_parallel_rank(), num_chunks)
+        config = DistributedDataParallelConfig(overlap_grad_reduce=True)
+        wrapped = [DistributedDataParallel(c, config,
+                                           dp_group=parallel_state.get_data_parallel_group(),
+                                           bucket_size=HIDDEN_SQUARED) for c in chunks]
+        mine = batches[dp_rank * m:(dp_rank + 1) * m]
+        schedules.get_forward_backward_func()(
+            forward_step_func=toy_stack.forward_step,
+            data_iterator=[iter(mine) for _ in chunks], model=wrapped, num_microbatches=m,
+            seq_length=toy_stack.SEQ, micro_batch_size=toy_stack.BATCH,
+            hidden_size=toy_stack.HIDDEN, grad_scale_func=_loss_scale)
+        started = [w.grad_sync_started() for w in wrapped]
+        finalize_model_grads(wrapped)
+        owned = {id(p) for c in chunks for p in c.parameters()}
+        # The reference is the mean over 2m micro-batches; DP averages two means over m.
+        diff = max((l.weight.main_grad - g).abs().max().item()
+                   for l, g in zip(layers, ref_grads) if id(l.weight) in owned)
+        out.append((num_chunks, started, diff))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_pipelined_with_data_parallel_overlap():
+    for rank, cases in enumerate(run_distributed(4, _check_with_data_parallel)):
+        for num_chunks, started, diff in cases:
+            assert all(started), (rank, num_chunks)
+            assert diff <= TOLERANCE, (rank, num_chunks, diff)

@@ -1,5 +1,5 @@
 """Zero-shot evaluation end to end: tasks/main.py's perplexity equals a straightforward
-computation written here (same windows, one model) at TP=1 (with DP=2) and TP=2; LAMBADA's
+computation written here (same windows, one model) at TP=1 (with DP=2), TP=2 and PP=2; LAMBADA's
 accuracy counts what the model predicts; strict and non-strict LAMBADA differ where they should;
 a checkpoint of another vocabulary and a bad jsonl line are refused before the model is built."""
 
@@ -98,6 +98,24 @@ def _save(argv: list[str], save: str):
     return cfg, model
 
 
+def _save_pipeline_split(argv: list[str], save: str, full_state: dict) -> None:
+    """This rank's pipeline stage of ``argv`` holding ``full_state``'s weights (stages are
+    seeded apart, so the split is copied in rather than drawn), saved."""
+    from megatron.checkpointing import GPT_LAYOUT
+    from megatron.checkpointing.stages import PipelineStages
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.models import gpt_model_from
+
+    cfg = initialize_megatron(argv + ["--save", save, "--save-interval", "1"])
+    stages = PipelineStages(cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size)
+    split = GPT_LAYOUT.split_pipeline(full_state, stages)
+    model = gpt_model_from(cfg)
+    model.load_state_dict(split[parallel_state.get_pipeline_model_parallel_rank()])
+    save_checkpoint(1, [model], None, None, cfg, 0, 0)
+
+
 def _reference_perplexity(model, tokenizer, path: str) -> dict:
     """One forward per window, scoring each target in the first window that holds it."""
     raw = open(path, encoding="utf-8").read()
@@ -168,12 +186,17 @@ def _equivalence(rank: int, world_size: int, tmp: str, shared: str, wiki: str) -
     parallel_state.destroy_model_parallel()
     _save(MODEL + tok_flags + ["--tensor-model-parallel-size", "2"], f"{tmp}/tp2")
     parallel_state.destroy_model_parallel()
+    _save_pipeline_split(MODEL + tok_flags + ["--pipeline-model-parallel-size", "2"],
+                         f"{tmp}/pp2", model.state_dict())
+    parallel_state.destroy_model_parallel()
 
     task = ["--valid-data", wiki, "--overlapping-eval", str(STRIDE), "--log-interval", "5"]
     lam = ["--valid-data", lambada, "--eval-micro-batch-size", "2"]
     tp2 = ["--load", f"{tmp}/tp2", "--use-checkpoint-args"]
     out["wiki_tp2"] = _task(evaluate.run_wikitext, tok_flags + tp2 + task)
     out["lambada_tp2"] = _task(evaluate.run_lambada, tok_flags + tp2 + lam)
+    out["wiki_pp2"] = _task(evaluate.run_wikitext, tok_flags + task + [
+        "--load", f"{tmp}/pp2", "--use-checkpoint-args"])
     out["wiki_tp1"] = _task(evaluate.run_wikitext, tok_flags + MODEL + task + [
         "--pretrained-checkpoint", f"{tmp}/tp1"])
     # Another vocabulary than the checkpoint's; a jsonl line without "text".
@@ -199,14 +222,14 @@ def wiki_file(tmp_path, shared_data):
     return path
 
 
-def test_perplexity_and_accuracy_equal_the_reference_at_tp1_and_tp2(tmp_path, shared_data,
+def test_perplexity_and_accuracy_equal_the_reference_at_tp1_tp2_pp2(tmp_path, shared_data,
                                                                      wiki_file):
     results = run_distributed(2, _equivalence, str(tmp_path), str(shared_data), str(wiki_file))
     ref = results[0]["reference"]
     assert abs(ref["avg_loss"] - math.log(50257)) > 0.5  # scaled weights: far from uniform
     expected, total = results[0]["lambada_expected"]
     for rank in (0, 1):
-        for name in ("tp1", "tp2"):
+        for name in ("tp1", "tp2", "pp2"):
             got = results[rank][f"wiki_{name}"]
             assert isinstance(got, dict), got
             assert got["num_tokenized_tokens"] == ref["num_tokenized_tokens"]
