@@ -75,12 +75,14 @@ class StopConditions:
 
 @dataclass
 class StepReport:
-    """What one step added, for streaming: rows that took a new token, the token, and the
-    token's log-prob (None unless log-probs are computed)."""
+    """What one step added, for streaming: rows that took a new token, the token, the token's
+    log-prob (None unless log-probs are computed) and the most likely tokens there
+    (``(ids, log-probs)`` per row; None unless asked for)."""
 
     rows: list[int]
     tokens: list[int]
     logprobs: list[float] | None
+    top: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -321,7 +323,10 @@ class _Run:
             rows = [int(i) for i in torch.nonzero(started).view(-1)]
             lps = [float(self.logprobs[i, context - 1]) for i in rows] \
                 if self.want_logprobs else None
-            extra = on_step(StepReport(rows, [int(self.tokens[i, context]) for i in rows], lps))
+            top = [(self.top_ids[i, context - 1].tolist(), self.top_values[i, context - 1].tolist())
+                   for i in rows] if self.top_k_logprobs else None
+            extra = on_step(StepReport(rows, [int(self.tokens[i, context]) for i in rows], lps,
+                                       top))
             if extra is not None:
                 stop_now |= torch.tensor(extra, dtype=torch.bool) & ~self.finished
         shared = torch.cat([self.tokens[:, context], stop_now.long(),

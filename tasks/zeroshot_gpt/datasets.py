@@ -202,8 +202,13 @@ def read_lambada_texts(path: str) -> Iterator[tuple[int, str]]:
         ValueError: naming the file and line: not JSON, not an object, or no string "text".
     """
     check_data_file(path)
-    with open(path, encoding="utf-8") as reader:
-        for number, line in enumerate(reader, start=1):
+    with open(path, "rb") as reader:
+        for number, raw in enumerate(reader, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--valid-data {path}, line {number}: not UTF-8 ({err})") \
+                    from None
             if not line.strip():
                 continue
             try:

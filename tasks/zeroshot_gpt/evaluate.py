@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 
@@ -108,20 +107,21 @@ def check_task_flags(flags, task: str) -> list[str]:
 
 
 def check_run(cfg, ex: TaskFlags) -> None:
-    """Flags known once validated (``--use-checkpoint-args`` may bring ``--seq-length``), and
-    the pipeline layout, before the model is built."""
+    """Flags known once validated (``--use-checkpoint-args`` may bring ``--seq-length``),
+    before the model is built.
+
+    Raises:
+        ValueError: naming the flag and the fix.
+    """
     seq = cfg.data.seq_length
     if not 1 <= ex.overlapping_eval <= seq:
         raise ValueError(f"--overlapping-eval ({ex.overlapping_eval}) must be between 1 and "
                          f"--seq-length ({seq}): each window scores that many new targets")
     if cfg.virtual_pipeline_model_parallel_size is not None:
-        raise ValueError("the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-"
-                         "stage) is not supported for zero-shot evaluation (as in Megatron-LM)")
-    try:
-        get_forward_backward_func()
-    except NotImplementedError as err:
-        raise ValueError(f"--pipeline-model-parallel-size "
-                         f"{cfg.parallel.pipeline_model_parallel_size}: {err}") from None
+        # One model chunk per rank here; Megatron-LM refuses the interleaved schedule too.
+        raise ValueError("--num-layers-per-virtual-pipeline-stage (the interleaved pipeline "
+                         "schedule) is not supported for zero-shot evaluation, as in Megatron-LM: "
+                         "evaluate a checkpoint saved without it")
 
 
 def model_provider(cfg, pre_process: bool = True, post_process: bool = True, *,
@@ -187,7 +187,10 @@ def count_lambada(data: LambadaData) -> int:
     Raises:
         ValueError: naming the file and line (:func:`datasets.lambada_samples`).
     """
-    return sum(1 for _ in data.samples())
+    count = sum(1 for _ in data.samples())
+    if count == 0:
+        raise ValueError(f"--valid-data {data.path}: no examples (only blank lines)")
+    return count
 
 
 # Forward ------------------------------------------------------------------------------------
@@ -315,6 +318,3 @@ def _or_exit(check, *args):
     except ValueError as err:
         raise SystemExit(f"{PROG}: error: {err}") from None
 
-
-if __name__ == "__main__":
-    sys.exit("run tasks/main.py --task WIKITEXT103|LAMBADA")

@@ -202,3 +202,12 @@ def test_pipeline_stages_equal_one_process(tp):
         _assert_same(recomputed, full)
         _assert_same(score, scored)
         assert cached.top_logprobs[0][3][0] == full.top_logprobs[0][3][0]
+
+
+def test_sampling_leaves_the_logits_alone():
+    """The log-probs are the model's over the whole (padded) vocabulary, as Megatron's, whether
+    or not sampling masks the padded ids."""
+    model = tiny_model()
+    masked = _generate(model, PROMPTS, vocab_size=257)
+    plain = _generate(model, PROMPTS)
+    assert masked.tokens == plain.tokens and masked.logprobs == plain.logprobs

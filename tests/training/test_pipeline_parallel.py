@@ -9,9 +9,10 @@ run's initial weights (``single_process_init``): the same starting point, as Meg
 equivalence runs load one seed checkpoint.
 
 Layouts: PP=2, PP=4 (tied and untied embeddings), PP=2 x VPP=2, PP=4 x VPP=2, TP=2 x PP=2 (also
-with the distributed optimizer and with block recomputation), TP=2 x PP=2 x DP=2 (with overlapped
-bucketed grad reduction, with the distributed optimizer, with uniform recomputation); bf16 at
-PP=2 (to bf16 tolerance). Plus: fp16 with an inf on one stage skips the step everywhere; exact
+with the distributed optimizer and with block recomputation), PP=2 x VPP=2 x DP=2 with the
+distributed optimizer, TP=2 x PP=2 x DP=2 (with overlapped bucketed grad reduction, with the
+distributed optimizer, and x VPP=2 with uniform recomputation); bf16 at PP=2 (to bf16
+tolerance). Plus: fp16 with an inf on one stage skips the step everywhere; exact
 resume at PP=2 and PP=2 x VPP=2; evaluation and ``--skip-train``; a checkpoint of another
 pipeline split is refused; ``pretrain_gpt.py`` under torchrun at PP=2.
 """
@@ -71,10 +72,11 @@ _FOUR = {"pp4": (1, [*_pp(4), *EVAL]),
          "tp2pp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
          "tp2pp2_recompute_block": (2, [*_pp(2), "--recompute-granularity", "full",
                                         "--recompute-method", "block",
-                                        "--recompute-num-layers", "2"])}
+                                        "--recompute-num-layers", "2"]),
+         "pp2vpp2dp2_distopt": (1, [*_pp(2, 2), "--use-distributed-optimizer"])}
 _EIGHT = {"tp2pp2dp2_overlap": (2, [*_pp(2), "--overlap-grad-reduce"]),
           "tp2pp2dp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
-          "tp2pp2dp2_recompute": (2, [*_pp(2), "--recompute-granularity", "full",
+          "tp2pp2dp2_vpp2_recompute": (2, [*_pp(2, 2), "--recompute-granularity", "full",
                                       "--recompute-method", "uniform",
                                       "--recompute-num-layers", "1"])}
 
@@ -120,10 +122,11 @@ def eight_ranks(gpt2_corpus):
 
 @pytest.fixture(scope="module")
 def two_ranks(gpt2_corpus, tmp_path_factory):
-    """The PP=2 layouts, fp16 with an inf on stage 0, resume and a mismatched load."""
+    """The PP=2 layouts, bf16, fp16 with an inf on stage 0, resume, mismatched loads and
+    --skip-train."""
     runs = {name: _run(gpt2_corpus, tp=tp, extra=extra) for name, (tp, extra) in _TWO.items()}
-    # Stage 0 (rank 0) alone gets an inf gradient at iteration 3: its loss stays finite.
     runs["pp2_bf16"] = _run(gpt2_corpus, extra=[*_pp(2), "--bf16"], **BF16_SHAPE)
+    # Stage 0 (rank 0) alone gets an inf gradient at iteration 3: the loss stays finite.
     runs["pp2_fp16_inf"] = {"argv": e2e.gpt_argv(gpt2_corpus, **SHAPE, extra=[
         *LAYERS, *_pp(2), "--fp16", "--initial-loss-scale", "1024"]),
         "grad_inf_at": ([3], 0, 4)}
@@ -214,14 +217,15 @@ def test_two_stages_equal_single_process(single, two_ranks, layout):
 @pytest.mark.parametrize("layout", list(_FOUR))
 def test_four_ranks_equal_single_process(single, four_ranks, layout):
     """PP=4 (tied, untied), PP=4 x VPP=2, TP=2 x PP=2 (plain, distributed optimizer, block
-    recomputation of 2 of each stage's 4 layers)."""
+    recomputation of 2 of each stage's 4 layers), PP=2 x VPP=2 x DP=2 with the distributed
+    optimizer (its shards span the model chunks)."""
     _assert_same_training(_reference(single, layout), four_ranks[layout], layout)
 
 
 @pytest.mark.parametrize("layout", list(_EIGHT))
 def test_eight_ranks_equal_single_process(single, eight_ranks, layout):
-    """TP=2 x PP=2 x DP=2 (overlapped reduction, distributed optimizer, uniform
-    recomputation)."""
+    """TP=2 x PP=2 x DP=2 (overlapped reduction, distributed optimizer; x VPP=2 with uniform
+    recomputation of every layer of each chunk)."""
     _assert_same_training(_reference(single, layout), eight_ranks[layout], layout)
 
 

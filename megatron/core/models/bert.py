@@ -143,9 +143,12 @@ class BertModel(LanguageModule):
 
     def prepare_attention_mask(self, attention_mask: torch.Tensor | None
                                ) -> torch.Tensor | None:
-        """Padding mask ``[b, s]`` -> bool ``[b, 1, s, s]`` (a 4-d mask passes through)."""
+        """Padding mask ``[b, s]`` -> bool ``[b, 1, s, s]`` (a 4-d mask passes through); None
+        when nothing is padded, so attention takes its unmasked (fastest) path."""
         if attention_mask is None or attention_mask.dim() == 4:
             return attention_mask
+        if bool(attention_mask.all()):
+            return None
         return bert_extended_attention_mask(attention_mask)
 
     def post_language_model_processing(self, hidden: torch.Tensor,

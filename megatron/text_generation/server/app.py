@@ -22,7 +22,7 @@ from pathlib import Path
 from flask import Flask, Response, jsonify, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
-from megatron.text_generation.api import GenerationResult, token_texts, tokenize_prompts
+from megatron.text_generation.api import GenerationResult, tokenize_prompts
 from megatron.text_generation.server.engine import (Cancelled, GenerationEngine, Job,
                                                     QueueFull)
 from megatron.text_generation.server.fields import (CompletionRequest, FieldError,
@@ -168,6 +168,16 @@ class _Context:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                           "total_tokens": prompt_tokens + generated}}
 
+    def step_logprobs(self, report, j: int, token: int, offset: int, top: int) -> dict:
+        """One streamed token's OpenAI ``logprobs`` object."""
+        tops = None
+        if top > 0 and report.top is not None:
+            ids, values = report.top[j]
+            tops = [{self.tokenizer.detokenize([t]): v for t, v in zip(ids, values)}]
+        return {"tokens": [self.tokenizer.detokenize([token])],
+                "token_logprobs": [report.logprobs[j] if report.logprobs else None],
+                "top_logprobs": tops, "text_offset": [offset]}
+
     def stream(self, job: Job, creq: CompletionRequest, texts: list[CompletionText],
                meta: dict) -> Iterator[str]:
         """Server-sent events: the echoed prompts, one chunk per generated token, a last chunk
@@ -197,12 +207,11 @@ class _Context:
                     continue
                 if kind == "step":
                     for j, (row, token) in enumerate(zip(value.rows, value.tokens)):
-                        lp = value.logprobs[j] if value.logprobs is not None else None
+                        offset = len(texts[row].prompt_text) + texts[row].sent
                         delta = texts[row].add(token)
                         extra = None
                         if creq.logprobs is not None:
-                            extra = {"tokens": [self.tokenizer.detokenize([token])],
-                                     "token_logprobs": [lp]}
+                            extra = self.step_logprobs(value, j, token, offset, creq.logprobs)
                         if delta or extra is not None:
                             yield chunk(row, delta, logprobs=extra)
                 elif kind == "done":
@@ -220,5 +229,3 @@ class _Context:
         finally:
             job.cancel()
 
-
-__all__ = ["create_app", "token_texts"]

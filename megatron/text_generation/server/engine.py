@@ -130,11 +130,18 @@ class GenerationEngine:
         rows = len(job.request.prompts) if job.request.beam_width is None else 1
 
         def on_step(report: StepReport) -> list[bool] | None:
-            if job.cancelled.is_set():
+            # Runs on the serving rank only, between collective steps: an exception here would
+            # leave the other ranks waiting, so a failing callback cancels the job instead.
+            try:
+                if job.cancelled.is_set():
+                    return [True] * rows
+                if job.stream:
+                    job.events.put(("step", report))
+                return job.watch(report) if job.watch is not None else None
+            except Exception:  # noqa: BLE001
+                logger.exception("a step callback failed; cancelling the request")
+                job.cancel()
                 return [True] * rows
-            if job.stream:
-                job.events.put(("step", report))
-            return job.watch(report) if job.watch is not None else None
 
         try:
             result = self._run(job.request, on_step)

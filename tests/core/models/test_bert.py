@@ -297,3 +297,17 @@ def test_pipeline_stages_hold_the_heads_on_the_last_stage() -> None:
             assert value.shape == expected[key].shape, key
     merged = BERT_LAYOUT.merge_pipeline(split, stages)
     assert list(merged) == list(full)
+
+
+def test_unpadded_batch_takes_the_unmasked_path() -> None:
+    """No padding: the mask is dropped (faster attention), with the same result as the full
+    all-visible mask."""
+    model = _model()
+    ids, types, _, _ = _batch()
+    padding = torch.ones(B, S, dtype=torch.long)
+    assert model.prepare_attention_mask(padding) is None
+    logits, binary = model(ids, padding, tokentype_ids=types)
+    visible = bert_extended_attention_mask(padding)  # all False, [b, 1, s, s]
+    ref_logits, ref_binary = model(ids, visible, tokentype_ids=types)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(binary, ref_binary, rtol=1e-10, atol=1e-10)

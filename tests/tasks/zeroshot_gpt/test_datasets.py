@@ -164,3 +164,15 @@ def test_lambada_examples_too_long_or_without_context_are_refused(tmp_path, gpt2
     path.write_text(json.dumps({"text": "alone"}) + "\n")
     with pytest.raises(ValueError, match="line 1: the text needs at least one token of context"):
         list(datasets.lambada_samples(str(path), gpt2.tokenize, True, 8, gpt2.eod))
+
+
+def test_lambada_line_not_utf8_or_file_without_examples(tmp_path, gpt2):
+    from tasks.zeroshot_gpt.evaluate import LambadaData, count_lambada
+
+    path = tmp_path / "lambada.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"--valid-data {path}, line 2: not UTF-8"):
+        list(datasets.read_lambada_texts(str(path)))
+    path.write_text("\n  \n")
+    with pytest.raises(ValueError, match=f"--valid-data {path}: no examples"):
+        count_lambada(LambadaData(str(path), gpt2, False, 8))

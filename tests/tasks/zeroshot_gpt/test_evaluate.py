@@ -74,6 +74,24 @@ def test_strict_lambada_needs_every_token_of_the_word(tmp_path, shared_data):
     assert found[True]["targets"] == 3 + 3 and found[False]["targets"] == 2
 
 
+@pytest.mark.parametrize("stride,virtual,message", [
+    (17, None, r"--overlapping-eval \(17\) must be between 1 and --seq-length \(16\)"),
+    (0, None, r"--overlapping-eval \(0\) must be between 1"),
+    (16, 2, "--num-layers-per-virtual-pipeline-stage .* is not supported"),
+])
+def test_flags_checked_once_validated(stride, virtual, message):
+    from types import SimpleNamespace
+
+    from tasks.flags import TaskFlags
+
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_length=16),
+                          virtual_pipeline_model_parallel_size=virtual)
+    with pytest.raises(ValueError, match=message):
+        evaluate.check_run(cfg, TaskFlags(task="WIKITEXT103", overlapping_eval=stride))
+    evaluate.check_run(SimpleNamespace(data=cfg.data, virtual_pipeline_model_parallel_size=None),
+                       TaskFlags(task="WIKITEXT103", overlapping_eval=16))
+
+
 # ---------------------------------------------------------------------------------------------
 # Through the task on a world of two: TP=2, and TP=1 x DP=2.
 

@@ -181,7 +181,7 @@ def _events(lines):
 
 
 def test_stream_equals_the_whole_answer(client):
-    request = {"prompt": ["Hello", "Hi"], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    request = {"prompt": ["Hello", "Hi"], "max_tokens": 8, "temperature": 0, "logprobs": 1}
     whole = client.post("/v1/completions", json=request).get_json()
     response = client.post("/v1/completions", json={**request, "stream": True})
     assert response.mimetype == "text/event-stream"
@@ -191,8 +191,10 @@ def test_stream_equals_the_whole_answer(client):
         chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == i]
         assert "".join(c["text"] for c in chunks) == whole["choices"][i]["text"]
         assert chunks[-1]["finish_reason"] == whole["choices"][i]["finish_reason"]
-        tokens = [c for c in chunks if c["logprobs"]]
+        tokens = [c["logprobs"] for c in chunks if c["logprobs"]]
         assert len(tokens) == whole["usage"]["completion_tokens"] // 2  # one event a token
+        assert set(tokens[0]) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert tokens[0]["text_offset"] == [len(request["prompt"][i])]
 
 
 def test_queue_full_is_503_and_the_slot_frees():
