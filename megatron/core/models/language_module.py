@@ -312,7 +312,8 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
 
     Args:
         model_cls: a :class:`LanguageModule` subclass.
-        config: the model's settings (all layers: this stage gets its even share).
+        config: the model's settings (all layers: this stage gets its even share; with virtual
+            stages, the chunk of ``parallel_state``'s current virtual rank).
         pre_process: holds the embedding (default: the first pipeline stage).
         post_process: holds the head (default: the last pipeline stage).
         kwargs: passed on to ``model_cls`` (e.g. ``parallel_output``).
