@@ -244,8 +244,9 @@ def _equivalence_runs(rank: int, tmp: str, shared: str, wiki: str) -> dict:
     tp2 = ["--load", f"{tmp}/tp2", "--use-checkpoint-args"]
     out["wiki_tp2"] = _task(evaluate.run_wikitext, tok_flags + tp2 + task)
     out["lambada_tp2"] = _task(evaluate.run_lambada, tok_flags + tp2 + lam)
-    out["wiki_pp2"] = _task(evaluate.run_wikitext, tok_flags + task + [
-        "--load", f"{tmp}/pp2", "--use-checkpoint-args"])
+    pp2 = ["--load", f"{tmp}/pp2", "--use-checkpoint-args"]
+    out["wiki_pp2"] = _task(evaluate.run_wikitext, tok_flags + pp2 + task)
+    out["lambada_pp2"] = _task(evaluate.run_lambada, tok_flags + pp2 + lam)
     out["wiki_tp1"] = _task(evaluate.run_wikitext, tok_flags + MODEL + task + [
         "--pretrained-checkpoint", f"{tmp}/tp1"])
     # Another vocabulary than the checkpoint's; a jsonl line without "text".
@@ -284,8 +285,10 @@ def test_perplexity_and_accuracy_equal_the_reference_at_tp1_tp2_pp2(tmp_path, sh
             assert got["num_tokenized_tokens"] == ref["num_tokenized_tokens"]
             for key in ("avg_loss", "ppl", "adjusted_ppl"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5), (name, key)
-        lam = results[rank]["lambada_tp2"]
-        assert (lam["correct"], lam["total"]) == (expected, total)
+        for name in ("tp2", "pp2"):
+            lam = results[rank][f"lambada_{name}"]
+            assert isinstance(lam, dict), lam
+            assert (lam["correct"], lam["total"]) == (expected, total), name
     assert 4 <= expected < total
     assert results[0]["vocab"].startswith(
         f"tasks/main.py: error: --load {tmp_path}/tp1: the checkpoint's vocabulary (50304 "

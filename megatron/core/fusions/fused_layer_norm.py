@@ -1,0 +1,44 @@
+"""Layer norm through the fused kernels: one pass computes the row statistics in fp32 and the
+output, saving the mean and inverse standard deviation for a backward that produces the input,
+weight and bias gradients in one pass over the rows (fp32 accumulation for fp16/bf16)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from megatron.core.fusions import kernels
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _FusedLayerNormAffine(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        y, mean, invvar = ext.layer_norm_forward(x, weight, bias, eps)
+        ctx.ext = ext
+        ctx.save_for_backward(x, weight, mean, invvar)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, mean, invvar = ctx.saved_tensors
+        grad_x, grad_w, grad_b = ctx.ext.layer_norm_backward(grad_y.contiguous(), x, mean,
+                                                            invvar, weight)
+        return None, grad_x, grad_w, grad_b, None
+
+
+def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                     eps: float) -> torch.Tensor | None:
+    """Layer norm of ``x`` over its last dim (weight and bias ``[h]`` of ``x``'s dtype), or
+    ``None`` when no kernel covers the inputs (the caller runs ``F.layer_norm``)."""
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
+        return None
+    ext = kernels.extension(x.device.type)
+    if ext is None:
+        return None
+    return _FusedLayerNormAffine.apply(ext, x, weight, bias, float(eps))

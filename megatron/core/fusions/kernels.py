@@ -1,0 +1,50 @@
+"""The compiled fused kernels of a device, or ``None`` (the caller then runs PyTorch ops).
+
+``setup.py`` builds ``megatron.fused_kernels._cpu`` (C++) wherever torch is importable at install
+time and ``megatron.fused_kernels._cuda`` where a CUDA toolchain and a CUDA torch are; nothing is
+compiled at launch. When an extension is missing or fails to import, the first use logs one line
+on rank 0 naming the extension and the reason, and every later call returns ``None`` at once.
+
+The extensions are binary leaf modules (no Python imports), loaded by name so that the model
+library (layer 0, ``megatron.core``) does not import the ``megatron.fused_kernels`` Python package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from megatron.core.log import log_rank_0
+
+EXTENSIONS = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernels._cuda"}
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def extension(device_type: str) -> ModuleType | None:
+    """The fused-kernel module for ``device_type`` (``"cpu"``, ``"cuda"``), or ``None``."""
+    if device_type not in _loaded:
+        _loaded[device_type] = _import(device_type)
+    return _loaded[device_type]
+
+
+def _import(device_type: str) -> ModuleType | None:
+    name = EXTENSIONS.get(device_type)
+    if name is None:
+        log_rank_0(f"> fused kernels: none for device type {device_type!r}; "
+                   "using the PyTorch implementations")
+        return None
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:  # not built (isolated build, no toolchain) or a broken binary
+        log_rank_0(f"> fused kernels: {name} unavailable ({type(exc).__name__}: {exc}); using "
+                   "the PyTorch implementations of the masked softmax and layer norm. Build it "
+                   "with `pip install --no-build-isolation -e .` (scripts/bootstrap.sh does).")
+        return None
+    log_rank_0(f"> fused kernels: using {name}")
+    return module
+
+
+def reset() -> None:
+    """Forget what was loaded (tests that make an extension unimportable call this)."""
+    _loaded.clear()
