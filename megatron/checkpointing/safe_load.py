@@ -1,9 +1,10 @@
 """Reading a checkpoint file without running code from it.
 
 ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM checkpoint
-holds: ``argparse.Namespace`` for ``args``, numpy's RNG state arrays, and Megatron's enums such
-as ``args.model_type``, read as inert stand-ins. A file that cannot be read is "corrupt or
-truncated checkpoint file FILE: why"; one holding any other type is refused by name.
+holds: ``argparse.Namespace`` (or ``types.SimpleNamespace``) for ``args``, numpy's RNG state
+arrays, and Megatron's enums such as ``args.model_type``, read as inert stand-ins. A file that
+cannot be read is "corrupt or truncated checkpoint file FILE: why"; one holding any other type
+is refused by name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import enum
 import os
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +68,8 @@ _MEGATRON_ENUMS = {
 
 def _safe_globals() -> list:
     """Types a Megatron-LM checkpoint legitimately pickles (none of them can run code)."""
-    allowed: list = [argparse.Namespace]
+    # SimpleNamespace: some tools store args that way; like Namespace it only holds values.
+    allowed: list = [argparse.Namespace, types.SimpleNamespace]
     multiarray = getattr(np, "_core", None) or np.core
     allowed += [multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
     allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]
@@ -76,8 +79,11 @@ def _safe_globals() -> list:
     return allowed
 
 
-def load_checkpoint_file(path: str | os.PathLike) -> dict:
+def load_checkpoint_file(path: str | os.PathLike, mmap: bool = False) -> dict:
     """``torch.load`` with ``weights_only=True`` plus the allowlist; clear errors otherwise.
+
+    ``mmap``: map the tensors' storage from the file instead of reading it (tools that stream
+    a checkpoint keep only the pages they touch).
 
     Raises:
         CheckpointError: missing, truncated/corrupt, not a dict, or holding types outside the
@@ -88,7 +94,7 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - torch raises several types; all mean "refused"
         text = str(err)
         if "Weights only load failed" in text or "Unsupported global" in text:

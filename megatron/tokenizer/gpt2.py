@@ -27,7 +27,7 @@ import numpy as np
 import tiktoken
 
 from megatron.core.log import warn_rank_0
-from megatron.tokenizer.base import VocabTokenizer
+from megatron.tokenizer.base import VocabTokenizer, megatron_identifiers
 
 # OpenAI's pattern, verbatim from encoder.py.
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -109,6 +109,7 @@ class GPT2BPETokenizer(VocabTokenizer):
 
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
         super().__init__("GPT2 BPE")
+        self.unique_identifiers = megatron_identifiers("_GPT2BPETokenizer", vocab_file, merge_file)
         with open(vocab_file, encoding="utf-8") as f:
             self._set_vocab(json.load(f))
         if EOD_TOKEN not in self._vocab:

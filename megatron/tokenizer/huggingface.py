@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from megatron.tokenizer.base import VocabTokenizer
+from megatron.tokenizer.base import VocabTokenizer, megatron_identifiers
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
@@ -38,6 +38,7 @@ class HuggingFaceTokenizer(VocabTokenizer):
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__("HuggingFaceTokenizer")
+        self.unique_identifiers = megatron_identifiers("_HuggingFaceTokenizer", path)
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():

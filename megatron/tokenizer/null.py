@@ -5,7 +5,7 @@ For benchmarks and tests that need token files without a real vocabulary (Megatr
 
 from __future__ import annotations
 
-from megatron.tokenizer.base import AbstractTokenizer
+from megatron.tokenizer.base import AbstractTokenizer, megatron_identifiers
 
 
 class NullTokenizer(AbstractTokenizer):
@@ -17,6 +17,8 @@ class NullTokenizer(AbstractTokenizer):
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__("NullTokenizer")
+        self.unique_identifiers = megatron_identifiers("_NullTokenizer", None,
+                                                       vocab_size=vocab_size)
         self._eod_id = int(vocab_size)
         self._vocab_size = int(vocab_size) + 1
 

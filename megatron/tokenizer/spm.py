@@ -13,7 +13,7 @@ import re
 
 import sentencepiece
 
-from megatron.tokenizer.base import VocabTokenizer
+from megatron.tokenizer.base import VocabTokenizer, megatron_identifiers
 
 
 class SentencePieceTokenizer(VocabTokenizer):
@@ -30,6 +30,8 @@ class SentencePieceTokenizer(VocabTokenizer):
     def __init__(self, model_file: str | os.PathLike, vocab_extra_ids: int = 0,
                  name: str = "SentencePieceTokenizer") -> None:
         super().__init__(name)
+        self.unique_identifiers = megatron_identifiers(
+            f"_{name}", model_file, vocab_extra_ids=vocab_extra_ids)
         if not os.path.isfile(model_file):
             raise ValueError(f"--tokenizer-model {model_file} does not exist")
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -347,6 +348,8 @@ def read_checkpoint_args(load_dir: str | os.PathLike,
     if shard is None:
         return None
     args = load_checkpoint_file(shard).get("args")
+    if isinstance(args, types.SimpleNamespace):  # how some other tools store them
+        args = argparse.Namespace(**vars(args))
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"--use-checkpoint-args: {shard} holds no args to take the "
                               "architecture from; give the architecture flags instead")

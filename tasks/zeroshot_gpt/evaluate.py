@@ -55,6 +55,9 @@ def _run(argv: list[str], task: str, metric: str) -> dict:
         if task == "WIKITEXT103" else None
     extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
     cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    # Every rank has its groups before any can refuse the data below and tear them down (a rank
+    # still connecting them would see its peer vanish instead of the refusal).
+    comm.barrier(comm.world_group())
     ex = cfg.section(TaskFlags)
     tokenizer = build_tokenizer_from_config(cfg)
     _or_exit(check_run, cfg, ex)

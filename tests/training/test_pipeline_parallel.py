@@ -124,15 +124,18 @@ def eight_ranks(gpt2_corpus):
 def two_ranks(gpt2_corpus, tmp_path_factory):
     """The PP=2 layouts, bf16, fp16 with an inf on stage 0, resume, mismatched loads and
     --skip-train."""
-    runs = {name: _run(gpt2_corpus, tp=tp, extra=extra) for name, (tp, extra) in _TWO.items()}
+    saves = {"pp2": str(tmp_path_factory.mktemp("pipeline_eval_pp2"))}
+    # PP=2 also saves (at 3 and 6, after that iteration's evaluation) for --skip-train below.
+    more = {"pp2": ["--save", saves["pp2"], "--save-interval", "3"]}
+    runs = {name: _run(gpt2_corpus, tp=tp, extra=[*extra, *more.get(name, [])])
+            for name, (tp, extra) in _TWO.items()}
     runs["pp2_bf16"] = _run(gpt2_corpus, extra=[*_pp(2), "--bf16"], **BF16_SHAPE)
     # Stage 0 (rank 0) alone gets an inf gradient at iteration 3: the loss stays finite.
     runs["pp2_fp16_inf"] = {"argv": e2e.gpt_argv(gpt2_corpus, **SHAPE, extra=[
         *LAYERS, *_pp(2), "--fp16", "--initial-loss-scale", "1024"]),
         "grad_inf_at": ([3], 0, 4)}
-    saves = {}
     for name, pipeline in (("pp2", _pp(2)), ("pp2_vpp2", _pp(2, 2))):
-        save = saves[name] = str(tmp_path_factory.mktemp(f"pipeline_resume_{name}"))
+        save = saves[f"{name}_resume"] = str(tmp_path_factory.mktemp(f"pipeline_resume_{name}"))
         # Dropout on: every stage's RNG streams must come back too.
         common = dict(dropout=0.1, extra=[*pipeline, "--save", save, "--save-interval", "3"])
         runs[f"{name}_straight"] = _run(gpt2_corpus, **common)
@@ -142,10 +145,12 @@ def two_ranks(gpt2_corpus, tmp_path_factory):
                   "pp2_vpp2_loads_pp2": _pp(2, 2)}
     for name, pipeline in mismatched.items():
         source = "pp2_vpp2" if name.endswith("vpp2") else "pp2"
-        runs[name] = _run(gpt2_corpus, dropout=0.1,
-                          extra=[*pipeline, "--load", saves[source], "--ckpt-step", "3"])
+        runs[name] = _run(gpt2_corpus, dropout=0.1, extra=[
+            *pipeline, "--load", saves[f"{source}_resume"], "--ckpt-step", "3"])
+    # Iteration 6 of PP=2 was saved after 2 evaluations of 2 batches: the evaluation here reads
+    # the same validation batches as the run's final one.
     runs["pp2_skip_train"] = _run(gpt2_corpus, extra=[
-        *_pp(2), "--load", saves["pp2"], "--ckpt-step", "3", "--skip-train", "--eval-iters", "2"])
+        *_pp(2), "--load", saves["pp2"], "--skip-train", "--eval-iters", "2"])
     results = e2e.pooled(2, list(runs.values()), expect_error=(CheckpointError,))
     return {**dict(zip(runs, results)), "save_dirs": saves}
 
@@ -229,20 +234,20 @@ def test_eight_ranks_equal_single_process(single, eight_ranks, layout):
     _assert_same_training(_reference(single, layout), eight_ranks[layout], layout)
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2", "pp4"])
 def test_evaluation_equals_single_process(single, two_ranks, four_ranks, layout):
     """Validation losses (at iterations 3, 6 and the end) come from the last stage and equal
     one process's; the other stages report none, as Megatron prints them from the last rank."""
     ref = [d["lm loss"] for d in single["tied"]["evals"]]
     assert len(ref) == 3
-    for run_ranks in (two_ranks[layout], four_ranks["pp4"]):
-        last = _last_stage(run_ranks)
-        for result in run_ranks:
-            if result in last:
-                got = [d["lm loss"] for d in result["evals"]]
-                assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
-            else:
-                assert all(d == {} for d in result["evals"]) and len(result["evals"]) == 3
+    run_ranks = (four_ranks if layout == "pp4" else two_ranks)[layout]
+    last = _last_stage(run_ranks)
+    for result in run_ranks:
+        if result in last:
+            got = [d["lm loss"] for d in result["evals"]]
+            assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
+        else:
+            assert all(d == {} for d in result["evals"]) and len(result["evals"]) == 3
 
 
 def test_params_norm_counts_the_tied_embedding_once(single, four_ranks, tb_root):
@@ -267,16 +272,16 @@ def test_bf16_two_stages_equal_single_process(single, two_ranks):
         assert diff <= BF16_LOSS_TOL, (ref, e2e.losses(result))
 
 
-def test_skip_train_evaluates_on_the_last_stage(two_ranks):
-    """``--skip-train`` at PP=2: no step, the checkpoint's iteration, the validation loss from
-    the last stage only."""
+def test_skip_train_evaluates_on_the_last_stage(single, two_ranks):
+    """``--skip-train`` at PP=2 from the PP=2 run's last checkpoint: no step, the checkpoint's
+    iteration, and the final validation loss of the one-process run, from the last stage only."""
     ranks = two_ranks["pp2_skip_train"]
     for result in ranks:
         assert result["error"] is None and result["history"] == []
-        assert result["iteration"] == 3 and len(result["evals"]) == 1
+        assert result["iteration"] == ITERS and len(result["evals"]) == 1
     assert ranks[0]["evals"] == [{}]
-    loss = ranks[1]["evals"][0]["lm loss"]
-    assert 0 < loss < 11, loss
+    ref = single["tied"]["evals"][-1]["lm loss"]
+    assert abs(ranks[1]["evals"][0]["lm loss"] - ref) <= LOSS_TOL, (ranks[1]["evals"], ref)
 
 
 def test_fp16_inf_on_one_stage_skips_the_step_on_every_stage(two_ranks):
@@ -309,7 +314,7 @@ def test_checkpoint_layout_on_disk(two_ranks):
     from megatron.checkpointing import load_checkpoint_file
 
     for name, keys in (("pp2", ["model"]), ("pp2_vpp2", ["model0", "model1"])):
-        iteration_dir = Path(two_ranks["save_dirs"][name]) / "iter_0000003"
+        iteration_dir = Path(two_ranks["save_dirs"][f"{name}_resume"]) / "iter_0000003"
         shards = sorted(p.name for p in iteration_dir.iterdir() if p.is_dir())
         assert shards == ["mp_rank_00_000", "mp_rank_00_001"], shards
         for shard in shards:

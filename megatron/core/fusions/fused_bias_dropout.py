@@ -9,6 +9,8 @@ generator, are those of the eager expression: the switch never changes the numer
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -20,16 +22,20 @@ def _eager(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p
     return residual + F.dropout(x, p=prob, training=training)
 
 
-@torch.jit.script
-def _fused_train(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
-                 prob: float) -> torch.Tensor:
-    return residual + F.dropout(x + bias, p=prob, training=True)
+# torch 2.13 deprecates torch.jit.script in favour of torch.compile, which would compile C++
+# at launch on CPU (what these kernels avoid); the scripted functions still work.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
 
-
-@torch.jit.script
-def _fused_inference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+    @torch.jit.script
+    def _fused_train(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                      prob: float) -> torch.Tensor:
-    return residual + F.dropout(x + bias, p=prob, training=False)
+        return residual + F.dropout(x + bias, p=prob, training=True)
+
+    @torch.jit.script
+    def _fused_inference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                         prob: float) -> torch.Tensor:
+        return residual + F.dropout(x + bias, p=prob, training=False)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

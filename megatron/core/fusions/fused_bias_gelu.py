@@ -15,18 +15,25 @@ erf GeLU, as in Megatron-LM 23.06.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 
-@torch.jit.script
-def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.gelu(y + bias, approximate="tanh")
+# torch 2.13 deprecates torch.jit.script in favour of torch.compile, which would compile C++
+# at launch on CPU (what these kernels avoid); the scripted functions still work.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
 
+    @torch.jit.script
+    def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.gelu(y + bias, approximate="tanh")
 
-@torch.jit.script
-def _bias_gelu_backward(grad: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.gelu_backward(grad, y + bias, approximate="tanh")
+    @torch.jit.script
+    def _bias_gelu_backward(grad: torch.Tensor, bias: torch.Tensor,
+                            y: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gelu_backward(grad, y + bias, approximate="tanh")
 
 
 class _BiasGeLU(torch.autograd.Function):

@@ -78,6 +78,53 @@ def _zero_bias(size: int, params_dtype: torch.dtype,
                                           device=device or device_mod.get_device()))
 
 
+class _LinearWithGradAccumulationFusion(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight gradient straight into ``weight.main_grad``
+    (``--gradient-accumulation-fusion``, Megatron's ``wgrad_gemm_accum_fp32``).
+
+    With the data-parallel gradient buffer in place the weight gradient GEMM writes into the
+    buffer (``addmm_``: main_grad += dY^T X, one GEMM with beta = 1) and ``weight.grad`` stays
+    ``None``, saving the weight-gradient tensor and the pass that adds it to the buffer. Without
+    a buffer (no DDP wrapper, or after ``finish_grad_sync`` of the non-contiguous path) it
+    returns the gradient as ``F.linear`` does. When the buffer's dtype differs from the
+    activations' (bf16 activations, fp32 buffer) the CPU has no mixed-dtype GEMM, so the product
+    is computed in the activation dtype and then added (same values, no saving).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight)  # [..., in]
+        grad_2d = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, out]
+        x_2d = x.reshape(-1, x.size(-1))  # [tokens, in]
+        main_grad = getattr(weight, "main_grad", None)
+        grad_weight = None
+        if main_grad is None:
+            grad_weight = grad_2d.t().mm(x_2d)
+        elif main_grad.dtype == grad_2d.dtype:
+            main_grad.addmm_(grad_2d.t(), x_2d)
+        else:
+            main_grad.add_(grad_2d.t().mm(x_2d))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        # A None weight gradient still runs the parameter's post-accumulate-grad hook, so the
+        # DDP wrapper's bucket bookkeeping (overlapped reduction) sees the weight as ready.
+        return grad_x, grad_weight, grad_bias
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            gradient_accumulation_fusion: bool) -> torch.Tensor:
+    if gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled():
+        return _LinearWithGradAccumulationFusion.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A + b`` with ``A`` split along its output dimension: ``A = [A_1, ..., A_p]``.
 
@@ -95,15 +142,19 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_bias_add: return the bias instead of adding it, for a later fused bias op.
         params_dtype: dtype of the parameters.
         device: where parameters live (default: :func:`megatron.core.device.get_device`).
+        gradient_accumulation_fusion: accumulate the weight gradient straight into
+            ``weight.main_grad`` when the DDP wrapper gave it one.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, bias: bool = True, gather_output: bool = False,
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 gradient_accumulation_fusion: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, tp_world_size(tp_group))
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -119,7 +170,8 @@ class ColumnParallelLinear(torch.nn.Module):
         """``x [..., in]`` -> (``[..., out/p]`` or gathered ``[..., out]``, skipped bias)."""
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)  # [..., out/p]
+        out = _linear(x, self.weight, bias,
+                      self.gradient_accumulation_fusion)  # [..., out/p]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [..., out]
             # The shards concatenate rank-major; strided shards need their blocks put back.
@@ -150,15 +202,19 @@ class RowParallelLinear(torch.nn.Module):
         skip_bias_add: return the bias instead of adding it.
         params_dtype: dtype of the parameters.
         device: where parameters live.
+        gradient_accumulation_fusion: accumulate the weight gradient straight into
+            ``weight.main_grad`` when the DDP wrapper gave it one.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, bias: bool = True, input_is_parallel: bool = False,
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 gradient_accumulation_fusion: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, tp_world_size(tp_group))
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -176,7 +232,8 @@ class RowParallelLinear(torch.nn.Module):
             # Rank-major block order first, so the contiguous scatter matches strided weights.
             x = _swap_stride_blocks(x, self.stride, tp_world_size(self.tp_group))
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [..., in/p]
-        out = F.linear(x, self.weight)  # partial sums [..., out]
+        out = _linear(x, self.weight, None,
+                      self.gradient_accumulation_fusion)  # partial sums [..., out]
         out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias

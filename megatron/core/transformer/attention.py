@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_softmax import fused_scale_mask_softmax
 from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
@@ -121,6 +122,13 @@ class CoreAttention(torch.nn.Module):
 
     def _scale_mask_softmax(self, scores: torch.Tensor,
                             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.config.masked_softmax_fusion:
+            # Megatron's fused kernels (fp32 math for every input dtype, fully masked rows -> 0);
+            # None where no kernel is built for this device/dtype: the PyTorch ops below.
+            probs = fused_scale_mask_softmax(scores, attention_mask,
+                                             self.attn_mask_type == "causal", self.coeff or 1.0)
+            if probs is not None:
+                return probs
         in_dtype = scores.dtype
         # Only half precision is upcast: .float() would round fp64 scores down to fp32.
         if self.softmax_in_fp32 and in_dtype in (torch.float16, torch.bfloat16):
@@ -159,7 +167,8 @@ class SelfAttention(torch.nn.Module):
         self.query_key_value = tp_layers.ColumnParallelLinear(
             config.hidden_size, 3 * projection, tp_group=tp_group,
             init_method=tp_layers.init_method_normal(config.init_method_std),
-            bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype)
+            bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
@@ -167,7 +176,8 @@ class SelfAttention(torch.nn.Module):
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
                                                             config.num_layers),
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
-            params_dtype=config.params_dtype)
+            params_dtype=config.params_dtype,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,

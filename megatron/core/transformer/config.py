@@ -45,6 +45,14 @@ class TransformerConfig:
     onnx_safe: bool = False
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU uses the tanh approximation; with it off, exact erf GeLU."""
+    masked_softmax_fusion: bool = True
+    """The unfused attention path's scale-mask-softmax runs the fused kernel
+    (``megatron.core.fusions.fused_softmax``) where one is built for the device and dtype."""
+    bias_dropout_fusion: bool = True
+    """Bias + dropout + residual add through TorchScript (same values as the eager ops)."""
+    gradient_accumulation_fusion: bool = True
+    """Linear layers accumulate their weight gradient straight into ``weight.main_grad`` (the
+    data-parallel buffer) instead of producing ``weight.grad`` that is then added to it."""
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = False
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"

@@ -9,21 +9,13 @@ Legend: s sequence, b batch, h hidden.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import LayerNorm
 from megatron.core.transformer.mlp import MLP
-
-
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     p: float, training: bool) -> torch.Tensor:
-    """``residual + dropout(x + bias)``."""
-    if bias is not None:
-        x = x + bias
-    return residual + F.dropout(x, p=p, training=training)
 
 
 class TransformerLayer(torch.nn.Module):
@@ -58,9 +50,10 @@ class TransformerLayer(torch.nn.Module):
         ln_out = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params)
         residual = ln_out if post_ln_residual else hidden_states
-        ln_in = bias_dropout_add(attn_out, attn_bias, residual, p, self.training)
+        fused = self.config.bias_dropout_fusion
+        ln_in = bias_dropout_add(attn_out, attn_bias, residual, p, self.training, fused)
 
         ln_out = self.post_attention_layernorm(ln_in)
         mlp_out, mlp_bias = self.mlp(ln_out)
         residual = ln_out if post_ln_residual else ln_in
-        return bias_dropout_add(mlp_out, mlp_bias, residual, p, self.training)
+        return bias_dropout_add(mlp_out, mlp_bias, residual, p, self.training, fused)

@@ -1,5 +1,10 @@
 """LayerNorm with Megatron-LM's options (``--apply-layernorm-1p``), parameters replicated on all
-TP ranks (``tensor_model_parallel=False``)."""
+TP ranks (``tensor_model_parallel=False``).
+
+It runs the fused layer-norm kernel (``megatron.core.fusions.fused_layer_norm``: C++ on CPU,
+CUDA on GPUs), as Megatron always runs APEX's fused layer norm, and ``F.layer_norm`` where no
+kernel covers the device or dtype (float64, an extension that was not built: logged once).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device as device_mod
+from megatron.core.fusions.fused_layer_norm import fused_layer_norm
 from megatron.core.tensor_parallel.utils import set_defaults_if_not_set
 
 
@@ -20,13 +26,14 @@ class LayerNorm(torch.nn.Module):
             towards 1.
         params_dtype: dtype of weight and bias.
         device: where they live.
+        fused: use the fused kernel where one is built (False: always ``F.layer_norm``).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, apply_layernorm_1p: bool = False,
                  params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, fused: bool = True) -> None:
         super().__init__()
-        self.eps, self.apply_layernorm_1p = eps, apply_layernorm_1p
+        self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
         dev = device or device_mod.get_device()
         init = torch.zeros if apply_layernorm_1p else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
@@ -36,4 +43,8 @@ class LayerNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        if self.fused:
+            out = fused_layer_norm(x, weight, self.bias, self.eps)
+            if out is not None:
+                return out
         return F.layer_norm(x, (x.size(-1),), weight, self.bias, self.eps)

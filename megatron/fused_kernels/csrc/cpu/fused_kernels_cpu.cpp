@@ -181,7 +181,27 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
 }
 
 // dx = scale * y * (dy - sum(dy * y)) row by row; the same for every softmax variant (masked
-// entries have y == 0, so they get no gradient).
+// entries have y == 0, so they get no gradient). (Loops with pragmas live in templates: a
+// pragma cannot sit inside the AT_DISPATCH macro's argument.)
+template <typename T>
+void softmax_backward_rows(const T* dy, const T* y, T* dx, int64_t rows, int64_t n, float s) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* dyr = dy + r * n;
+      const T* yr = y + r * n;
+      T* dxr = dx + r * n;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < n; ++i) dot += to_float(dyr[i]) * to_float(yr[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        dxr[i] = static_cast<T>(s * to_float(yr[i]) * (to_float(dyr[i]) - dot));
+      }
+    }
+  });
+}
+
 at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& output_,
                             double scale) {
   TORCH_CHECK(grad_output_.sizes() == output_.sizes(), "softmax backward: shape mismatch");
@@ -192,27 +212,11 @@ at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& ou
   at::Tensor grad_input = at::empty_like(output);
   const int64_t n = output.size(-1);
   const int64_t rows = output.numel() / std::max<int64_t>(n, 1);
-  const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output.scalar_type(),
                                   "softmax_backward", [&] {
-    const scalar_t* dy = grad_output.data_ptr<scalar_t>();
-    const scalar_t* y = output.data_ptr<scalar_t>();
-    scalar_t* dx = grad_input.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* dyr = dy + r * n;
-        const scalar_t* yr = y + r * n;
-        scalar_t* dxr = dx + r * n;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < n; ++i) dot += to_float(dyr[i]) * to_float(yr[i]);
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          dxr[i] = static_cast<scalar_t>(s * to_float(yr[i]) * (to_float(dyr[i]) - dot));
-        }
-      }
-    });
+    softmax_backward_rows<scalar_t>(grad_output.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
+                                    grad_input.data_ptr<scalar_t>(), rows, n,
+                                    static_cast<float>(scale));
   });
   return grad_input;
 }
@@ -232,6 +236,38 @@ void check_layer_norm_input(const at::Tensor& input, const at::Tensor& weight,
               "layer_norm: input, weight and bias must share one dtype");
 }
 
+template <typename T>
+void layer_norm_forward_rows(const T* x, const T* w, const T* b, T* y, float* mean_out,
+                             float* invvar_out, int64_t rows, int64_t h, float eps) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(h);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * h;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < h; ++i) {
+        row[i] = to_float(xr[i]);
+        sum += row[i];
+      }
+      const float mu = sum / static_cast<float>(h);
+      // Two passes over the cached row: the variance of the centred values does not lose the
+      // digits that E[x^2] - mean^2 cancels.
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < h; ++i) squares += (row[i] - mu) * (row[i] - mu);
+      const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) + eps);
+      T* yr = y + r * h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        yr[i] = static_cast<T>((row[i] - mu) * rstd * to_float(w[i]) + to_float(b[i]));
+      }
+      mean_out[r] = mu;
+      invvar_out[r] = rstd;
+    }
+  });
+}
+
 // y = (x - mean) * invvar * weight + bias over the last dim; returns (y, mean, invvar), the
 // statistics fp32 [rows] for the backward.
 std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::Tensor& weight_,
@@ -245,42 +281,50 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::T
   at::Tensor invvar = at::empty({rows}, input.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
                                   "layer_norm_forward", [&] {
-    const scalar_t* x = input.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    const scalar_t* b = bias.data_ptr<scalar_t>();
-    scalar_t* y = output.data_ptr<scalar_t>();
-    float* mean_out = mean.data_ptr<float>();
-    float* invvar_out = invvar.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(h);
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* xr = x + r * h;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < h; ++i) {
-          row[i] = to_float(xr[i]);
-          sum += row[i];
-        }
-        const float mu = sum / static_cast<float>(h);
-        // Two passes over the cached row: the variance of the centred values does not lose
-        // the digits that E[x^2] - mean^2 cancels.
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < h; ++i) squares += (row[i] - mu) * (row[i] - mu);
-        const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) +
-                                            static_cast<float>(eps));
-        scalar_t* yr = y + r * h;
-#pragma omp simd
-        for (int64_t i = 0; i < h; ++i) {
-          yr[i] = static_cast<scalar_t>((row[i] - mu) * rstd * to_float(w[i]) + to_float(b[i]));
-        }
-        mean_out[r] = mu;
-        invvar_out[r] = rstd;
-      }
-    });
+    layer_norm_forward_rows<scalar_t>(input.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                      bias.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
+                                      mean.data_ptr<float>(), invvar.data_ptr<float>(), rows, h,
+                                      static_cast<float>(eps));
   });
   return {output, mean, invvar};
+}
+
+template <typename T>
+void layer_norm_backward_chunks(const T* dy, const T* x, const float* mu, const float* rstd,
+                                const T* w, T* dx, float* dw_partial, int64_t rows, int64_t h,
+                                int64_t chunks) {
+  float* db_partial = dw_partial + chunks * h;
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<float> xhat(h), g(h);
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      float* dw = dw_partial + c * h;
+      float* db = db_partial + c * h;
+      const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        const T* dyr = dy + r * h;
+        const T* xr = x + r * h;
+        const float m = mu[r], inv = rstd[r];
+        float sum_g = 0.0f, sum_g_xhat = 0.0f;
+#pragma omp simd reduction(+ : sum_g, sum_g_xhat)
+        for (int64_t i = 0; i < h; ++i) {
+          const float d = to_float(dyr[i]);
+          xhat[i] = (to_float(xr[i]) - m) * inv;
+          g[i] = d * to_float(w[i]);
+          dw[i] += d * xhat[i];
+          db[i] += d;
+          sum_g += g[i];
+          sum_g_xhat += g[i] * xhat[i];
+        }
+        const float mean_g = sum_g / static_cast<float>(h);
+        const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
+        T* dxr = dx + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i) {
+          dxr[i] = static_cast<T>(inv * (g[i] - mean_g - xhat[i] * mean_g_xhat));
+        }
+      }
+    }
+  });
 }
 
 // Input, weight and bias gradients. Weight/bias partial sums are kept per chunk of rows in fp32
@@ -298,44 +342,10 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
   at::Tensor partial = at::zeros({2, chunks, h}, input.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
                                   "layer_norm_backward", [&] {
-    const scalar_t* dy = grad_output.data_ptr<scalar_t>();
-    const scalar_t* x = input.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    const float* mu = mean.data_ptr<float>();
-    const float* rstd = invvar.data_ptr<float>();
-    scalar_t* dx = grad_input.data_ptr<scalar_t>();
-    float* dw_partial = partial.data_ptr<float>();
-    float* db_partial = dw_partial + chunks * h;
-    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      std::vector<float> xhat(h), g(h);
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        float* dw = dw_partial + c * h;
-        float* db = db_partial + c * h;
-        const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
-        for (int64_t r = row_begin; r < row_end; ++r) {
-          const scalar_t* dyr = dy + r * h;
-          const scalar_t* xr = x + r * h;
-          float sum_g = 0.0f, sum_g_xhat = 0.0f;
-#pragma omp simd reduction(+ : sum_g, sum_g_xhat)
-          for (int64_t i = 0; i < h; ++i) {
-            const float d = to_float(dyr[i]);
-            xhat[i] = (to_float(xr[i]) - mu[r]) * rstd[r];
-            g[i] = d * to_float(w[i]);
-            dw[i] += d * xhat[i];
-            db[i] += d;
-            sum_g += g[i];
-            sum_g_xhat += g[i] * xhat[i];
-          }
-          const float mean_g = sum_g / static_cast<float>(h);
-          const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
-          scalar_t* dxr = dx + r * h;
-#pragma omp simd
-          for (int64_t i = 0; i < h; ++i) {
-            dxr[i] = static_cast<scalar_t>(rstd[r] * (g[i] - mean_g - xhat[i] * mean_g_xhat));
-          }
-        }
-      }
-    });
+    layer_norm_backward_chunks<scalar_t>(
+        grad_output.data_ptr<scalar_t>(), input.data_ptr<scalar_t>(), mean.data_ptr<float>(),
+        invvar.data_ptr<float>(), weight.data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(),
+        partial.data_ptr<float>(), rows, h, chunks);
   });
   at::Tensor sums = partial.sum(1);  // [2, h] in chunk order
   return {grad_input, sums[0].to(weight.scalar_type()), sums[1].to(weight.scalar_type())};

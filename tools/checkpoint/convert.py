@@ -1,0 +1,130 @@
+"""Convert a checkpoint: another TP / PP / virtual-stage layout, or to / from HuggingFace.
+
+Megatron-LM's ``tools/checkpoint/convert.py`` interface::
+
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \\
+        --load-dir ckpt/tp1 --save-dir ckpt/tp2pp2 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+A loader plug-in (``loader_megatron``, ``loader_hf``) describes the model
+(:class:`~tools.checkpoint.model_description.ModelDescription`); a saver plug-in
+(``saver_megatron``, ``saver_hf``) pulls its pieces a pipeline stage / layer at a time and writes
+them. No process group is started; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.core.log import get_logger  # noqa: E402
+
+_log = get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Megatron checkpoint converter (TP/PP layouts, HuggingFace import/export)")
+    parser.add_argument("--model-type", required=True, choices=["GPT", "BERT"])
+    parser.add_argument("--loader", default="megatron", choices=["megatron", "hf"],
+                        help="source format")
+    parser.add_argument("--saver", default="megatron", choices=["megatron", "hf"],
+                        help="target format")
+    parser.add_argument("--load-dir", required=True,
+                        help="source: a --save root (tracker file), an iter_XXXXXXX/release "
+                             "directory, or a local HuggingFace model directory")
+    parser.add_argument("--save-dir", required=True, help="target directory (must be empty)")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="virtual pipeline stages of the target (interleaved schedule)")
+    parser.add_argument("--target-vocab-size-divisible-by", type=int, default=None,
+                        help="pad the vocabulary to a multiple of this x target TP (default: "
+                             "keep the source's padding when it splits over the target TP)")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="the tokenizer's vocabulary before padding (HF export drops the "
+                             "rows past it; re-padding starts from it)")
+    parser.add_argument("--keep-padded-vocab", action="store_true",
+                        help="HF export: keep the padding rows of the vocabulary")
+    parser.add_argument("--no-checksum-verification", action="store_true",
+                        help="do not check the source shards against their .sha256 files")
+    parser.add_argument("--megatron-path", default=None,
+                        help="accepted for Megatron-LM compatibility and ignored")
+    parser.add_argument("--tokenizer-dir", default=None,
+                        help="HF export: copy the tokenizer files from here (else the "
+                             "checkpoint's --vocab-file / --merge-file)")
+    return parser
+
+
+def _validate(opts: argparse.Namespace) -> None:
+    for name in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+        if getattr(opts, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.saver == "hf" and (opts.target_tensor_parallel_size != 1
+                               or opts.target_pipeline_parallel_size != 1):
+        raise ValueError("--saver hf writes one unsplit model: leave "
+                         "--target-tensor-parallel-size / --target-pipeline-parallel-size at 1")
+    if opts.target_num_layers_per_virtual_pipeline_stage is not None \
+            and opts.target_pipeline_parallel_size < 2:
+        raise ValueError("--target-num-layers-per-virtual-pipeline-stage needs "
+                         "--target-pipeline-parallel-size > 1 (as Megatron-LM's interleaved "
+                         "schedule)")
+
+
+def load_model(opts: argparse.Namespace):
+    """The loader plug-in's model description."""
+    if opts.loader == "megatron":
+        from tools.checkpoint import loader_megatron
+        md = loader_megatron.load(opts.load_dir, opts.model_type,
+                                  verify=not opts.no_checksum_verification)
+    else:
+        from tools.checkpoint import loader_hf
+        md = loader_hf.load(opts.load_dir, opts.model_type)
+    if opts.true_vocab_size is not None:
+        md.true_vocab_size = opts.true_vocab_size
+    return md
+
+
+def save_model(md, opts: argparse.Namespace):
+    """Run the saver plug-in."""
+    if opts.saver == "megatron":
+        from tools.checkpoint import saver_megatron
+        saver_megatron.refuse_existing(Path(opts.save_dir))
+        target = saver_megatron.TargetLayout(
+            opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size,
+            opts.target_num_layers_per_virtual_pipeline_stage,
+            opts.target_vocab_size_divisible_by)
+        return saver_megatron.save(md, opts.save_dir, target)
+    from tools.checkpoint import saver_hf
+    return saver_hf.save(md, opts.save_dir, keep_padded_vocab=opts.keep_padded_vocab,
+                         tokenizer_dir=opts.tokenizer_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        _validate(opts)
+        md = load_model(opts)
+        try:
+            out = save_model(md, opts)
+        finally:
+            md.close()
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        sys.stderr.write(f"convert.py: error: {err}\n")
+        return 2
+    _log.info("converted %s (%s) -> %s (%s) in %.1f s", opts.load_dir, opts.loader, out,
+              opts.saver, time.perf_counter() - start)
+    return 0
+
+
+__all__ = ["CheckpointError", "build_parser", "load_model", "main", "save_model"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Megatron <-> HuggingFace ``GPT2LMHeadModel`` names, shapes and settings (shared by
+``saver_hf`` and ``loader_hf``; ``transformers`` itself is only imported by those).
+
+GPT-2 in transformers keeps its linear weights as ``Conv1D`` ``[in, out]`` (ours are
+``[out, in]``: transposed) and its fused ``c_attn`` columns as all q, then all k, then all v
+(checkpoint_version 0's ``[3, np, hn]`` order; ours is ``[np, 3, hn]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.checkpointing import qkv_from_current_order, qkv_to_current_order
+
+LAYER = "language_model.encoder.layers.{}."
+ATTENTION = LAYER + "self_attention."
+
+GPT2_LAYER = "transformer.h.{}."
+# (ours, HF, transposed): whole-tensor renames of one layer.
+GPT2_LAYER_TENSORS = (
+    ("input_layernorm.weight", "ln_1.weight", False),
+    ("input_layernorm.bias", "ln_1.bias", False),
+    ("self_attention.dense.weight", "attn.c_proj.weight", True),
+    ("self_attention.dense.bias", "attn.c_proj.bias", False),
+    ("post_attention_layernorm.weight", "ln_2.weight", False),
+    ("post_attention_layernorm.bias", "ln_2.bias", False),
+    ("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", True),
+    ("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", False),
+    ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", True),
+    ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", False),
+)
+GPT2_QKV = (("self_attention.query_key_value.weight", "attn.c_attn.weight"),
+            ("self_attention.query_key_value.bias", "attn.c_attn.bias"))
+
+
+def gelu_is_tanh(args: argparse.Namespace) -> bool:
+    """Megatron's MLP GeLU form (``TransformerConfig.gelu_tanh_approximation``): the tanh
+    approximation with --openai-gelu or the default bias-GeLU fusion, else the exact erf."""
+    if getattr(args, "openai_gelu", False):
+        return True
+    if getattr(args, "onnx_safe", False):
+        return False
+    return bool(getattr(args, "bias_gelu_fusion", True)) and \
+        bool(getattr(args, "add_bias_linear", True))
+
+
+def check_gpt2_compatible(args: argparse.Namespace) -> None:
+    """Refuse Megatron GPTs that ``GPT2LMHeadModel`` cannot express.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    problems = [flag for flag, bad in (
+        ("--use-rotary-position-embeddings", getattr(args, "use_rotary_position_embeddings",
+                                                     False)),
+        ("--swiglu", getattr(args, "swiglu", False)),
+        ("--squared-relu", getattr(args, "squared_relu", False)),
+        ("--disable-bias-linear", not getattr(args, "add_bias_linear", True)),
+        ("--apply-residual-connection-post-layernorm",
+         getattr(args, "apply_residual_connection_post_layernorm", False)),
+        ("--apply-layernorm-1p", getattr(args, "apply_layernorm_1p", False)),
+        ("--no-position-embedding", not getattr(args, "add_position_embedding", True)),
+        ("--normalization RMSNorm", getattr(args, "normalization", "LayerNorm") != "LayerNorm"),
+    ) if bad]
+    kv = getattr(args, "kv_channels", None)
+    if kv is not None and kv * args.num_attention_heads != args.hidden_size:
+        problems.append(f"--kv-channels {kv} (GPT-2 has hidden_size / heads)")
+    if problems:
+        raise ValueError("GPT2LMHeadModel cannot hold a model trained with "
+                         + ", ".join(problems))
+
+
+def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Our ``[np*3*hn, h]`` / ``[np*3*hn]`` -> HF ``c_attn`` ``[h, 3h]`` / ``[3h]``."""
+    ordered = qkv_from_current_order(t, 3, heads, 0.0)  # [3, np, hn] rows
+    return ordered.t().contiguous() if ordered.dim() == 2 else ordered
+
+
+def qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF ``c_attn`` -> ours (the inverse of :func:`qkv_to_hf`)."""
+    rows = t.t().contiguous() if t.dim() == 2 else t
+    return qkv_to_current_order(rows, 3, heads, 0.0)

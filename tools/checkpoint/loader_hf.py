@@ -1,0 +1,143 @@
+"""Loader plug-in: a local HuggingFace GPT-2 model directory (``config.json`` +
+``model.safetensors`` or its shards) -> a model description. Tensors are read lazily, layer by
+layer (``safetensors.safe_open``); nothing is downloaded.
+
+The description's ``args`` are Megatron's for that architecture (``--tokenizer-type
+GPT2BPETokenizer`` with the directory's ``vocab.json`` / ``merges.txt`` when present;
+``--make-vocab-size-divisible-by 128``): the saver pads the vocabulary as a Megatron run would,
+so the result loads with ``--use-checkpoint-args``. A model with the exact erf GeLU
+(``activation_function: gelu``) is recorded with ``bias_gelu_fusion = False``: train it on
+with ``--no-bias-gelu-fusion`` (the fusion computes the tanh form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing import CheckpointError
+from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
+                                         LAYER, qkv_from_hf)
+from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
+
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+class _Tensors:
+    """Lazy access to the safetensors files of a HF directory."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (directory / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{directory} holds no model.safetensors (nor an index of "
+                                  "shards); pytorch_model.bin is not read (convert it with "
+                                  "transformers' save_pretrained(safe_serialization=True))")
+        self.handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            handle = safe_open(str(directory / name), framework="pt")
+            self.handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+
+    def get(self, key: str) -> torch.Tensor:
+        # Some exports prefix the base model's keys ("transformer.") and some do not.
+        for candidate in (key, key.removeprefix("transformer.")):
+            if candidate in self.where:
+                return self.handles[self.where[candidate]].get_tensor(candidate)
+        raise CheckpointError(f"the HuggingFace model holds no tensor {key}")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+
+def gpt2_args(config: dict) -> argparse.Namespace:
+    """Megatron's args of a ``GPT2Config``."""
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"model_type {config.get('model_type')!r}: --loader hf reads the "
+                              "GPT-2 family (model_type gpt2)")
+    hidden, heads = int(config["n_embd"]), int(config["n_head"])
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in (*_TANH_GELUS, "gelu"):
+        raise CheckpointError(f"activation_function {activation!r} has no Megatron GeLU form")
+    if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
+        raise CheckpointError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn have "
+                              "no Megatron equivalent")
+    vocab = int(config["vocab_size"])
+    return argparse.Namespace(
+        num_layers=int(config["n_layer"]), hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=int(config.get("n_inner") or 4 * hidden), kv_channels=hidden // heads,
+        max_position_embeddings=int(config["n_positions"]),
+        seq_length=int(config["n_positions"]),
+        layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+        openai_gelu=False, bias_gelu_fusion=activation in _TANH_GELUS, add_bias_linear=True,
+        add_position_embedding=True, use_rotary_position_embeddings=False,
+        apply_residual_connection_post_layernorm=False, apply_layernorm_1p=False,
+        swiglu=False, squared_relu=False, make_vocab_size_divisible_by=128,
+        padded_vocab_size=vocab, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        num_layers_per_virtual_pipeline_stage=None, tokenizer_type="GPT2BPETokenizer",
+        vocab_file=None, merge_file=None, iteration=0, consumed_train_samples=0,
+        consumed_valid_samples=0)
+
+
+class HuggingFaceGPT2(ModelDescription):
+    """A local ``GPT2LMHeadModel`` directory."""
+
+    def __init__(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"--load-dir {directory} holds no config.json (a local "
+                                  "HuggingFace model directory is needed; nothing is "
+                                  "downloaded)")
+        config = json.loads(config_file.read_text())
+        args = gpt2_args(config)
+        for flag, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+            if (directory / name).is_file():
+                setattr(args, flag, str((directory / name).resolve()))
+        super().__init__(family="GPT", args=args, true_vocab_size=int(config["vocab_size"]))
+        self.repad = True
+        self.tensors = _Tensors(directory)
+
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        return {WORD_EMBEDDINGS: self.tensors.get("transformer.wte.weight"),
+                "language_model.embedding.position_embeddings.weight":
+                    self.tensors.get("transformer.wpe.weight")}
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        heads = int(self.args.num_attention_heads)
+        out = {}
+        for ours, theirs, transposed in GPT2_LAYER_TENSORS:
+            value = self.tensors.get(GPT2_LAYER.format(index) + theirs)
+            out[LAYER.format(index) + ours] = value.t().contiguous() if transposed else value
+        for ours, theirs in GPT2_QKV:
+            out[ATTENTION.format(index) + ours.split(".", 1)[1]] = qkv_from_hf(
+                self.tensors.get(GPT2_LAYER.format(index) + theirs), heads)
+        return out
+
+    def head(self) -> dict[str, torch.Tensor]:
+        out = {"language_model.encoder.final_layernorm.weight":
+               self.tensors.get("transformer.ln_f.weight"),
+               "language_model.encoder.final_layernorm.bias":
+               self.tensors.get("transformer.ln_f.bias")}
+        if self.untied:
+            out[OUTPUT_LAYER] = self.tensors.get("lm_head.weight")
+        return out
+
+
+def load(directory: str | Path, family: str) -> HuggingFaceGPT2:
+    """The loader's entry point (``--loader hf``)."""
+    if family != "GPT":
+        raise CheckpointError("--loader hf reads --model-type GPT (the GPT-2 family); BERT "
+                              "import is not implemented yet")
+    return HuggingFaceGPT2(directory)

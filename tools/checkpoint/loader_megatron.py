@@ -1,0 +1,202 @@
+"""Loader plug-in: a Megatron-LM ``--ckpt-format torch`` checkpoint (ours or Megatron-LM's) at
+any TP / PP / virtual-stage layout -> :class:`~tools.checkpoint.model_description.
+ModelDescription`.
+
+Reads with ``weights_only=True`` and the allowlist (``megatron.checkpointing.safe_load``),
+verifies each shard against its ``.sha256`` when there is one, and maps the files (``mmap``):
+only the pipeline stage being read is open, one stage at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing import (LAYOUTS, CheckpointError, PipelineStages,
+                                    checkpoint_version, fix_query_key_value_ordering,
+                                    flatten_model_state, load_checkpoint_file, model_keys,
+                                    parse_tracker, shard_dir_name, shard_files, tracker_path,
+                                    verify_checksum)
+from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
+from tools.checkpoint.model_description import ModelDescription
+
+TOLERATED_EXTRA_KEYS = ("word_embeddings.weight",)
+"""Keys some converters write beside the LM head that Megatron-LM's legacy model ignores."""
+
+_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def find_iteration_dir(load_dir: Path) -> tuple[Path, int, bool]:
+    """(iteration directory, iteration, release) of ``--load-dir``: a save root with a tracker,
+    or an ``iter_XXXXXXX`` / ``release`` directory itself.
+
+    Raises:
+        CheckpointError: neither.
+    """
+    tracked = parse_tracker(tracker_path(load_dir))
+    if tracked is not None:
+        return checkpoint_dir(load_dir, *tracked), tracked[0], tracked[1]
+    if ITERATION_DIR.fullmatch(load_dir.name):
+        release = load_dir.name == "release"
+        return load_dir, 0 if release else int(load_dir.name[5:]), release
+    raise CheckpointError(f"--load-dir {load_dir} holds no latest_checkpointed_iteration.txt "
+                          "and is not an iter_XXXXXXX or release directory")
+
+
+def as_namespace(args) -> argparse.Namespace:
+    """``args`` as other tools store them (``argparse.Namespace``, ``types.SimpleNamespace``, a
+    dict) -> an ``argparse.Namespace``."""
+    if isinstance(args, argparse.Namespace):
+        return args
+    if isinstance(args, types.SimpleNamespace):
+        return argparse.Namespace(**vars(args))
+    if isinstance(args, dict):
+        return argparse.Namespace(**args)
+    raise CheckpointError(f"the checkpoint's args are a {type(args).__name__}, not a namespace")
+
+
+class MegatronCheckpoint(ModelDescription):
+    """A Megatron checkpoint on disk, read one pipeline stage at a time."""
+
+    def __init__(self, load_dir: str | Path, family: str, verify: bool = True) -> None:
+        load_dir = Path(load_dir)
+        self.iteration_dir, iteration, release = find_iteration_dir(load_dir)
+        self.files = shard_files(self.iteration_dir)
+        if not self.files:
+            raise CheckpointError(f"{self.iteration_dir} holds no mp_rank_*/model_optim_rng.pt")
+        self.verify = verify
+        first = self._read(self.files[min(self.files)])
+        if "args" not in first:
+            raise CheckpointError(f"{self.files[min(self.files)]} holds no args: the "
+                                  "architecture (num_layers, hidden_size...) is unknown")
+        args = as_namespace(first["args"])
+        self.tp = 1 + max(t for t, _ in self.files)
+        self.pp = 1 + max(p for _, p in self.files)
+        self._check_grid()
+        chunks = len(model_keys(first))
+        self.version = checkpoint_version(first)
+        super().__init__(family=family, args=args, iteration=int(first.get(
+            "iteration", first.get("total_iters", iteration)) if not release else 0),
+            release=release, extra=_extras(first))
+        self.layout = LAYOUTS[family]
+        self.stages = PipelineStages(self.num_layers, self.pp, chunks if chunks > 1 else None)
+        self.plan = self.stages.chunks()
+        self._open_stage: int | None = None
+        self._flat: list[list[dict[str, torch.Tensor]]] = []  # [chunk of stage][tp] -> flat
+        del first
+
+    # Files --------------------------------------------------------------------------------
+    def _check_grid(self) -> None:
+        missing = [shard_dir_name(t, p, self.pp > 1) for t in range(self.tp)
+                   for p in range(self.pp) if (t, p) not in self.files]
+        if missing:
+            raise CheckpointError(
+                f"{self.iteration_dir} lacks the shard director{'ies' if len(missing) > 1 else 'y'}"
+                f" {', '.join(missing)} (a TP {self.tp} x PP {self.pp} checkpoint needs every "
+                "mp_rank_TT[_PPP]/model_optim_rng.pt): incomplete copy or save")
+
+    def _read(self, path: Path) -> dict:
+        if self.verify:
+            verify_checksum(path)
+        return load_checkpoint_file(path, mmap=True)
+
+    def _stage(self, pipeline_rank: int) -> None:
+        """Open ``pipeline_rank``'s shards (all TP ranks), closing the stage open before."""
+        if self._open_stage == pipeline_rank:
+            return
+        self._flat = []
+        self._open_stage = None
+        shards = [self._read(self.files[(t, pipeline_rank)]) for t in range(self.tp)]
+        version = 0.0 if self.version is None else self.version
+        for tp_rank, sd in enumerate(shards):
+            fix_query_key_value_ordering(sd, version, int(self.args.num_attention_heads),
+                                         self.tp, str(self.files[(tp_rank, pipeline_rank)]))
+        chunks = [c for c in self.plan if c.pipeline_rank == pipeline_rank]
+        for chunk in chunks:
+            per_tp = []
+            for tp_rank, sd in enumerate(shards):
+                if chunk.model_key not in sd:
+                    raise CheckpointError(f"{self.files[(tp_rank, pipeline_rank)]} has no "
+                                          f"'{chunk.model_key}' entry")
+                flat = flatten_model_state(sd[chunk.model_key])
+                per_tp.append(self._known(flat, chunk, self.files[(tp_rank, pipeline_rank)]))
+            self._flat.append(per_tp)
+        self._open_stage = pipeline_rank
+
+    def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
+        """Drop the extra keys Megatron tolerates; refuse others the layout does not know."""
+        for key in TOLERATED_EXTRA_KEYS:
+            if key in flat and chunk.pre_process and chunk.post_process:
+                del flat[key]
+        self.layout.check_keys(flat, str(path))
+        return {_current_name(k): v for k, v in flat.items()}
+
+    def _chunk_flat(self, index: int) -> list[dict[str, torch.Tensor]]:
+        chunk = self.plan[index]
+        self._stage(chunk.pipeline_rank)
+        stage_chunks = [i for i, c in enumerate(self.plan) if c.pipeline_rank == chunk.pipeline_rank]
+        return self._flat[stage_chunks.index(index)]
+
+    def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:
+        subset = [{k: v for k, v in flat.items() if keep(k)} for flat in per_tp]
+        return self.layout.merge_tensor_parallel(subset)
+
+    # Pieces ---------------------------------------------------------------------------------
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        index = next(i for i, c in enumerate(self.plan) if c.pre_process)
+        return self._merged(self._chunk_flat(index),
+                            lambda k: k.startswith("language_model.embedding."))
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        chunk_index = self.stages.chunk_index_of_layer(index)
+        local = index - self.plan[chunk_index].first_layer
+        merged = self._merged(self._chunk_flat(chunk_index), lambda k: _layer_of(k) == local)
+        return {_LAYER_NUMBER.sub(f".layers.{index}.", k, count=1): v for k, v in merged.items()}
+
+    def head(self) -> dict[str, torch.Tensor]:
+        index = next(i for i, c in enumerate(self.plan) if c.post_process)
+
+        def keep(key: str) -> bool:
+            rule = self.layout.rule(key)
+            return rule.stage == "last" and rule.copy_of is None
+        return self._merged(self._chunk_flat(index), keep)
+
+    def close(self) -> None:
+        self._flat, self._open_stage = [], None
+
+
+_LEGACY_NAMES = (("language_model.transformer.", "language_model.encoder."),
+                 (".attention.", ".self_attention."))
+
+
+def _current_name(key: str) -> str:
+    """Older checkpoints' ``transformer`` / ``.attention.`` -> today's names."""
+    for old, new in _LEGACY_NAMES:
+        key = key.replace(old, new)
+    return key
+
+
+def _layer_of(key: str) -> int | None:
+    found = _LAYER_NUMBER.search(key)
+    return int(found.group(1)) if found else None
+
+
+def _extras(sd: dict) -> dict:
+    out = {}
+    if "num_floating_point_operations_so_far" in sd:
+        out["num_floating_point_operations_so_far"] = sd["num_floating_point_operations_so_far"]
+    if sd.get("rng_state"):
+        # The Python / numpy / torch generators; the per-TP-rank model-parallel tracker streams
+        # do not carry over to another TP layout (the loading run keeps its seeded ones).
+        out["rng_state"] = [{k: v for k, v in state.items() if k != "rng_tracker_states"}
+                            for state in sd["rng_state"]]
+    return out
+
+
+def load(load_dir: str | Path, family: str, verify: bool = True) -> MegatronCheckpoint:
+    """The loader's entry point (``--loader megatron``)."""
+    return MegatronCheckpoint(load_dir, family, verify)

@@ -1,0 +1,103 @@
+"""The in-memory model description between a loader and a saver (Megatron-LM's
+``tools/checkpoint`` queue messages, as a pull interface).
+
+A loader describes one model: its architecture (``args``, Megatron's argparse names), the
+iteration, and three kinds of pieces, each a dict of *whole* tensors (no TP split) under the
+dotted keys of ``megatron.checkpointing.layout`` with *global* layer numbers and the source's
+padded vocabulary:
+
+* :meth:`ModelDescription.embeddings` -- ``language_model.embedding.*``;
+* :meth:`ModelDescription.layer` ``(i)`` -- ``language_model.encoder.layers.i.*``, QKV rows in
+  the current ``[np, 3, hn]`` order;
+* :meth:`ModelDescription.head` -- the final LayerNorm, the untied output layer and BERT's
+  pooler / ``lm_head`` / ``binary_head``.
+
+A saver pulls the pieces in whatever order it writes (a pipeline stage at a time, layer by
+layer); a loader keeps only what the current piece needs (one source pipeline stage, mapped
+from its files), so a conversion never holds a whole-model copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
+OUTPUT_LAYER = "language_model.output_layer.weight"
+LM_HEAD_BIAS = "lm_head.bias"
+VOCAB_ROWS = (WORD_EMBEDDINGS, OUTPUT_LAYER, LM_HEAD_BIAS)
+"""Tensors whose dim 0 is the padded vocabulary."""
+
+
+@dataclass
+class ModelDescription(abc.ABC):
+    """One model, described for a saver. Subclasses (loaders) implement the three pieces."""
+
+    family: str
+    """``GPT`` or ``BERT`` (a key of ``megatron.checkpointing.LAYOUTS``)."""
+    args: argparse.Namespace
+    """Megatron's args: architecture (``num_layers``, ``hidden_size``...), parallel sizes of the
+    source, training counters (``consumed_train_samples``...)."""
+    iteration: int = 0
+    release: bool = False
+    true_vocab_size: int | None = None
+    """The tokenizer's vocabulary before padding, when known (rows past it are padding)."""
+    repad: bool = False
+    """The source's vocabulary is unpadded (a HuggingFace model): a Megatron saver pads it to
+    ``make_vocab_size_divisible_by`` x TP as a Megatron run would."""
+    extra: dict = field(default_factory=dict)
+    """Other top-level entries a Megatron saver carries over (``rng_state``,
+    ``num_floating_point_operations_so_far``)."""
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.args.num_layers)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return int(self.args.padded_vocab_size)
+
+    @property
+    def untied(self) -> bool:
+        return bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
+
+    def args_copy(self) -> argparse.Namespace:
+        return copy.deepcopy(self.args)
+
+    @abc.abstractmethod
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        """``language_model.embedding.*``, whole tensors."""
+
+    @abc.abstractmethod
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s tensors under ``language_model.encoder.layers.{index}.*``."""
+
+    @abc.abstractmethod
+    def head(self) -> dict[str, torch.Tensor]:
+        """The last stage's tensors (final LayerNorm, untied output layer, BERT heads)."""
+
+    def close(self) -> None:
+        """Drop what the loader holds (mapped files)."""
+
+
+def repad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with dim 0 cut or zero-padded to ``rows`` (a new padded vocabulary; padding
+    rows are never looked up, and zero bias / weight rows keep their logits at 0)."""
+    have = tensor.shape[0]
+    if have == rows:
+        return tensor
+    if have > rows:
+        return tensor[:rows].clone()
+    pad = torch.zeros((rows - have, *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad], dim=0)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``: the smallest multiple of ``divisible_by`` x TP
+    that holds ``vocab_size``."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple

@@ -1,0 +1,176 @@
+"""Saver plug-in: a model description -> a local HuggingFace model directory.
+
+GPT -> ``GPT2LMHeadModel``: ``config.json``, ``model.safetensors`` (or
+``model-0000K-of-0000N.safetensors`` shards + ``model.safetensors.index.json`` past
+``max_shard_bytes``, written as they fill: the saver holds one shard), the tokenizer files
+(``vocab.json`` / ``merges.txt``). The padded vocabulary rows are dropped (``vocab_size`` = the
+true vocabulary) unless ``keep_padded_vocab``. The GeLU form is mapped to ``activation_function``
+``gelu_new`` (Megatron's tanh form: --openai-gelu or the default bias-GeLU fusion) or ``gelu``.
+
+``transformers`` and ``safetensors`` are optional dependencies, imported here only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
+                                         LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
+from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+
+class ShardWriter:
+    """safetensors shards filled in order and written as each fills."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[str, list[str]]] = []  # temporary file name, its keys
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+        if not self.pending:
+            return
+        name = f"shard-{len(self.written):05d}.tmp"
+        save_file(self.pending, str(self.out / name), metadata={"format": "pt"})
+        self.written.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Rename to HF's names; an index when there are several shards."""
+        self.flush()
+        if len(self.written) == 1:
+            os.replace(self.out / self.written[0][0], self.out / "model.safetensors")
+            return
+        total, weight_map = len(self.written), {}
+        for i, (tmp, keys) in enumerate(self.written, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            os.replace(self.out / tmp, self.out / final)
+            weight_map.update({k: final for k in keys})
+        index = {"metadata": {}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _vocab_rows(md: ModelDescription, keep_padded_vocab: bool) -> int:
+    if keep_padded_vocab or md.true_vocab_size is None:
+        return md.padded_vocab_size
+    return md.true_vocab_size
+
+
+def true_vocab_size_from_args(md: ModelDescription) -> int | None:
+    """The tokenizer's vocabulary size when its files are at hand (GPT-2 ``vocab.json``, BERT
+    ``vocab.txt``) or the args hold it (NullTokenizer's ``vocab_size``)."""
+    args = md.args
+    vocab_file = getattr(args, "vocab_file", None)
+    kind = getattr(args, "tokenizer_type", None)
+    if vocab_file and os.path.isfile(vocab_file):
+        if kind == "GPT2BPETokenizer":
+            with open(vocab_file, encoding="utf-8") as f:
+                return len(json.load(f))
+        if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+            with open(vocab_file, encoding="utf-8") as f:
+                return sum(1 for _ in f)
+    if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is not None:
+        return int(args.vocab_size) + 1
+    return None
+
+
+def gpt2_config(md: ModelDescription, vocab: int):
+    """The ``GPT2Config`` of ``md``."""
+    from transformers import GPT2Config
+    args = md.args
+    check_gpt2_compatible(args)
+    dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(
+        getattr(args, "params_dtype", torch.float32), "float32")
+    eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
+    return GPT2Config(
+        vocab_size=vocab, n_positions=int(args.max_position_embeddings),
+        n_embd=int(args.hidden_size), n_layer=md.num_layers,
+        n_head=int(args.num_attention_heads), n_inner=int(args.ffn_hidden_size),
+        activation_function="gelu_new" if gelu_is_tanh(args) else "gelu",
+        layer_norm_epsilon=float(getattr(args, "layernorm_epsilon", 1e-5)),
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=not md.untied, bos_token_id=eod, eos_token_id=eod,
+        architectures=["GPT2LMHeadModel"], torch_dtype=dtype)
+
+
+def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool = False,
+         tokenizer_dir: str | Path | None = None,
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write ``md`` as a HuggingFace model directory; returns it.
+
+    Raises:
+        ValueError: a BERT model (not yet supported), or a GPT that GPT-2 cannot express.
+    """
+    if md.family != "GPT":
+        raise ValueError("--saver hf supports --model-type GPT (GPT2LMHeadModel); BERT export "
+                         "is not implemented yet")
+    out = Path(save_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--save-dir {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    if md.true_vocab_size is None:
+        md.true_vocab_size = true_vocab_size_from_args(md)
+    vocab = _vocab_rows(md, keep_padded_vocab)
+    config = gpt2_config(md, vocab)
+    heads = int(md.args.num_attention_heads)
+    writer = ShardWriter(out, max_shard_bytes)
+    embeddings = md.embeddings()
+    writer.add("transformer.wte.weight", embeddings[WORD_EMBEDDINGS][:vocab])
+    writer.add("transformer.wpe.weight",
+               embeddings["language_model.embedding.position_embeddings.weight"])
+    del embeddings
+    for i in range(md.num_layers):
+        layer = md.layer(i)
+        for ours, theirs, transposed in GPT2_LAYER_TENSORS:
+            value = layer[LAYER.format(i) + ours]
+            writer.add(GPT2_LAYER.format(i) + theirs, value.t() if transposed else value)
+        for ours, theirs in GPT2_QKV:
+            writer.add(GPT2_LAYER.format(i) + theirs,
+                       qkv_to_hf(layer[ATTENTION.format(i) + ours.split(".", 1)[1]], heads))
+        del layer
+    head = md.head()
+    writer.add("transformer.ln_f.weight", head["language_model.encoder.final_layernorm.weight"])
+    writer.add("transformer.ln_f.bias", head["language_model.encoder.final_layernorm.bias"])
+    if md.untied:
+        writer.add("lm_head.weight", head[OUTPUT_LAYER][:vocab])
+    writer.finish()
+    config.save_pretrained(out)
+    _copy_tokenizer(md, out, tokenizer_dir)
+    return out
+
+
+def _copy_tokenizer(md: ModelDescription, out: Path, tokenizer_dir) -> None:
+    """The tokenizer files: from ``tokenizer_dir``, else the checkpoint's GPT-2 BPE files."""
+    if tokenizer_dir is not None:
+        for entry in Path(tokenizer_dir).iterdir():
+            if entry.is_file() and (entry.name.startswith("tokenizer") or entry.name in (
+                    "vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json")):
+                shutil.copyfile(entry, out / entry.name)
+        return
+    args = md.args
+    if getattr(args, "tokenizer_type", None) != "GPT2BPETokenizer":
+        return
+    for flag, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+        path = getattr(args, flag, None)
+        if path and os.path.isfile(path):
+            shutil.copyfile(path, out / name)
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": int(
+            md.args.max_position_embeddings), "bos_token": "<|endoftext|>",
+         "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, indent=2))

@@ -1,0 +1,185 @@
+"""Saver plug-in: a :class:`~tools.checkpoint.model_description.ModelDescription` -> a
+Megatron-LM ``--ckpt-format torch`` checkpoint at any TP / PP / virtual-stage layout.
+
+Written one target pipeline stage at a time: the stage's layers are pulled from the loader
+layer by layer, split over the target TP ranks (``megatron.checkpointing.layout``), and its
+``mp_rank_TT_PPP/model_optim_rng.pt`` files written (atomically, with checksums) before the next
+stage is pulled. ``args`` carry the new sizes, so ``--use-checkpoint-args`` and ``--load`` at the
+new layout work; the optimizer state is not written (load with ``--no-load-optim`` or
+``--finetune``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing import (CHECKPOINT_VERSION, LAYOUTS, CheckpointError,
+                                    PipelineStages, checkpoint_name, nest_model_state,
+                                    publish_tracker, save_file, tracker_path)
+from megatron.checkpointing.names import checkpoint_dir
+from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
+                                                ModelDescription, padded_vocab_size,
+                                                repad_vocab)
+
+_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
+HEAD_COPY = "word_embeddings_for_head.weight"
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """The layout to write."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    vocab_size_divisible_by: int | None = None
+    """``--target-vocab-size-divisible-by``; None: the source's ``make_vocab_size_divisible_by``."""
+
+
+def target_vocab_size(md: ModelDescription, target: TargetLayout) -> int:
+    """The padded vocabulary of the written checkpoint: the source's when it still splits over
+    the target TP size and no other multiple is asked for; else Megatron's padding of the true
+    vocabulary (or, when that is unknown, of the source's padded size) to the new multiple."""
+    divisible_by = target.vocab_size_divisible_by
+    source = md.padded_vocab_size
+    if divisible_by is None:
+        if source % target.tensor_parallel_size == 0 and not md.repad:
+            return source
+        divisible_by = int(getattr(md.args, "make_vocab_size_divisible_by", 128))
+    base = md.true_vocab_size if md.true_vocab_size is not None else source
+    return padded_vocab_size(base, divisible_by, target.tensor_parallel_size)
+
+
+def _virtual_size(num_layers: int, target: TargetLayout) -> int | None:
+    per_stage = target.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return None
+    if num_layers % (target.pipeline_parallel_size * per_stage):
+        raise ValueError(f"--target-num-layers-per-virtual-pipeline-stage {per_stage}: "
+                         f"{num_layers} layers do not split into {target.pipeline_parallel_size} "
+                         f"stages of chunks of {per_stage} layers")
+    return num_layers // target.pipeline_parallel_size // per_stage
+
+
+def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
+    """The source's args with the new parallel sizes and padded vocabulary."""
+    args = md.args_copy()
+    data_parallel = int(getattr(args, "data_parallel_size", 1) or 1)
+    args.tensor_model_parallel_size = target.tensor_parallel_size
+    args.pipeline_model_parallel_size = target.pipeline_parallel_size
+    args.num_layers_per_virtual_pipeline_stage = target.num_layers_per_virtual_pipeline_stage
+    args.virtual_pipeline_model_parallel_size = _virtual_size(md.num_layers, target)
+    args.world_size = target.tensor_parallel_size * target.pipeline_parallel_size * data_parallel
+    args.padded_vocab_size = vocab
+    args.make_vocab_size_divisible_by = _divisible_by(md, target, vocab)
+    if hasattr(args, "model_parallel_size"):  # checkpoint_version < 3's name of the TP size
+        del args.model_parallel_size
+    return args
+
+
+def _divisible_by(md: ModelDescription, target: TargetLayout, vocab: int) -> int:
+    """``make_vocab_size_divisible_by`` for the new args: the one asked for; else, when the
+    source's padding multiple (its divisor x its TP) splits over the target TP, the divisor
+    giving that same multiple at the target TP (128 at TP 1 -> 64 at TP 2: the run at the new
+    layout passing that flag pads to the checkpoint's size); else the source's."""
+    if target.vocab_size_divisible_by is not None:
+        return target.vocab_size_divisible_by
+    divisor = int(getattr(md.args, "make_vocab_size_divisible_by", 128))
+    source_tp = int(getattr(md.args, "tensor_model_parallel_size", 1) or 1)
+    multiple = divisor * source_tp
+    if not md.repad and vocab == md.padded_vocab_size and \
+            multiple % target.tensor_parallel_size == 0:
+        return multiple // target.tensor_parallel_size
+    return divisor
+
+
+def _local(key: str, first_layer: int) -> str:
+    """Global layer number -> the chunk's own numbering."""
+    return _LAYER_NUMBER.sub(lambda m: f".layers.{int(m.group(1)) - first_layer}.", key,
+                             count=1)
+
+
+def _repadded(piece: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    return {k: repad_vocab(v, vocab) if k in VOCAB_ROWS else v for k, v in piece.items()}
+
+
+def _chunk_state(md: ModelDescription, chunk, vocab: int) -> dict[str, torch.Tensor]:
+    """One target model chunk's whole (not TP-split) flat state, layers numbered locally."""
+    flat: dict[str, torch.Tensor] = {}
+    if chunk.pre_process:
+        flat.update(_repadded(md.embeddings(), vocab))
+    for layer in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
+        flat.update({_local(k, chunk.first_layer): v for k, v in md.layer(layer).items()})
+    if chunk.post_process:
+        head = _repadded(md.head(), vocab)
+        if not chunk.pre_process and OUTPUT_LAYER not in head:
+            # Tied output layer on another stage: the last stage keeps its own copy.
+            head[HEAD_COPY] = repad_vocab(md.embeddings()[WORD_EMBEDDINGS], vocab)
+        flat.update(head)
+    return flat
+
+
+def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Path:
+    """Write ``md`` under ``save_dir`` at ``target``; returns the iteration directory.
+
+    Raises:
+        ValueError: the layers or heads do not split over the target sizes.
+    """
+    save_dir = Path(save_dir)
+    layout = LAYOUTS[md.family]
+    vocab = target_vocab_size(md, target)
+    args = target_args(md, target, vocab)
+    heads = int(md.args.num_attention_heads)
+    if heads % target.tensor_parallel_size:
+        raise ValueError(f"--target-tensor-parallel-size {target.tensor_parallel_size} does not "
+                         f"divide the {heads} attention heads")
+    try:
+        stages = PipelineStages(md.num_layers, target.pipeline_parallel_size,
+                                args.virtual_pipeline_model_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"--target-pipeline-parallel-size: {err}") from None
+    plan = stages.chunks()
+    pipeline_parallel = target.pipeline_parallel_size > 1
+    for stage in range(target.pipeline_parallel_size):
+        shards: list[dict] = [_top_level(md, args) for _ in range(target.tensor_parallel_size)]
+        for chunk in [c for c in plan if c.pipeline_rank == stage]:
+            per_tp = layout.split_tensor_parallel(_chunk_state(md, chunk, vocab),
+                                                  target.tensor_parallel_size)
+            for shard, state in zip(shards, per_tp):
+                shard[chunk.model_key] = nest_model_state(state, layout.nested_sections)
+        for tp_rank, shard in enumerate(shards):
+            save_file(shard, checkpoint_name(save_dir, md.iteration, md.release,
+                                             tensor_rank=tp_rank, pipeline_rank=stage,
+                                             pipeline_parallel=pipeline_parallel))
+        del shards
+    iteration_dir = checkpoint_dir(save_dir, md.iteration, md.release)
+    _publish(save_dir, md, iteration_dir)
+    return iteration_dir
+
+
+def _top_level(md: ModelDescription, args) -> dict:
+    sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": md.iteration}
+    sd.update(md.extra)
+    return sd
+
+
+def _publish(save_dir: Path, md: ModelDescription, iteration_dir: Path) -> None:
+    if not md.release:
+        publish_tracker(save_dir, md.iteration, iteration_dir)
+        return
+    tracker = tracker_path(save_dir)
+    tmp = tracker.with_name(f".{tracker.name}.tmp-{os.getpid()}")
+    tmp.write_text("release")
+    os.replace(tmp, tracker)
+
+
+def refuse_existing(save_dir: Path) -> None:
+    """A conversion never writes into a directory that already holds a checkpoint."""
+    if tracker_path(save_dir).exists():
+        raise CheckpointError(f"--save-dir {save_dir} already holds a checkpoint "
+                              f"({tracker_path(save_dir).name}); choose an empty directory")
