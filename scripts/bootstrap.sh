@@ -15,7 +15,11 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 stamp=.venv/.megatron-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-   || [ -n "$(find megatron -name '*.cpp' -newer "$stamp" 2>/dev/null)" ]; then
-  "$VPY" -m pip install -q -e ".[test]"
+   || [ -n "$(find megatron \( -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \) \
+              -newer "$stamp" 2>/dev/null)" ]; then
+  # The fused kernels are torch extensions: they build against the venv's torch, so no build
+  # isolation (an isolated build has no torch, and would skip them: the PyTorch fallback).
+  "$VPY" -m pip install -q setuptools wheel "pybind11>=2.10"
+  "$VPY" -m pip install -q --no-build-isolation -e ".[test]"
   touch "$stamp"
 fi

@@ -86,14 +86,17 @@ class ModelConfig:
     """Attention implementation: auto/flash/fused use torch's scaled_dot_product_attention;
     unfused/local use the explicit scale-mask-softmax reference path."""
     masked_softmax_fusion: bool = spec(True, flag="--no-masked-softmax-fusion")
-    """Disable the fused scale-mask-softmax kernel (unfused attention path only)."""
+    """Disable the fused scale-mask-softmax kernels (megatron/fused_kernels) of the unfused
+    attention path (--attention-backend unfused/local); torch's softmax then runs."""
     bias_gelu_fusion: bool = spec(True, flag="--no-bias-gelu-fusion")
-    """Disable the fused bias + GeLU kernel."""
+    """Disable the fused bias + GeLU (TorchScript, tanh GeLU); without it the exact erf GeLU
+    runs, as in Megatron-LM 23.06."""
     bias_dropout_fusion: bool = spec(True, flag="--no-bias-dropout-fusion")
-    """Disable the fused bias + dropout + add kernel."""
+    """Disable the fused bias + dropout + residual add (TorchScript; same values)."""
     no_persist_layer_norm: bool = False
     """Do not use APEX's persistent fused LayerNorm kernel. Accepted for Megatron-LM scripts;
-    no effect here: LayerNorm is always torch's layer_norm (no APEX kernels)."""
+    no effect here: the fused layer norm of megatron/fused_kernels has a single kernel (the
+    persistent/non-persistent choice is between two APEX kernels with the same numerics)."""
     use_flash_attn: bool = False
     """Use FlashAttention (here: torch's SDPA, which dispatches to flash kernels on GPUs)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"

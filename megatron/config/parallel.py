@@ -58,9 +58,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split LayerNorm and dropout activations along the sequence over TP ranks."""
     gradient_accumulation_fusion: bool = True
-    """Disable fusing the weight-gradient GEMM with the accumulation into main_grad. Accepted
-    for Megatron-LM scripts; no effect here: there is no fused (CUDA/APEX) weight-gradient
-    kernel, weight gradients always come from autograd and are then added into main_grad."""
+    """Disable fusing the weight-gradient GEMM with the accumulation into main_grad: with the
+    fusion the linear layers' backward adds dY^T X straight into the DDP buffer's main_grad
+    (one GEMM with beta = 1, no weight.grad tensor); without it autograd's weight.grad is
+    added into main_grad by the DDP hook."""
     async_tensor_model_parallel_allreduce: bool = True
     """Disable overlapping the tensor-parallel all-reduce of the input gradient with the
     weight-gradient GEMM. Accepted for Megatron-LM scripts; no effect here: that all-reduce is

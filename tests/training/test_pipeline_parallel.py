@@ -73,7 +73,9 @@ _FOUR = {"pp4": (1, [*_pp(4), *EVAL]),
          "tp2pp2_recompute_block": (2, [*_pp(2), "--recompute-granularity", "full",
                                         "--recompute-method", "block",
                                         "--recompute-num-layers", "2"]),
-         "pp2vpp2dp2_distopt": (1, [*_pp(2, 2), "--use-distributed-optimizer"])}
+         "pp2vpp2dp2_distopt": (1, [*_pp(2, 2), "--use-distributed-optimizer"]),
+         # PyTorch's DDP arms its reduction in forward, which the schedules run under no_sync.
+         "pp2dp2_torch_ddp": (1, [*_pp(2), "--DDP-impl", "torch"])}
 _EIGHT = {"tp2pp2dp2_overlap": (2, [*_pp(2), "--overlap-grad-reduce"]),
           "tp2pp2dp2_distopt": (2, [*_pp(2), "--use-distributed-optimizer"]),
           "tp2pp2dp2_vpp2_recompute": (2, [*_pp(2, 2), "--recompute-granularity", "full",

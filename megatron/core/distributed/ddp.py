@@ -270,8 +270,16 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         self.overlap_grad_reduce = True
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self._nonfinite: torch.Tensor | None = None
+        self._dp_group = dp_group
+        # Whether PyTorch's DDP will reduce this step's gradients itself (see forward).
+        self._reducing_forward = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # PyTorch's DDP arms its reduction in forward, not in backward: a micro-batch whose
+        # forward ran under no_sync() is never reduced, even if sync is on again for its
+        # backward. Pipeline schedules run every forward under no_sync (the last backward of a
+        # chunk comes after later forwards), so finish_grad_sync reduces those steps itself.
+        self._reducing_forward = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
         return self.ddp(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -287,8 +295,13 @@ class TorchDistributedDataParallel(_ModuleStateDict):
         """Nothing to do: PyTorch's DDP reduces during backward."""
 
     def finish_grad_sync(self) -> None:
-        """Expose the reduced ``param.grad`` as ``param.main_grad``."""
+        """Expose the reduced ``param.grad`` as ``param.main_grad`` (reducing it here when
+        PyTorch's DDP did not: see :meth:`forward`)."""
+        reduce_here = not self._reducing_forward
+        self._reducing_forward = False
         for param in self.module.parameters():
+            if reduce_here and param.grad is not None:
+                comm.all_reduce(param.grad, self._dp_group, op="avg")
             param.main_grad = param.grad
             if self.check_for_nan_in_grad and param.grad is not None:
                 bad = _nonfinite(param.grad)

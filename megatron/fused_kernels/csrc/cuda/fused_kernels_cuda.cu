@@ -3,8 +3,9 @@
 
 #include <torch/extension.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <vector>
 
@@ -42,7 +43,7 @@ void check_input(const at::Tensor& t, int64_t dims, const char* name) {
 
 at::Tensor scaled_softmax_forward(const at::Tensor& input_, double scale) {
   check_input(input_, 4, "scaled_softmax_forward");
-  const at::cuda::CUDAGuard guard(input_.device());
+  const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   at::Tensor output = at::empty_like(input);
   const int64_t n = input.size(3), rows = input.numel() / std::max<int64_t>(n, 1);
@@ -50,7 +51,7 @@ at::Tensor scaled_softmax_forward(const at::Tensor& input_, double scale) {
                                   [&] {
     megatron_fused::launch_scaled_softmax(ptr<scalar_t>(input), mut_ptr<scalar_t>(output), rows,
                                           n, static_cast<float>(scale),
-                                          at::cuda::getCurrentCUDAStream());
+                                          c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return output;
@@ -63,7 +64,7 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& input_, const at::Ten
                   mask_.size(3) == input_.size(3) &&
                   (mask_.size(0) == 1 || mask_.size(0) == input_.size(0)),
               "scaled_masked_softmax_forward: mask must be [b or 1, 1, sq, sk]");
-  const at::cuda::CUDAGuard guard(input_.device());
+  const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   const at::Tensor mask = mask_.to(at::kByte).contiguous();
   at::Tensor output = at::empty_like(input);
@@ -72,7 +73,7 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& input_, const at::Ten
     megatron_fused::launch_scaled_masked_softmax(
         ptr<scalar_t>(input), mask.data_ptr<uint8_t>(), mut_ptr<scalar_t>(output), input.size(0),
         input.size(1), input.size(2), input.size(3), mask.size(0), static_cast<float>(scale),
-        at::cuda::getCurrentCUDAStream());
+        c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return output;
@@ -82,14 +83,14 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
   check_input(input_, 3, "scaled_upper_triang_masked_softmax_forward");
   TORCH_CHECK(input_.size(1) <= input_.size(2),
               "scaled_upper_triang_masked_softmax_forward: needs sq <= sk");
-  const at::cuda::CUDAGuard guard(input_.device());
+  const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   at::Tensor output = at::empty_like(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
                                   "scaled_upper_triang_masked_softmax", [&] {
     megatron_fused::launch_scaled_upper_triang_softmax(
         ptr<scalar_t>(input), mut_ptr<scalar_t>(output), input.size(0), input.size(1),
-        input.size(2), static_cast<float>(scale), at::cuda::getCurrentCUDAStream());
+        input.size(2), static_cast<float>(scale), c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return output;
@@ -101,7 +102,7 @@ at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& ou
   TORCH_CHECK(grad_output_.sizes() == output_.sizes() &&
                   grad_output_.scalar_type() == output_.scalar_type(),
               "softmax_backward: grad_output and output must match");
-  const at::cuda::CUDAGuard guard(output_.device());
+  const c10::cuda::CUDAGuard guard(output_.device());
   const at::Tensor grad_output = grad_output_.contiguous(), output = output_.contiguous();
   at::Tensor grad_input = at::empty_like(output);
   const int64_t n = output.size(-1), rows = output.numel() / std::max<int64_t>(n, 1);
@@ -110,7 +111,7 @@ at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& ou
     megatron_fused::launch_softmax_backward(ptr<scalar_t>(grad_output), ptr<scalar_t>(output),
                                             mut_ptr<scalar_t>(grad_input), rows, n,
                                             static_cast<float>(scale),
-                                            at::cuda::getCurrentCUDAStream());
+                                            c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad_input;
@@ -124,7 +125,7 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::T
                   weight_.scalar_type() == input_.scalar_type() &&
                   bias_.scalar_type() == input_.scalar_type(),
               "layer_norm_forward: weight and bias must be [", h, "] of the input's dtype");
-  const at::cuda::CUDAGuard guard(input_.device());
+  const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   const at::Tensor weight = weight_.contiguous(), bias = bias_.contiguous();
   const int64_t rows = input.numel() / std::max<int64_t>(h, 1);
@@ -136,7 +137,7 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::T
     megatron_fused::launch_layer_norm_forward(
         ptr<scalar_t>(input), ptr<scalar_t>(weight), ptr<scalar_t>(bias),
         mut_ptr<scalar_t>(output), mean.data_ptr<float>(), invvar.data_ptr<float>(), rows, h,
-        static_cast<float>(eps), at::cuda::getCurrentCUDAStream());
+        static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {output, mean, invvar};
@@ -146,7 +147,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
                                             const at::Tensor& input_, const at::Tensor& mean_,
                                             const at::Tensor& invvar_, const at::Tensor& weight_) {
   check_input(input_, -1, "layer_norm_backward");
-  const at::cuda::CUDAGuard guard(input_.device());
+  const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor grad_output = grad_output_.contiguous(), input = input_.contiguous();
   const at::Tensor mean = mean_.contiguous(), invvar = invvar_.contiguous();
   const at::Tensor weight = weight_.contiguous();
@@ -160,7 +161,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
         ptr<scalar_t>(grad_output), ptr<scalar_t>(input), mean.data_ptr<float>(),
         invvar.data_ptr<float>(), ptr<scalar_t>(weight), mut_ptr<scalar_t>(grad_input),
         dweight.data_ptr<float>(), dbias.data_ptr<float>(), rows, h,
-        at::cuda::getCurrentCUDAStream());
+        c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {grad_input, dweight.to(weight.scalar_type()), dbias.to(weight.scalar_type())};

@@ -1,0 +1,155 @@
+"""CPU fused kernels against PyTorch eager and torch.compile of the same eager code, same run.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_kernels.py [--seqs 512,1024] [--dtypes fp32,bf16]
+        [--threads 2] [--reps 10] [--no-compile]
+
+GPT-2-small shapes: batch 4, 12 heads, sequence 512 and 1024 (scores ``[4, 12, s, s]``); layer
+norm over 768 on ``[s, 4, 768]``. Each row times forward + backward (median of ``--reps`` after
+two warm-up calls) of:
+
+* ``fused``: ``megatron.core.fusions`` (the C++ extension ``megatron.fused_kernels._cpu``);
+* ``eager``: the PyTorch path the model runs without the fusion (causal: ``masked_fill`` with the
+  materialised ``[s, s]`` mask, then ``softmax``; masked: the same with a ``[4, 1, s, s]`` padding
+  mask; plain: ``softmax(x * scale)``; layer norm: ``F.layer_norm``); half precision upcasts to
+  fp32 for the softmax as ``--attention-softmax-in-fp32`` does, so both sides compute in fp32;
+* ``compile``: ``torch.compile`` of the eager function (inductor's generated C++; skipped with
+  ``--no-compile`` or when it fails here).
+
+"saved MiB" is what autograd keeps for the backward (counted with saved-tensor hooks, distinct
+storages), the memory a fusion saves during training besides the forward's temporaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions import fused_softmax, kernels
+from megatron.core.fusions.fused_layer_norm import fused_layer_norm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def eager_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    scores = x.float() * scale if x.dtype != torch.float32 else x * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, -10000.0)
+    return torch.softmax(scores, dim=-1).to(x.dtype)
+
+
+def causal_mask(s: int) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward of ``fn()``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def time_fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor],
+                 grad: torch.Tensor, reps: int) -> float:
+    """Median seconds of forward + backward."""
+    times = []
+    for i in range(reps + 2):
+        for t in inputs:
+            t.grad = None
+        start = time.perf_counter()
+        fn(*inputs).backward(grad)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def softmax_cases(s: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 12, s, s, generator=gen).to(dtype).requires_grad_(True)
+    pad = torch.rand(4, 1, 1, s, generator=gen) < 0.1
+    pad = pad.expand(4, 1, s, s).contiguous()
+    causal = causal_mask(s)
+    scale = 0.125
+    return [
+        ("scaled_upper_triang_masked_softmax", [x],
+         lambda t: fused_softmax.fused_scale_mask_softmax(t, None, True, scale),
+         lambda t: eager_softmax(t, causal, scale)),
+        ("scaled_masked_softmax", [x],
+         lambda t: fused_softmax.fused_scale_mask_softmax(t, pad, False, scale),
+         lambda t: eager_softmax(t, pad, scale)),
+        ("scaled_softmax", [x],
+         lambda t: fused_softmax.fused_scale_mask_softmax(t, None, False, scale),
+         lambda t: eager_softmax(t, None, scale)),
+    ]
+
+
+def layer_norm_case(s: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(s, 4, 768, generator=gen).to(dtype).requires_grad_(True)
+    w = torch.ones(768, dtype=dtype).requires_grad_(True)
+    b = torch.zeros(768, dtype=dtype).requires_grad_(True)
+    return ("layer_norm (h 768)", [x, w, b],
+            lambda x_, w_, b_: fused_layer_norm(x_, w_, b_, 1e-5),
+            lambda x_, w_, b_: F.layer_norm(x_, (768,), w_, b_, 1e-5))
+
+
+def bench_case(name, inputs, fused, eager, reps, use_compile, label) -> list[str]:
+    grad = torch.randn_like(fused(*inputs))
+    row = {"fused": time_fwd_bwd(fused, inputs, grad, reps),
+           "eager": time_fwd_bwd(eager, inputs, grad, reps)}
+    compiled = "n/a"
+    if use_compile:
+        try:
+            fn = torch.compile(eager, dynamic=False)
+            compiled = f"{time_fwd_bwd(fn, inputs, grad, reps) * 1e3:.1f}"
+            row["compile"] = float(compiled) / 1e3
+        except Exception as exc:  # no compiler, unsupported op: say so, keep the row
+            compiled = f"failed ({type(exc).__name__})"
+    mib = 1 / 2**20
+    saved_fused = saved_bytes(lambda: fused(*inputs)) * mib
+    saved_eager = saved_bytes(lambda: eager(*inputs)) * mib
+    speedup = row["eager"] / row["fused"]
+    vs_compile = f"{row['compile'] / row['fused']:.2f}x" if "compile" in row else "n/a"
+    return [f"| {name} | {label} | {row['fused'] * 1e3:.1f} | {row['eager'] * 1e3:.1f} | "
+            f"{compiled} | {speedup:.2f}x | {vs_compile} | {saved_fused:.0f} | {saved_eager:.0f} |"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqs", default="512,1024")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if kernels.extension("cpu") is None:
+        raise SystemExit("megatron.fused_kernels._cpu is not built: run scripts/bootstrap.sh")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; times in ms, forward + backward")
+    print("| kernel | shape, dtype | fused | eager | compile | fused vs eager | "
+          "fused vs compile | saved MiB fused | saved MiB eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in (int(v) for v in args.seqs.split(",")):
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            cases = softmax_cases(s, dtype) + [layer_norm_case(s, dtype)]
+            for name, inputs, fused, eager in cases:
+                label = f"s={s}, {dname}"
+                for line in bench_case(name, inputs, fused, eager, args.reps,
+                                       not args.no_compile, label):
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

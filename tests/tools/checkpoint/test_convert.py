@@ -1,0 +1,235 @@
+"""tools/checkpoint/convert.py between Megatron layouts, without process groups: bitwise round
+trips (GPT tied/untied, BERT), the target's shards against the layout table, args and
+iteration carried over, the vocabulary re-padded, checkpoints other tools wrote, refused input,
+and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, CheckpointError, checkpoint_name,
+                                    qkv_from_current_order, save_file, tracker_path)
+from tests.tools.checkpoint import helpers
+from tools.checkpoint import convert, loader_megatron
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _convert(src: Path, dst: Path, *flags: str, model_type: str = "GPT") -> Path:
+    assert convert.main(["--model-type", model_type, "--load-dir", str(src), "--save-dir",
+                         str(dst), *flags]) == 0
+    return dst
+
+
+def _layout(tp: int, pp: int, vpp: int | None = None) -> list[str]:
+    flags = ["--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]
+    return flags + (["--target-num-layers-per-virtual-pipeline-stage", str(vpp)] if vpp else [])
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_gpt_round_trip_over_every_layout_is_bitwise(tmp_path, untied):
+    model = helpers.gpt(untie_embeddings_and_output_weights=untied)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    previous = tmp_path / "src"
+    for i, layout in enumerate([_layout(2, 2, 1), _layout(1, 4), _layout(4, 1), _layout(1, 1)]):
+        previous = _convert(previous, tmp_path / f"step{i}", *layout)
+    source = helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)]
+    back = helpers.shards(previous / "iter_0000007")[(0, 0)]
+    helpers.assert_same_tensors(helpers.flat_model(source), helpers.flat_model(back))
+    assert back["iteration"] == 7 and back["args"].consumed_train_samples == 56
+    assert "optimizer" not in back  # dropped, as Megatron-LM's converter does
+
+
+def test_tp2_pp2_virtual_stages_follow_the_layout_table(tmp_path):
+    model = helpers.gpt()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    out = _convert(tmp_path / "src", tmp_path / "dst", *_layout(2, 2, 1))
+    shards = helpers.shards(out / "iter_0000007")
+    assert sorted(shards) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (out / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt.sha256").is_file()
+    full = model.state_dict()
+    args = shards[(1, 1)]["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.num_layers_per_virtual_pipeline_stage,
+            args.virtual_pipeline_model_parallel_size) == (2, 2, 1, 2)
+    # The padding multiple is unchanged (8 x TP1 = 4 x TP2): a run passing
+    # --make-vocab-size-divisible-by 4 at TP2 pads to the checkpoint's 264.
+    assert args.make_vocab_size_divisible_by == 4 and args.padded_vocab_size == 264
+    # Stage 1, model1 = layer 3 (Megatron's interleaved offsets), rows 32..63 of TP rank 1.
+    stage1 = helpers.flat_model(shards[(1, 1)], "model1")
+    qkv = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
+    assert torch.equal(stage1[qkv], full[qkv.replace("layers.0", "layers.3")].chunk(2)[1])
+    dense = "language_model.encoder.layers.0.self_attention.dense.weight"
+    assert torch.equal(stage1[dense],
+                       full[dense.replace("layers.0", "layers.3")].chunk(2, dim=1)[1])
+    embedding = full["language_model.embedding.word_embeddings.weight"]
+    assert torch.equal(stage1["word_embeddings_for_head.weight"], embedding.chunk(2)[1])
+    assert "language_model.embedding.word_embeddings.weight" in \
+        helpers.flat_model(shards[(0, 0)], "model0")
+
+
+def test_bert_round_trip_and_layout(tmp_path):
+    model = helpers.bert()
+    args = helpers.args_of(model, bert_binary_head=True)
+    helpers.save_single(tmp_path / "src", model, args)
+    out = _convert(tmp_path / "src", tmp_path / "tp2pp2", *_layout(2, 2), model_type="BERT")
+    shards = helpers.shards(out / "iter_0000007")
+    full = model.state_dict()
+    last = helpers.flat_model(shards[(1, 1)])
+    assert torch.equal(last["lm_head.bias"], full["lm_head.bias"].chunk(2)[1])
+    for key in ("lm_head.dense.weight", "lm_head.layernorm.bias", "binary_head.weight",
+                "language_model.pooler.dense.weight"):
+        assert torch.equal(last[key], full[key]), key
+    first = helpers.flat_model(shards[(0, 0)])
+    assert torch.equal(first["language_model.embedding.tokentype_embeddings.weight"],
+                       full["language_model.embedding.tokentype_embeddings.weight"])
+    back = _convert(out, tmp_path / "back", model_type="BERT")
+    restored = helpers.bert(seed=99)
+    restored.load_state_dict(helpers.shards(back / "iter_0000007")[(0, 0)]["model"])
+    tokens = torch.randint(0, 255, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    types_ = torch.zeros(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        expected, got = model(tokens, padding, types_), restored(tokens, padding, types_)
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+
+
+def test_target_vocab_size_divisible_by_repads_the_vocabulary(tmp_path):
+    model = helpers.gpt()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    out = _convert(tmp_path / "src", tmp_path / "dst", "--target-vocab-size-divisible-by", "128",
+                   "--true-vocab-size", "256", *_layout(2, 1))
+    shards = helpers.shards(out / "iter_0000007")
+    assert shards[(0, 0)]["args"].padded_vocab_size == 256  # 256 rounded to 128 x 2
+    rows = torch.cat([helpers.flat_model(shards[(t, 0)])[
+        "language_model.embedding.word_embeddings.weight"] for t in range(2)])
+    assert torch.equal(rows, model.state_dict()[
+        "language_model.embedding.word_embeddings.weight"][:256])
+
+
+# Checkpoints other tools wrote --------------------------------------------------------------
+def test_simple_namespace_args_and_a_tolerated_extra_key(tmp_path):
+    model = helpers.gpt()
+    args = types.SimpleNamespace(**vars(helpers.args_of(model)))
+    extra = model.state_dict_for_save_checkpoint()
+    extra["word_embeddings"] = {"weight": torch.zeros(3, 3)}  # beside the head, one stage
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": extra}
+    save_file(sd, checkpoint_name(tmp_path / "src", 7))
+    tracker_path(tmp_path / "src").write_text("7")
+    out = _convert(tmp_path / "src", tmp_path / "dst", *_layout(2, 1))
+    shard = helpers.shards(out / "iter_0000007")[(0, 0)]
+    assert isinstance(shard["args"], argparse.Namespace)
+    assert "word_embeddings.weight" not in helpers.flat_model(shard)
+
+
+@pytest.mark.parametrize("version", [0, 1.0, None])
+def test_old_checkpoint_versions_are_converted_to_the_current_qkv_order(tmp_path, version):
+    model = helpers.gpt()
+    state = model.state_dict_for_save_checkpoint()
+    encoder = state["language_model"]["encoder"]
+    for key in [k for k in encoder if "query_key_value" in k]:
+        encoder[key] = qkv_from_current_order(encoder[key], 3, helpers.HEADS, version or 0.0)
+    sd = {"args": helpers.args_of(model), "iteration": 7, "model": state}
+    if version is not None:
+        sd["checkpoint_version"] = version
+    save_file(sd, checkpoint_name(tmp_path / "src", 7))
+    tracker_path(tmp_path / "src").write_text("7")
+    out = _convert(tmp_path / "src", tmp_path / "dst")
+    converted = helpers.shards(out / "iter_0000007")[(0, 0)]
+    assert converted["checkpoint_version"] == 3.0
+    helpers.assert_same_tensors(helpers.flat_model(converted),
+                                helpers.flatten(model.state_dict_for_save_checkpoint()))
+
+
+def test_release_directory_and_distrib_optim_file(tmp_path):
+    model = helpers.gpt()
+    sd = {"args": helpers.args_of(model), "checkpoint_version": 3.0,
+          "model": model.state_dict_for_save_checkpoint()}
+    save_file(sd, checkpoint_name(tmp_path / "src", 0, release=True))
+    # Megatron's distributed-optimizer file beside the model file is not a model shard.
+    save_file({"param_state": torch.zeros(4)},
+              checkpoint_name(tmp_path / "src", 0, release=True).with_name(
+                  DISTRIB_OPTIM_FILENAME))
+    tracker_path(tmp_path / "src").write_text("release")
+    out = _convert(tmp_path / "src", tmp_path / "dst", *_layout(1, 2))
+    assert tracker_path(tmp_path / "dst").read_text() == "release"
+    assert sorted(helpers.shards(out / "release")) == [(0, 0), (0, 1)]
+    # An iteration directory given directly works too.
+    direct = loader_megatron.load(tmp_path / "src" / "release", "GPT")
+    assert direct.release and direct.num_layers == 4
+
+
+# Refused input ---------------------------------------------------------------------------------
+@pytest.fixture()
+def tp2_checkpoint(tmp_path) -> Path:
+    model = helpers.gpt()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    return _convert(tmp_path / "src", tmp_path / "tp2", *_layout(2, 2))
+
+
+def _refused(src: Path, match: str) -> None:
+    with pytest.raises(CheckpointError, match=match):
+        loader_md = loader_megatron.load(src, "GPT")
+        for i in range(loader_md.num_layers):
+            loader_md.layer(i)
+        loader_md.head()
+
+
+def test_truncated_shard_is_refused_naming_the_file(tp2_checkpoint):
+    shard = tp2_checkpoint / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (shard.parent / "model_optim_rng.pt.sha256").unlink()  # as Megatron-LM writes it: none
+    _refused(tp2_checkpoint, "corrupt or truncated checkpoint file .*mp_rank_01_001")
+
+
+def test_corrupted_shard_fails_its_checksum(tp2_checkpoint):
+    shard = tp2_checkpoint / "iter_0000007" / "mp_rank_00_001" / "model_optim_rng.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _refused(tp2_checkpoint, "mp_rank_00_001.*sha256")
+
+
+def test_missing_rank_directory_is_named(tp2_checkpoint):
+    for entry in (tp2_checkpoint / "iter_0000007" / "mp_rank_01_000").iterdir():
+        entry.unlink()
+    (tp2_checkpoint / "iter_0000007" / "mp_rank_01_000").rmdir()
+    _refused(tp2_checkpoint, "lacks the shard directory mp_rank_01_000")
+
+
+def test_pickled_callable_is_refused_naming_the_file(tmp_path):
+    model = helpers.gpt()
+    sd = {"args": helpers.args_of(model), "iteration": 7, "checkpoint_version": 3.0,
+          "model": model.state_dict_for_save_checkpoint(), "hook": os.system}
+    path = checkpoint_name(tmp_path / "src", 7)
+    path.parent.mkdir(parents=True)
+    torch.save(sd, path)
+    tracker_path(tmp_path / "src").write_text("7")
+    _refused(tmp_path / "src", f"refusing to load {path}.*system")
+
+
+def test_cli_converts_through_the_script(tmp_path):
+    model = helpers.gpt(num_layers=2)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
+         "--loader", "megatron", "--saver", "megatron", "--load-dir", str(tmp_path / "src"),
+         "--save-dir", str(tmp_path / "dst"), "--target-tensor-parallel-size", "2",
+         "--target-pipeline-parallel-size", "2", "--megatron-path", "/nowhere"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert tracker_path(tmp_path / "dst").read_text() == "7"
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
+         "--load-dir", str(tmp_path / "src"), "--save-dir", str(tmp_path / "dst")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
