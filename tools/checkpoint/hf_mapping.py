@@ -31,6 +31,13 @@ GPT2_LAYER_TENSORS = (
     ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", True),
     ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", False),
 )
+LAYER_ORDER = ("input_layernorm.weight", "input_layernorm.bias",
+               "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+               "self_attention.dense.weight", "self_attention.dense.bias",
+               "post_attention_layernorm.weight", "post_attention_layernorm.bias",
+               "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+               "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+"""A layer's tensors in the order Megatron's modules hold them (and its checkpoints list them)."""
 GPT2_QKV = (("self_attention.query_key_value.weight", "attn.c_attn.weight"),
             ("self_attention.query_key_value.bias", "attn.c_attn.bias"))
 

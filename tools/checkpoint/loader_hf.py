@@ -20,7 +20,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
-                                         LAYER, qkv_from_hf)
+                                         LAYER, LAYER_ORDER, qkv_from_hf)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -123,7 +123,8 @@ class HuggingFaceGPT2(ModelDescription):
         for ours, theirs in GPT2_QKV:
             out[ATTENTION.format(index) + ours.split(".", 1)[1]] = qkv_from_hf(
                 self.tensors.get(GPT2_LAYER.format(index) + theirs), heads)
-        return out
+        prefix = LAYER.format(index)
+        return {prefix + name: out[prefix + name] for name in LAYER_ORDER}
 
     def head(self) -> dict[str, torch.Tensor]:
         out = {"language_model.encoder.final_layernorm.weight":

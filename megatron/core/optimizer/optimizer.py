@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron.core import comm
+from megatron.core import comm, device
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 from megatron.core.timers import Timers, timed
@@ -161,11 +161,14 @@ class MegatronOptimizer:
 
     def _unscale_and_check_for_nan(self) -> bool:
         """Divide the main grads by the loss scale; True if any rank saw an inf/nan."""
-        found_inf = torch.zeros(1, dtype=torch.float32)
         grads = self._main_grads()
+        # The flag and the scale live where the gradients do (torch's kernel requires it; the
+        # scaler keeps its scale on the host).
+        where = grads[0].device if grads else device.get_device()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=where)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found_inf, self.grad_scaler.inv_scale)
+                grads, found_inf, self.grad_scaler.inv_scale.to(where))
         for group in self.reduction_groups():
             comm.all_reduce(found_inf, group, "max")
         return bool(found_inf.item() > 0)

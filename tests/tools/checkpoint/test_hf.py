@@ -1,0 +1,133 @@
+"""tools/checkpoint: HuggingFace GPT-2 export and import on tiny random models built here
+(nothing downloaded): the exported GPT2LMHeadModel gives our logits and our greedy text, an
+imported GPT-2 gives its logits in our model, and ours -> HF -> ours is bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tools.checkpoint import helpers
+from tools.checkpoint import convert
+
+transformers = pytest.importorskip("transformers")
+LOGITS_TOL = 1e-4
+GPT2_VOCAB = 50257
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> Path:
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(src), "--save-dir", str(dst),
+                         *flags]) == 0
+    return dst
+
+
+def _our_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, positions)
+
+
+def _greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        nxt = _our_logits(model, ids)[:, -1, :GPT2_VOCAB].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(shared_data):
+    tok = shared_data / "tokenizers"
+    return tok / "gpt2-vocab.json", tok / "gpt2-merges.txt"
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_export_gives_our_logits_and_greedy_text(tmp_path, gpt2_files, untied):
+    vocab, merges = gpt2_files
+    model = helpers.gpt(num_layers=2, vocab=50304, untie_embeddings_and_output_weights=untied)
+    args = helpers.args_of(model, tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab),
+                           merge_file=str(merges), make_vocab_size_divisible_by=128)
+    helpers.save_single(tmp_path / "src", model, args)
+    tp2 = _convert(tmp_path / "src", tmp_path / "tp2pp2", "--target-tensor-parallel-size", "2",
+                   "--target-pipeline-parallel-size", "2")
+    out = _convert(tp2, tmp_path / "hf", "--saver", "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == GPT2_VOCAB  # the padding rows dropped
+    assert config["activation_function"] == "gelu_new"  # Megatron's fused (tanh) bias-GeLU
+    assert (out / "model.safetensors").is_file()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(out)
+    ids = torch.tensor([tokenizer.encode("To be, or not to be: that is the question")])
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    ours = _our_logits(model, ids)[..., :GPT2_VOCAB]
+    assert (ours - theirs).abs().max() <= LOGITS_TOL
+    with torch.no_grad():
+        generated = hf.generate(ids, max_new_tokens=8, do_sample=False,
+                                attention_mask=torch.ones_like(ids), pad_token_id=50256)
+    ours_text = tokenizer.decode(_greedy(model, ids, 8)[0])
+    assert tokenizer.decode(generated[0]) == ours_text
+
+
+def test_erf_gelu_maps_to_gelu(tmp_path):
+    model = helpers.gpt(num_layers=2, bias_gelu_fusion=False)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, bias_gelu_fusion=False))
+    out = _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf", "--keep-padded-vocab")
+    assert json.loads((out / "config.json").read_text())["activation_function"] == "gelu"
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    ids = torch.randint(0, 255, (2, 9))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_our_logits(model, ids) - theirs).abs().max() <= LOGITS_TOL
+
+
+def _random_gpt2(directory: Path, activation: str = "gelu_new", tied: bool = True):
+    torch.manual_seed(11)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=helpers.MAX_POSITIONS,
+                                     n_embd=helpers.HIDDEN, n_layer=4, n_head=helpers.HEADS,
+                                     activation_function=activation, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # GPT-2's init leaves biases and LayerNorms trivial: randomise all
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("activation,tied", [("gelu_new", True), ("gelu", False)])
+def test_import_gives_the_hf_logits(tmp_path, activation, tied):
+    hf = _random_gpt2(tmp_path / "hf", activation, tied)
+    tp2 = _convert(tmp_path / "hf", tmp_path / "tp2pp2", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    args = helpers.shards(tp2 / "iter_0000000")[(0, 0)]["args"]
+    assert args.padded_vocab_size == 512  # 300 padded as Megatron pads: 128 x TP 2
+    back = _convert(tp2, tmp_path / "tp1")
+    sd = helpers.shards(back / "iter_0000000")[(0, 0)]
+    ours = helpers.gpt(num_layers=4, vocab=512, untie_embeddings_and_output_weights=not tied,
+                       bias_gelu_fusion=activation == "gelu_new")
+    ours.load_state_dict(sd["model"])
+    ids = torch.randint(0, 300, (2, 11))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_our_logits(ours, ids)[..., :300] - theirs).abs().max() <= LOGITS_TOL
+
+
+def test_round_trip_ours_hf_ours_is_bitwise(tmp_path):
+    model = helpers.gpt(vocab=256)
+    args = helpers.args_of(model, make_vocab_size_divisible_by=128)
+    helpers.save_single(tmp_path / "src", model, args)
+    hf = _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf", "--keep-padded-vocab")
+    back = _convert(hf, tmp_path / "back", "--loader", "hf")
+    source = helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    helpers.assert_same_tensors(
+        source, helpers.flat_model(helpers.shards(back / "iter_0000000")[(0, 0)]))
+
+
+def test_hf_export_refuses_what_gpt2_cannot_hold(tmp_path):
+    model = helpers.gpt(num_layers=2)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, swiglu=True))
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
