@@ -1,0 +1,88 @@
+"""Where a training step's time goes, with the fusions on and off: torch.profiler tables.
+
+    PYTHONPATH=. .venv/bin/python bench/profile_step.py [--shape small|gpt2] [--bf16]
+        [--attention unfused|auto] [--rows 20] [--steps 2]
+
+One process, 2 threads, the model library directly (no data loader, no optimizer: forward,
+loss, backward into DDP-style fp32 ``main_grad`` buffers, so the gradient-accumulation fusion
+acts as in training). Two configurations in the same run:
+
+* ``fused``: every fusion on (the default flags) and the C++ kernels;
+* ``unfused``: ``--no-masked-softmax-fusion --no-bias-dropout-fusion
+  --no-gradient-accumulation-fusion --openai-gelu`` and ``F.layer_norm`` (the PyTorch path).
+
+For each, the profiler's ``key_averages()`` table sorted by self CPU time (the ops' own time), so
+the rows show which kernels the fusions replace and what the step spends elsewhere (GEMMs,
+cross entropy, embedding). Shapes as ``bench/bench_train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import layernorm
+from megatron.core.transformer.config import TransformerConfig
+
+SHAPES = {"small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq=256, mb=8),
+          "gpt2": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq=512, mb=4)}
+
+
+def build(shape: dict, fused: bool, dtype: torch.dtype, attention: str) -> GPTModel:
+    config = TransformerConfig(
+        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"], padded_vocab_size=50304,
+        max_position_embeddings=shape["seq"], params_dtype=dtype, hidden_dropout=0.0,
+        attention_dropout=0.0, attention_backend=attention, masked_softmax_fusion=fused,
+        bias_dropout_fusion=fused, gradient_accumulation_fusion=fused, openai_gelu=not fused)
+    torch.manual_seed(0)
+    model = GPTModel(config, None)
+    for module in model.modules():
+        if isinstance(module, layernorm.LayerNorm):
+            module.fused = fused
+    for param in model.parameters():  # what the DDP wrapper gives every parameter
+        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+    return model
+
+
+def step(model: GPTModel, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    loss = model(tokens, positions, None, labels=tokens)
+    loss.float().mean().backward()
+    for param in model.parameters():
+        if param.grad is not None:  # the DDP hook's job without the fusion
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="small", choices=list(SHAPES))
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--attention", default="unfused", choices=["unfused", "auto"])
+    parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    shape = SHAPES[args.shape]
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 50257, (shape["mb"], shape["seq"]), generator=gen)
+    positions = torch.arange(shape["seq"]).expand_as(tokens)
+    for fused in (True, False):
+        model = build(shape, fused, dtype, args.attention)
+        step(model, tokens, positions)  # warm-up: allocations, TorchScript profiling runs
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step(model, tokens, positions)
+        name = "fused" if fused else "unfused"
+        print(f"\n## {name}: {args.shape}, {dtype}, attention {args.attention}, "
+              f"{args.steps} steps\n")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
