@@ -78,7 +78,9 @@ setup(
                              # in the system's chromium when one is installed)
                              "requests>=2.28", "selenium>=4.10"],
                     # bench/: the BERT layer-norm ablation's plot; HF BertForPreTraining baseline
-                    "bench": ["matplotlib>=3.7", "transformers>=4.40"]},
+                    "bench": ["matplotlib>=3.7", "transformers>=4.40"],
+                    # tools/checkpoint/convert.py --loader/--saver hf (and its tests)
+                    "hf": ["transformers>=4.40", "safetensors>=0.4"]},
     ext_modules=_extensions() + _FUSED_EXTENSIONS,
     cmdclass=_CMDCLASS,
     zip_safe=False,

@@ -171,7 +171,8 @@ class CheckpointLayout:
         for key in keys:
             rule, parts = self.rule(key), [shard[key] for shard in shards]
             if rule.tp_dim is not None:
-                out[key] = torch.cat(parts, dim=rule.tp_dim)
+                # One shard is already whole: no copy (a converter streaming mapped files).
+                out[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=rule.tp_dim)
             elif any(p.shape != parts[0].shape for p in parts):
                 raise CheckpointError(f"{key} is whole on every TP rank, but the ranks hold "
                                       f"shapes {[tuple(p.shape) for p in parts]}")
@@ -190,7 +191,7 @@ class CheckpointLayout:
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
         for key, value in state.items():
             dim = self.rule(key).tp_dim
-            if dim is None:
+            if dim is None or tp_size == 1:  # whole on every rank (one rank: no copy either)
                 for shard in out:
                     shard[key] = value
                 continue

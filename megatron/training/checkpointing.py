@@ -302,6 +302,8 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
         if theirs is None or mine is None or theirs == mine:
             continue
         diffs.append(f"--{name.replace('_', '-')}: checkpoint {theirs}, flags {mine}")
+        if name == "padded_vocab_size":
+            diffs.append(_padded_vocab_hint(ckpt_args, ours))
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
@@ -310,6 +312,22 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
                                 "--tensor-model-parallel-size / --pipeline-model-parallel-size / "
                                 "--num-layers-per-virtual-pipeline-stage must first be converted "
                                 f"with {CONVERTER})")
+
+
+def _padded_vocab_hint(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> str:
+    """How to build the checkpoint's embedding size: its rows are the vocabulary padded to a
+    multiple of --make-vocab-size-divisible-by x TP, and the same multiple at this run's TP
+    needs the divisor ``checkpoint divisor x checkpoint TP / TP``."""
+    rows, tp = ckpt_args.padded_vocab_size, ours.tensor_model_parallel_size
+    what = (f"  (the checkpoint's word embedding has {rows} rows; this run pads the vocabulary "
+            f"to {ours.padded_vocab_size} = a multiple of --make-vocab-size-divisible-by "
+            f"{ours.make_vocab_size_divisible_by} x --tensor-model-parallel-size {tp}: ")
+    divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+    saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", None) or 1
+    if divisor and (divisor * saved_tp) % tp == 0 and rows % tp == 0:
+        return what + f"pass --make-vocab-size-divisible-by {divisor * saved_tp // tp})"
+    return what + (f"re-pad the checkpoint with {CONVERTER} --target-vocab-size-divisible-by "
+                   f"{ours.make_vocab_size_divisible_by})")
 
 
 def _pipeline_diffs(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> list[str]:

@@ -117,14 +117,16 @@ def test_pretrain_gpt_fails_fast_on_bad_flags(files):
             [sys.executable, str(REPO / "pretrain_gpt.py"), *_argv(cases[case][0], files)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for case, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=240)
         assert proc.returncode not in (0, None), (case, out, err)
         assert "Traceback" not in err, (case, err)
         assert "initialized tensor model parallel" not in out, (case, out)
         flat = " ".join(err.split())
         for text in cases[case][1]:
             assert text.format(**files) in flat, (case, text, err)
-    assert time.monotonic() - start < 90, "validation should fail within seconds"
+    # Hang detection only (a loaded 2-core machine takes tens of seconds to start 4 Pythons):
+    # the no-process-group asserts above are what show validation came first.
+    assert time.monotonic() - start < 240, "validation should fail within seconds"
 
 
 def test_validation_starts_no_process_group(files, monkeypatch):

@@ -1,6 +1,6 @@
-"""Loader plug-in: a local HuggingFace GPT-2 model directory (``config.json`` +
-``model.safetensors`` or its shards) -> a model description. Tensors are read lazily, layer by
-layer (``safetensors.safe_open``); nothing is downloaded.
+"""Loader plug-in: a local HuggingFace GPT-2 (or ``MegatronBertForPreTraining``, ``hf_bert``)
+model directory (``config.json`` + ``model.safetensors`` or its shards) -> a model description.
+Tensors are read lazily, layer by layer (``safetensors.safe_open``); nothing is downloaded.
 
 The description's ``args`` are Megatron's for that architecture (``--tokenizer-type
 GPT2BPETokenizer`` with the directory's ``vocab.json`` / ``merges.txt`` when present;
@@ -136,9 +136,11 @@ class HuggingFaceGPT2(ModelDescription):
         return out
 
 
-def load(directory: str | Path, family: str) -> HuggingFaceGPT2:
+def load(directory: str | Path, family: str) -> ModelDescription:
     """The loader's entry point (``--loader hf``)."""
-    if family != "GPT":
-        raise CheckpointError("--loader hf reads --model-type GPT (the GPT-2 family); BERT "
-                              "import is not implemented yet")
+    if family == "BERT":
+        from tools.checkpoint.hf_bert import HuggingFaceMegatronBert
+        if not (Path(directory) / "config.json").is_file():
+            raise CheckpointError(f"--load-dir {directory} holds no config.json")
+        return HuggingFaceMegatronBert(directory, _Tensors(Path(directory)))
     return HuggingFaceGPT2(directory)

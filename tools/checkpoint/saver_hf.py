@@ -1,6 +1,6 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
-GPT -> ``GPT2LMHeadModel``: ``config.json``, ``model.safetensors`` (or
+GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` (``hf_bert``): ``config.json``, ``model.safetensors`` (or
 ``model-0000K-of-0000N.safetensors`` shards + ``model.safetensors.index.json`` past
 ``max_shard_bytes``, written as they fill: the saver holds one shard), the tokenizer files
 (``vocab.json`` / ``merges.txt``). The padded vocabulary rows are dropped (``vocab_size`` = the
@@ -21,9 +21,11 @@ import torch
 
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
+from tools.checkpoint.hf_bert import bert_config, bert_tensors
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
-DEFAULT_MAX_SHARD_BYTES = 2 << 30
+DEFAULT_MAX_SHARD_BYTES = 1 << 30
+"""safetensors shard size: the HF saver holds one shard (and safetensors its bytes) at a time."""
 
 
 class ShardWriter:
@@ -115,11 +117,8 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     """Write ``md`` as a HuggingFace model directory; returns it.
 
     Raises:
-        ValueError: a BERT model (not yet supported), or a GPT that GPT-2 cannot express.
+        ValueError: a model the HF class cannot express (naming the flag).
     """
-    if md.family != "GPT":
-        raise ValueError("--saver hf supports --model-type GPT (GPT2LMHeadModel); BERT export "
-                         "is not implemented yet")
     out = Path(save_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--save-dir {out} is not empty")
@@ -127,6 +126,8 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     if md.true_vocab_size is None:
         md.true_vocab_size = true_vocab_size_from_args(md)
     vocab = _vocab_rows(md, keep_padded_vocab)
+    if md.family == "BERT":
+        return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes)
     config = gpt2_config(md, vocab)
     heads = int(md.args.num_attention_heads)
     writer = ShardWriter(out, max_shard_bytes)
@@ -152,6 +153,27 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     writer.finish()
     config.save_pretrained(out)
     _copy_tokenizer(md, out, tokenizer_dir)
+    return out
+
+
+def _save_bert(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
+               max_shard_bytes: int) -> Path:
+    """BERT -> ``MegatronBertForPreTraining`` (``hf_bert``)."""
+    config = bert_config(md, vocab)
+    writer = ShardWriter(out, max_shard_bytes)
+    for name, tensor in bert_tensors(md, vocab):
+        writer.add(name, tensor)
+    writer.finish()
+    config.save_pretrained(out)
+    if tokenizer_dir is not None:
+        _copy_tokenizer(md, out, tokenizer_dir)
+        return out
+    vocab_file = getattr(md.args, "vocab_file", None)
+    if vocab_file and os.path.isfile(vocab_file):
+        shutil.copyfile(vocab_file, out / "vocab.txt")
+        lower = getattr(md.args, "tokenizer_type", None) != "BertWordPieceCase"
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "BertTokenizer", "do_lower_case": lower}, indent=2))
     return out
 
 

@@ -108,20 +108,31 @@ def _repadded(piece: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Ten
     return {k: repad_vocab(v, vocab) if k in VOCAB_ROWS else v for k, v in piece.items()}
 
 
-def _chunk_state(md: ModelDescription, chunk, vocab: int) -> dict[str, torch.Tensor]:
-    """One target model chunk's whole (not TP-split) flat state, layers numbered locally."""
-    flat: dict[str, torch.Tensor] = {}
+def _chunk_pieces(md: ModelDescription, chunk, vocab: int):
+    """One target model chunk's whole (not TP-split) tensors, piece by piece (the embedding,
+    each layer, the head), layers numbered locally."""
     if chunk.pre_process:
-        flat.update(_repadded(md.embeddings(), vocab))
+        yield _repadded(md.embeddings(), vocab)
     for layer in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
-        flat.update({_local(k, chunk.first_layer): v for k, v in md.layer(layer).items()})
+        yield {_local(k, chunk.first_layer): v for k, v in md.layer(layer).items()}
     if chunk.post_process:
         head = _repadded(md.head(), vocab)
         if not chunk.pre_process and OUTPUT_LAYER not in head:
             # Tied output layer on another stage: the last stage keeps its own copy.
             head[HEAD_COPY] = repad_vocab(md.embeddings()[WORD_EMBEDDINGS], vocab)
-        flat.update(head)
-    return flat
+        yield head
+
+
+def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout,
+                  tp: int) -> list[dict[str, torch.Tensor]]:
+    """The chunk's flat state per target TP rank, split piece by piece: besides the output
+    being built, only one piece is held whole."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for piece in _chunk_pieces(md, chunk, vocab):
+        for shard, part in zip(out, layout.split_tensor_parallel(piece, tp)):
+            shard.update(part)
+        del piece
+    return out
 
 
 def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Path:
@@ -148,8 +159,7 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
     for stage in range(target.pipeline_parallel_size):
         shards: list[dict] = [_top_level(md, args) for _ in range(target.tensor_parallel_size)]
         for chunk in [c for c in plan if c.pipeline_rank == stage]:
-            per_tp = layout.split_tensor_parallel(_chunk_state(md, chunk, vocab),
-                                                  target.tensor_parallel_size)
+            per_tp = _chunk_shards(md, chunk, vocab, layout, target.tensor_parallel_size)
             for shard, state in zip(shards, per_tp):
                 shard[chunk.model_key] = nest_model_state(state, layout.nested_sections)
         for tp_rank, shard in enumerate(shards):

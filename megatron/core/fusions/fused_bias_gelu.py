@@ -1,10 +1,13 @@
 """Megatron-LM's fused bias + GeLU (``--bias-gelu-fusion``, on by default).
 
-The tanh-approximated GeLU of ``y + bias``, as Megatron's ``bias_gelu_impl``, written as two
-TorchScript functions inside an autograd Function: the forward keeps only its inputs (``y`` and
-the bias) and the backward recomputes ``y + bias``, so the sum is never stored, and TorchScript's
-fuser can merge the add with the GeLU (and its gradient) into one kernel where it fuses (CUDA;
-torch keeps its CPU fuser off, so on CPU the ops run one after the other).
+The tanh-approximated GeLU of ``y + bias``, as Megatron's ``bias_gelu_impl``: TorchScript
+functions inside an autograd Function, so that TorchScript's fuser can merge the add with the
+GeLU (forward) and the GeLU gradient with its input (backward) where it fuses (CUDA). Torch
+keeps its CPU fuser off, so on CPU the same aten ops run one after the other.
+
+Megatron's Function saves ``y`` and the bias and recomputes the sum in the backward; here the
+sum is saved instead (what eager autograd saves for ``gelu`` anyway, same memory), because
+on CPU, with nothing fused, the recomputation would be one more pass over ``[s, b, f]``.
 
 Numerics: exactly ``F.gelu(y + bias, approximate="tanh")`` and its autograd gradient (the same
 aten ops), i.e. what the unfused path computes when the tanh form is selected
@@ -27,26 +30,27 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
 
     @torch.jit.script
-    def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.gelu(y + bias, approximate="tanh")
+    def _bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = y + bias
+        return x, F.gelu(x, approximate="tanh")
 
     @torch.jit.script
-    def _bias_gelu_backward(grad: torch.Tensor, bias: torch.Tensor,
-                            y: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.gelu_backward(grad, y + bias, approximate="tanh")
+    def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
 
 
 class _BiasGeLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y, bias)
-        return _bias_gelu(bias, y)
+        x, out = _bias_gelu(bias, y)
+        ctx.save_for_backward(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, bias = ctx.saved_tensors
-        grad_y = _bias_gelu_backward(grad, bias, y)
+        (x,) = ctx.saved_tensors
+        grad_y = _bias_gelu_backward(grad, x)
         # The bias was broadcast over [s, b]: autograd sums grad_y down to its shape.
         return grad_y, grad_y
 

@@ -26,7 +26,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _ScaledSoftmax(torch.autograd.Function):
-    """One of the forward kernels; the backward ``scale * y * (dy - sum(dy * y))`` is shared."""
+    """One of the forward kernels; the backward is ``scale * y * (dy - sum(dy * y))`` (over the
+    lower triangle only for the causal kernel)."""
 
     @staticmethod
     def forward(ctx, ext: ModuleType, kind: str, scores: torch.Tensor,
@@ -39,14 +40,21 @@ class _ScaledSoftmax(torch.autograd.Function):
             probs = ext.scaled_masked_softmax_forward(scores, mask, scale)
         else:
             probs = ext.scaled_softmax_forward(scores, scale)
-        ctx.ext, ctx.scale = ext, scale
+        ctx.ext, ctx.scale, ctx.causal = ext, scale, kind == "causal"
         ctx.save_for_backward(probs)
         return probs
 
     @staticmethod
     def backward(ctx, grad_probs: torch.Tensor):
         (probs,) = ctx.saved_tensors
-        grad = ctx.ext.softmax_backward(grad_probs.contiguous(), probs, ctx.scale)
+        grad_probs = grad_probs.contiguous()
+        if ctx.causal:  # only the lower triangle is live: half the work
+            b, np_, sq, sk = probs.shape
+            grad = ctx.ext.scaled_upper_triang_masked_softmax_backward(
+                grad_probs.view(b * np_, sq, sk), probs.view(b * np_, sq, sk),
+                ctx.scale).view(b, np_, sq, sk)
+        else:
+            grad = ctx.ext.softmax_backward(grad_probs, probs, ctx.scale)
         return None, None, grad, None, None
 
 

@@ -206,6 +206,11 @@ class LanguageModule(torch.nn.Module):
                 listed (and, without ``strict``, shape mismatches).
         """
         flat = flatten_checkpoint_state_dict(state_dict)
+        if self.word_embeddings is None:
+            # A head copy beside a stage that has none (converters write one even for a single
+            # stage): Megatron-LM's legacy model loads it only on a last stage without the
+            # embedding, and ignores it elsewhere.
+            flat.pop("word_embeddings.weight", None)
         own = self.state_dict()
         problems = checkpoint_fit_problems(flat, own, strict)
         if problems:

@@ -233,3 +233,27 @@ def test_cli_converts_through_the_script(tmp_path):
          "--load-dir", str(tmp_path / "src"), "--save-dir", str(tmp_path / "dst")],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+
+
+def test_padded_vocabulary_mismatch_names_both_sizes_and_the_flag(tmp_path):
+    from megatron.training.checkpointing import _check_compatible
+
+    saved = argparse.Namespace(padded_vocab_size=50304, make_vocab_size_divisible_by=128,
+                               tensor_model_parallel_size=1)
+    ours = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
+                              tensor_model_parallel_size=2)
+    cfg = types.SimpleNamespace(to_namespace=lambda: ours)
+    with pytest.raises(CheckpointError) as err:
+        _check_compatible(saved, cfg, tmp_path / "model_optim_rng.pt")
+    text = str(err.value)
+    assert "50304 rows" in text and "to 50432" in text
+    assert "pass --make-vocab-size-divisible-by 64" in text
+
+
+def test_training_loader_ignores_a_head_copy_on_a_single_stage():
+    model = helpers.gpt(num_layers=2)
+    state = model.state_dict_for_save_checkpoint()
+    state["word_embeddings"] = {"weight": torch.zeros(264, helpers.HIDDEN)}
+    other = helpers.gpt(num_layers=2, seed=8)
+    other.load_state_dict(state)  # strict: the copy is not an unexpected key
+    helpers.assert_same_tensors(model.state_dict(), other.state_dict())

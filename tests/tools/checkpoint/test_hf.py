@@ -1,4 +1,4 @@
-"""tools/checkpoint: HuggingFace GPT-2 export and import on tiny random models built here
+"""tools/checkpoint: HuggingFace GPT-2 (and MegatronBert) export and import on tiny random models built here
 (nothing downloaded): the exported GPT2LMHeadModel gives our logits and our greedy text, an
 imported GPT-2 gives its logits in our model, and ours -> HF -> ours is bitwise."""
 
@@ -18,8 +18,8 @@ LOGITS_TOL = 1e-4
 GPT2_VOCAB = 50257
 
 
-def _convert(src: Path, dst: Path, *flags: str) -> Path:
-    assert convert.main(["--model-type", "GPT", "--load-dir", str(src), "--save-dir", str(dst),
+def _convert(src: Path, dst: Path, *flags: str, model_type: str = "GPT") -> Path:
+    assert convert.main(["--model-type", model_type, "--load-dir", str(src), "--save-dir", str(dst),
                          *flags]) == 0
     return dst
 
@@ -130,4 +130,36 @@ def test_hf_export_refuses_what_gpt2_cannot_hold(tmp_path):
     model = helpers.gpt(num_layers=2)
     helpers.save_single(tmp_path / "src", model, helpers.args_of(model, swiglu=True))
     assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
+
+
+def test_bert_export_import_gives_the_same_outputs(tmp_path):
+    model = helpers.bert(num_layers=2, vocab=256, bias_gelu_fusion=False)
+    args = helpers.args_of(model, bias_gelu_fusion=False, bert_binary_head=True,
+                           make_vocab_size_divisible_by=128)
+    helpers.save_single(tmp_path / "src", model, args)
+    tp2 = _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2",
+                   model_type="BERT")
+    out = _convert(tp2, tmp_path / "hf", "--saver", "hf", "--true-vocab-size", "255",
+                   model_type="BERT")
+    hf = transformers.MegatronBertForPreTraining.from_pretrained(out).eval()
+    tokens = torch.randint(0, 255, (2, 12))
+    types_ = torch.randint(0, 2, (2, 12))
+    with torch.no_grad():
+        ours_lm, ours_binary = model(tokens, torch.ones_like(tokens), types_)
+        theirs = hf(tokens, token_type_ids=types_)
+    assert (ours_lm[..., :255] - theirs.prediction_logits).abs().max() <= LOGITS_TOL
+    assert (ours_binary - theirs.seq_relationship_logits).abs().max() <= LOGITS_TOL
+    kept = _convert(tmp_path / "src", tmp_path / "hf_kept", "--saver", "hf",
+                    "--keep-padded-vocab", model_type="BERT")
+    back = _convert(kept, tmp_path / "back", "--loader", "hf", model_type="BERT")
+    helpers.assert_same_tensors(
+        helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)]),
+        helpers.flat_model(helpers.shards(back / "iter_0000000")[(0, 0)]))
+
+
+def test_bert_with_two_gelu_forms_is_refused(tmp_path):
+    model = helpers.bert(num_layers=2)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, bert_binary_head=True))
+    assert convert.main(["--model-type", "BERT", "--load-dir", str(tmp_path / "src"),
                          "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2

@@ -183,27 +183,32 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
 // dx = scale * y * (dy - sum(dy * y)) row by row; the same for every softmax variant (masked
 // entries have y == 0, so they get no gradient). (Loops with pragmas live in templates: a
 // pragma cannot sit inside the AT_DISPATCH macro's argument.)
+// `sq` > 0: causal rows (row r of each [sq, n] block has r % sq + 1 + n - sq live entries; the
+// rest are exact zeros in y, hence in dx, and are not read).
 template <typename T>
-void softmax_backward_rows(const T* dy, const T* y, T* dx, int64_t rows, int64_t n, float s) {
+void softmax_backward_rows(const T* dy, const T* y, T* dx, int64_t rows, int64_t n, float s,
+                           int64_t sq) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* dyr = dy + r * n;
       const T* yr = y + r * n;
       T* dxr = dx + r * n;
+      const int64_t valid = sq > 0 ? r % sq + 1 + (n - sq) : n;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < n; ++i) dot += to_float(dyr[i]) * to_float(yr[i]);
+      for (int64_t i = 0; i < valid; ++i) dot += to_float(dyr[i]) * to_float(yr[i]);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = 0; i < valid; ++i) {
         dxr[i] = static_cast<T>(s * to_float(yr[i]) * (to_float(dyr[i]) - dot));
       }
+      for (int64_t i = valid; i < n; ++i) dxr[i] = static_cast<T>(0.0f);
     }
   });
 }
 
-at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& output_,
-                            double scale) {
+at::Tensor softmax_backward_impl(const at::Tensor& grad_output_, const at::Tensor& output_,
+                                 double scale, bool causal) {
   TORCH_CHECK(grad_output_.sizes() == output_.sizes(), "softmax backward: shape mismatch");
   TORCH_CHECK(grad_output_.scalar_type() == output_.scalar_type(),
               "softmax backward: dtype mismatch");
@@ -216,9 +221,22 @@ at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& ou
                                   "softmax_backward", [&] {
     softmax_backward_rows<scalar_t>(grad_output.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
                                     grad_input.data_ptr<scalar_t>(), rows, n,
-                                    static_cast<float>(scale));
+                                    static_cast<float>(scale), causal ? output.size(-2) : 0);
   });
   return grad_input;
+}
+
+at::Tensor softmax_backward(const at::Tensor& grad_output, const at::Tensor& output,
+                            double scale) {
+  return softmax_backward_impl(grad_output, output, scale, false);
+}
+
+// The causal kernel's backward ([attn_batches, sq, sk]): only the live lower triangle.
+at::Tensor scaled_upper_triang_masked_softmax_backward(const at::Tensor& grad_output,
+                                                       const at::Tensor& output, double scale) {
+  TORCH_CHECK(output.dim() == 3 && output.size(1) <= output.size(2),
+              "scaled_upper_triang_masked_softmax_backward: expected [attn_batches, sq, sk]");
+  return softmax_backward_impl(grad_output, output, scale, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,6 +379,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scaled_upper_triang_masked_softmax_forward", &scaled_upper_triang_masked_softmax_forward,
         "causal softmax(scale * x), [attn_batches, sq, sk]");
   m.def("softmax_backward", &softmax_backward, "gradient of the scaled softmaxes");
+  m.def("scaled_upper_triang_masked_softmax_backward",
+        &scaled_upper_triang_masked_softmax_backward,
+        "gradient of the causal softmax, [attn_batches, sq, sk] (lower triangle only)");
   m.def("layer_norm_forward", &layer_norm_forward, "fused layer norm -> (y, mean, invvar)");
   m.def("layer_norm_backward", &layer_norm_backward,
         "fused layer norm backward -> (grad_input, grad_weight, grad_bias)");

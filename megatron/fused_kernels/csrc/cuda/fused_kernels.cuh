@@ -120,19 +120,25 @@ __global__ void scaled_upper_triang_softmax_kernel(const T* x, T* y, int64_t sq,
   softmax_row<T>(x + row * sk, nullptr, valid, sk, scale, y + row * sk);
 }
 
-// dx = scale * y * (dy - sum(dy * y)), row by row.
+// dx = scale * y * (dy - sum(dy * y)), row by row. `sq` > 0: causal rows, whose entries after
+// r % sq + 1 + n - sq are zeros in y (and dx) and are not read.
 template <typename T>
-__global__ void softmax_backward_kernel(const T* dy, const T* y, T* dx, int64_t n, float scale) {
+__global__ void softmax_backward_kernel(const T* dy, const T* y, T* dx, int64_t n, float scale,
+                                        int64_t sq) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
+  const int64_t valid = sq > 0 ? row % sq + 1 + (n - sq) : n;
   dy += row * n;
   y += row * n;
   dx += row * n;
   float local = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += to_float(dy[i]) * to_float(y[i]);
+  for (int64_t i = threadIdx.x; i < valid; i += blockDim.x) {
+    local += to_float(dy[i]) * to_float(y[i]);
+  }
   const float dot = block_reduce(local, SumOp(), scratch);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    dx[i] = from_float<T>(scale * to_float(y[i]) * (to_float(dy[i]) - dot));
+    dx[i] = i < valid ? from_float<T>(scale * to_float(y[i]) * (to_float(dy[i]) - dot))
+                      : from_float<T>(0.0f);
   }
 }
 
@@ -236,11 +242,12 @@ void launch_scaled_upper_triang_softmax(const T* x, T* y, int64_t attn_batches, 
   scaled_upper_triang_softmax_kernel<T><<<rows, kThreads, 0, stream>>>(x, y, sq, sk, scale);
 }
 
+// `causal_sq` > 0: the causal kernel's backward (rows are [.., sq, n] blocks).
 template <typename T>
 void launch_softmax_backward(const T* dy, const T* y, T* dx, int64_t rows, int64_t n,
-                             float scale, cudaStream_t stream) {
+                             float scale, int64_t causal_sq, cudaStream_t stream) {
   if (rows == 0) return;
-  softmax_backward_kernel<T><<<rows, kThreads, 0, stream>>>(dy, y, dx, n, scale);
+  softmax_backward_kernel<T><<<rows, kThreads, 0, stream>>>(dy, y, dx, n, scale, causal_sq);
 }
 
 template <typename T>

@@ -11,6 +11,13 @@
 
 #include "fused_kernels.cuh"
 
+// The kernels exist for fp32, fp16 and bf16 only (torch's FLOATING_TYPES dispatch adds double).
+#define DISPATCH_FLOAT_HALF_BF16(TYPE, NAME, ...)          \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                           \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 namespace {
 
 // torch's scalar type -> the CUDA type the kernels are instantiated for.
@@ -47,7 +54,7 @@ at::Tensor scaled_softmax_forward(const at::Tensor& input_, double scale) {
   const at::Tensor input = input_.contiguous();
   at::Tensor output = at::empty_like(input);
   const int64_t n = input.size(3), rows = input.numel() / std::max<int64_t>(n, 1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "scaled_softmax",
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(), "scaled_softmax",
                                   [&] {
     megatron_fused::launch_scaled_softmax(ptr<scalar_t>(input), mut_ptr<scalar_t>(output), rows,
                                           n, static_cast<float>(scale),
@@ -68,7 +75,7 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& input_, const at::Ten
   const at::Tensor input = input_.contiguous();
   const at::Tensor mask = mask_.to(at::kByte).contiguous();
   at::Tensor output = at::empty_like(input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(),
                                   "scaled_masked_softmax", [&] {
     megatron_fused::launch_scaled_masked_softmax(
         ptr<scalar_t>(input), mask.data_ptr<uint8_t>(), mut_ptr<scalar_t>(output), input.size(0),
@@ -86,7 +93,7 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   at::Tensor output = at::empty_like(input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(),
                                   "scaled_upper_triang_masked_softmax", [&] {
     megatron_fused::launch_scaled_upper_triang_softmax(
         ptr<scalar_t>(input), mut_ptr<scalar_t>(output), input.size(0), input.size(1),
@@ -96,8 +103,8 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
   return output;
 }
 
-at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& output_,
-                            double scale) {
+at::Tensor softmax_backward_impl(const at::Tensor& grad_output_, const at::Tensor& output_,
+                                 double scale, bool causal) {
   check_input(output_, -1, "softmax_backward");
   TORCH_CHECK(grad_output_.sizes() == output_.sizes() &&
                   grad_output_.scalar_type() == output_.scalar_type(),
@@ -106,15 +113,28 @@ at::Tensor softmax_backward(const at::Tensor& grad_output_, const at::Tensor& ou
   const at::Tensor grad_output = grad_output_.contiguous(), output = output_.contiguous();
   at::Tensor grad_input = at::empty_like(output);
   const int64_t n = output.size(-1), rows = output.numel() / std::max<int64_t>(n, 1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output.scalar_type(),
+  DISPATCH_FLOAT_HALF_BF16(output.scalar_type(),
                                   "softmax_backward", [&] {
     megatron_fused::launch_softmax_backward(ptr<scalar_t>(grad_output), ptr<scalar_t>(output),
                                             mut_ptr<scalar_t>(grad_input), rows, n,
                                             static_cast<float>(scale),
+                                            causal ? output.size(-2) : 0,
                                             c10::cuda::getCurrentCUDAStream());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad_input;
+}
+
+at::Tensor softmax_backward(const at::Tensor& grad_output, const at::Tensor& output,
+                            double scale) {
+  return softmax_backward_impl(grad_output, output, scale, false);
+}
+
+at::Tensor scaled_upper_triang_masked_softmax_backward(const at::Tensor& grad_output,
+                                                       const at::Tensor& output, double scale) {
+  TORCH_CHECK(output.dim() == 3 && output.size(1) <= output.size(2),
+              "scaled_upper_triang_masked_softmax_backward: expected [attn_batches, sq, sk]");
+  return softmax_backward_impl(grad_output, output, scale, true);
 }
 
 std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::Tensor& weight_,
@@ -132,7 +152,7 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::T
   at::Tensor output = at::empty_like(input);
   at::Tensor mean = at::empty({rows}, input.options().dtype(at::kFloat));
   at::Tensor invvar = at::empty({rows}, input.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(),
                                   "layer_norm_forward", [&] {
     megatron_fused::launch_layer_norm_forward(
         ptr<scalar_t>(input), ptr<scalar_t>(weight), ptr<scalar_t>(bias),
@@ -155,7 +175,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
   at::Tensor grad_input = at::empty_like(input);
   at::Tensor dweight = at::empty({h}, input.options().dtype(at::kFloat));
   at::Tensor dbias = at::empty({h}, input.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(),
                                   "layer_norm_backward", [&] {
     megatron_fused::launch_layer_norm_backward(
         ptr<scalar_t>(grad_output), ptr<scalar_t>(input), mean.data_ptr<float>(),
@@ -177,6 +197,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scaled_upper_triang_masked_softmax_forward", &scaled_upper_triang_masked_softmax_forward,
         "causal softmax(scale * x), [attn_batches, sq, sk]");
   m.def("softmax_backward", &softmax_backward, "gradient of the scaled softmaxes");
+  m.def("scaled_upper_triang_masked_softmax_backward",
+        &scaled_upper_triang_masked_softmax_backward,
+        "gradient of the causal softmax, [attn_batches, sq, sk] (lower triangle only)");
   m.def("layer_norm_forward", &layer_norm_forward, "fused layer norm -> (y, mean, invvar)");
   m.def("layer_norm_backward", &layer_norm_backward,
         "fused layer norm backward -> (grad_input, grad_weight, grad_bias)");

@@ -12,7 +12,7 @@ namespace megatron_fused {
   template void launch_scaled_upper_triang_softmax<T>(const T*, T*, int64_t, int64_t, int64_t,  \
                                                       float, cudaStream_t);                     \
   template void launch_softmax_backward<T>(const T*, const T*, T*, int64_t, int64_t, float,     \
-                                           cudaStream_t);                                       \
+                                           int64_t, cudaStream_t);                              \
   template void launch_layer_norm_forward<T>(const T*, const T*, const T*, T*, float*, float*,  \
                                              int64_t, int64_t, float, cudaStream_t);            \
   template void launch_layer_norm_backward<T>(const T*, const T*, const float*, const float*,   \

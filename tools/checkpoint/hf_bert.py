@@ -1,0 +1,203 @@
+"""Megatron BERT <-> HuggingFace ``MegatronBertForPreTraining``, both directions.
+
+Megatron's default BERT layer is the "rearranged" pre-LN one (LayerNorm before attention and
+before the MLP, a final LayerNorm, no embedding LayerNorm): transformers' ``MegatronBert*``
+classes hold exactly that arrangement (``BertForPreTraining`` is the original post-LN one, which
+only ``--apply-residual-connection-post-layernorm`` matches, and is not written here). Names:
+
+==============================================  ==============================================
+ours                                            MegatronBertForPreTraining
+==============================================  ==============================================
+language_model.embedding.word_embeddings        bert.embeddings.word_embeddings (+ tied decoder)
+  / position_embeddings / tokentype_embeddings    / position_embeddings / token_type_embeddings
+layers.N.input_layernorm                         bert.encoder.layer.N.attention.ln
+layers.N.self_attention.query_key_value         attention.self.{query,key,value} (rows split)
+layers.N.self_attention.dense                   attention.output.dense
+layers.N.post_attention_layernorm               bert.encoder.layer.N.ln
+layers.N.mlp.dense_h_to_4h / dense_4h_to_h      intermediate.dense / output.dense
+encoder.final_layernorm                         bert.encoder.ln
+language_model.pooler.dense                     bert.pooler.dense
+lm_head.dense / lm_head.layernorm / lm_head.bias  cls.predictions.transform.dense / .LayerNorm /
+                                                  cls.predictions.bias (= decoder.bias)
+binary_head                                     cls.seq_relationship
+==============================================  ==============================================
+
+transformers uses one ``hidden_act`` for the MLP and the LM head's transform; Megatron's MLP
+uses the tanh GeLU when the bias-GeLU fusion is on (the default) while its LM head uses the
+exact one: such a model is refused (export a model trained with ``--no-bias-gelu-fusion``, both
+exact: ``gelu``, or ``--openai-gelu``, both tanh: ``gelu_new``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing import CheckpointError
+from tools.checkpoint.hf_mapping import gelu_is_tanh
+from tools.checkpoint.model_description import (LM_HEAD_BIAS, WORD_EMBEDDINGS,
+                                                ModelDescription)
+
+_EMB = "language_model.embedding."
+_OURS_LAYER = "language_model.encoder.layers.{}."
+_HF_LAYER = "bert.encoder.layer.{}."
+EMBEDDINGS = ((_EMB + "word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+              (_EMB + "position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+              (_EMB + "tokentype_embeddings.weight",
+               "bert.embeddings.token_type_embeddings.weight"))
+LAYER = (("input_layernorm.weight", "attention.ln.weight"),
+         ("input_layernorm.bias", "attention.ln.bias"),
+         ("self_attention.dense.weight", "attention.output.dense.weight"),
+         ("self_attention.dense.bias", "attention.output.dense.bias"),
+         ("post_attention_layernorm.weight", "ln.weight"),
+         ("post_attention_layernorm.bias", "ln.bias"),
+         ("mlp.dense_h_to_4h.weight", "intermediate.dense.weight"),
+         ("mlp.dense_h_to_4h.bias", "intermediate.dense.bias"),
+         ("mlp.dense_4h_to_h.weight", "output.dense.weight"),
+         ("mlp.dense_4h_to_h.bias", "output.dense.bias"))
+LAYER_ORDER = ("input_layernorm.weight", "input_layernorm.bias",
+               "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+               "self_attention.dense.weight", "self_attention.dense.bias",
+               "post_attention_layernorm.weight", "post_attention_layernorm.bias",
+               "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+               "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+HEAD = (("language_model.encoder.final_layernorm.weight", "bert.encoder.ln.weight"),
+        ("language_model.encoder.final_layernorm.bias", "bert.encoder.ln.bias"),
+        ("language_model.pooler.dense.weight", "bert.pooler.dense.weight"),
+        ("language_model.pooler.dense.bias", "bert.pooler.dense.bias"),
+        (LM_HEAD_BIAS, "cls.predictions.bias"),
+        ("lm_head.dense.weight", "cls.predictions.transform.dense.weight"),
+        ("lm_head.dense.bias", "cls.predictions.transform.dense.bias"),
+        ("lm_head.layernorm.weight", "cls.predictions.transform.LayerNorm.weight"),
+        ("lm_head.layernorm.bias", "cls.predictions.transform.LayerNorm.bias"),
+        ("binary_head.weight", "cls.seq_relationship.weight"),
+        ("binary_head.bias", "cls.seq_relationship.bias"))
+_QKV = ("self_attention.query_key_value", ("query", "key", "value"))
+
+
+def hidden_act(args: argparse.Namespace) -> str:
+    """transformers' one ``hidden_act`` for Megatron's MLP GeLU and LM-head GeLU.
+
+    Raises:
+        ValueError: the two differ (the default bias-GeLU fusion).
+    """
+    head_tanh = bool(getattr(args, "openai_gelu", False))
+    if gelu_is_tanh(args) != head_tanh:
+        raise ValueError("this BERT's MLP uses the tanh GeLU (the default --bias-gelu-fusion) and "
+                         "its LM head the exact one: MegatronBertForPreTraining has one "
+                         "hidden_act for both. Export a model trained with "
+                         "--no-bias-gelu-fusion or --openai-gelu")
+    return "gelu_new" if head_tanh else "gelu"
+
+
+def check_bert_compatible(args: argparse.Namespace) -> None:
+    problems = [flag for flag, bad in (
+        ("--apply-residual-connection-post-layernorm",
+         getattr(args, "apply_residual_connection_post_layernorm", False)),
+        ("--disable-bias-linear", not getattr(args, "add_bias_linear", True)),
+        ("--bert-no-binary-head", not getattr(args, "bert_binary_head", True)),
+        ("--untie-embeddings-and-output-weights",
+         getattr(args, "untie_embeddings_and_output_weights", False)),
+        ("--apply-layernorm-1p", getattr(args, "apply_layernorm_1p", False))) if bad]
+    if problems:
+        raise ValueError("MegatronBertForPreTraining cannot hold a BERT trained with "
+                         + ", ".join(problems))
+
+
+def _split_qkv(t: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Our ``[np, 3, hn]`` rows -> q, k, v ``[np * hn, ...]`` each."""
+    per_head = t.reshape(heads, 3, -1, *t.shape[1:])  # [np, 3, hn, ...]
+    return [per_head[:, i].reshape(-1, *t.shape[1:]).contiguous() for i in range(3)]
+
+
+def _fuse_qkv(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """The inverse of :func:`_split_qkv`."""
+    stacked = torch.stack([p.reshape(heads, -1, *p.shape[1:]) for p in parts], dim=1)
+    return stacked.reshape(-1, *parts[0].shape[1:]).contiguous()  # [np * 3 * hn, ...]
+
+
+def bert_tensors(md: ModelDescription, vocab: int):
+    """(HF name, tensor) of ``md`` in model order, one layer held at a time."""
+    heads = int(md.args.num_attention_heads)
+    embeddings = md.embeddings()
+    for ours, theirs in EMBEDDINGS:
+        value = embeddings[ours]
+        yield theirs, value[:vocab] if ours == WORD_EMBEDDINGS else value
+    del embeddings
+    for i in range(md.num_layers):
+        layer, prefix = md.layer(i), _OURS_LAYER.format(i)
+        for ours, theirs in LAYER:
+            yield _HF_LAYER.format(i) + theirs, layer[prefix + ours]
+        for suffix in ("weight", "bias"):
+            parts = _split_qkv(layer[f"{prefix}{_QKV[0]}.{suffix}"], heads)
+            for name, part in zip(_QKV[1], parts):
+                yield f"{_HF_LAYER.format(i)}attention.self.{name}.{suffix}", part
+        del layer
+    head = md.head()
+    for ours, theirs in HEAD:
+        yield theirs, head[ours][:vocab] if ours == LM_HEAD_BIAS else head[ours]
+
+
+def bert_config(md: ModelDescription, vocab: int):
+    from transformers import MegatronBertConfig
+    args = md.args
+    check_bert_compatible(args)
+    return MegatronBertConfig(
+        vocab_size=vocab, hidden_size=int(args.hidden_size), num_hidden_layers=md.num_layers,
+        num_attention_heads=int(args.num_attention_heads),
+        intermediate_size=int(args.ffn_hidden_size), hidden_act=hidden_act(args),
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=int(args.max_position_embeddings), type_vocab_size=2,
+        layer_norm_eps=float(getattr(args, "layernorm_epsilon", 1e-5)),
+        tie_word_embeddings=True, architectures=["MegatronBertForPreTraining"])
+
+
+class HuggingFaceMegatronBert(ModelDescription):
+    """A local ``MegatronBertForPreTraining`` directory, read lazily."""
+
+    def __init__(self, directory: str | Path, tensors) -> None:
+        config = json.loads((Path(directory) / "config.json").read_text())
+        if config.get("model_type") != "megatron-bert":
+            raise CheckpointError(f"model_type {config.get('model_type')!r}: --loader hf reads "
+                                  "BERT as MegatronBertForPreTraining (model_type megatron-bert)")
+        act = config.get("hidden_act", "gelu")
+        if act not in ("gelu", "gelu_new"):
+            raise CheckpointError(f"hidden_act {act!r} has no Megatron GeLU form")
+        vocab = int(config["vocab_size"])
+        args = argparse.Namespace(
+            num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            ffn_hidden_size=int(config["intermediate_size"]),
+            kv_channels=int(config["hidden_size"]) // int(config["num_attention_heads"]),
+            max_position_embeddings=int(config["max_position_embeddings"]),
+            seq_length=int(config["max_position_embeddings"]),
+            layernorm_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+            openai_gelu=act == "gelu_new", bias_gelu_fusion=False, add_bias_linear=True,
+            bert_binary_head=True, untie_embeddings_and_output_weights=False,
+            apply_residual_connection_post_layernorm=False, make_vocab_size_divisible_by=128,
+            padded_vocab_size=vocab, tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,
+            tokenizer_type="BertWordPieceLowerCase", vocab_file=None, iteration=0,
+            consumed_train_samples=0, consumed_valid_samples=0)
+        if (Path(directory) / "vocab.txt").is_file():
+            args.vocab_file = str((Path(directory) / "vocab.txt").resolve())
+        super().__init__(family="BERT", args=args, true_vocab_size=vocab, repad=True)
+        self.tensors = tensors
+
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        return {ours: self.tensors.get(theirs) for ours, theirs in EMBEDDINGS}
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        heads = int(self.args.num_attention_heads)
+        prefix, hf = _OURS_LAYER.format(index), _HF_LAYER.format(index)
+        out = {prefix + ours: self.tensors.get(hf + theirs) for ours, theirs in LAYER}
+        for suffix in ("weight", "bias"):
+            out[f"{prefix}{_QKV[0]}.{suffix}"] = _fuse_qkv(
+                [self.tensors.get(f"{hf}attention.self.{n}.{suffix}") for n in _QKV[1]], heads)
+        return {prefix + name: out[prefix + name] for name in LAYER_ORDER}
+
+    def head(self) -> dict[str, torch.Tensor]:
+        return {ours: self.tensors.get(theirs) for ours, theirs in HEAD}
