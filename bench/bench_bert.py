@@ -3,6 +3,7 @@ of the same shape, in the same run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_bert.py [--quick] [--seqs 128,512]
         [--precisions fp32,bf16] [--tp 1] [--no-hf] [--ours-args "..."]
+        [--untuned-baseline-malloc]
 
 Shape: BERT-base (12 layers, hidden 768, 12 heads, FFN 3072), vocabulary 30592 (bert-base-uncased
 + Megatron's [BOS]/[EOS], padded to 128, on both sides), seq 128 with micro-batch 8 and seq 512
@@ -11,7 +12,8 @@ micro-batch per step.
 
 * ``hf``: ``BertForPreTraining`` (SDPA attention), masked-LM + next-sentence loss, 15% of the
   positions labelled, fused AdamW (as bench/plain_gpt.py); bf16 = ``torch.autocast`` over fp32
-  parameters; one process, 2 threads.
+  parameters; one process, 2 threads, glibc's allocator tuned as ``pretrain_bert.py`` tunes it
+  on CPU (``--untuned-baseline-malloc`` leaves it alone).
 * ``ours``: ``pretrain_bert.py --mock-data`` (the BERT mock dataset: sentence-pair samples, 15%
   masked, padded to seq), one process with ``OMP_NUM_THREADS=2`` (TP=1), or torchrun with TP=2
   at one thread per rank; bf16 = ``--bf16``.
@@ -151,7 +153,14 @@ def main() -> None:
     parser.add_argument("--ours-args", default="", help="extra flags for pretrain_bert.py")
     parser.add_argument("--force-bf16", action="store_true",
                         help="run bf16 even where this CPU has no native bf16 GEMMs")
+    parser.add_argument("--untuned-baseline-malloc", action="store_true",
+                        help="leave HF's host allocator at glibc's defaults (by default it gets "
+                             "the tuning pretrain_bert.py applies on CPU, so that the "
+                             "comparison is of the models, PERF_NOTES.md)")
     args = parser.parse_args()
+    if not args.untuned_baseline_malloc:
+        from megatron.core.device import tune_host_allocator
+        print(f"# HF's host allocator tuned as ours: {tune_host_allocator()}", flush=True)
     torch.set_num_threads(2)
     seqs = [int(s) for s in args.seqs.split(",")]
     precisions = args.precisions.split(",")

@@ -536,8 +536,19 @@ def _derive_padded_vocab_size(cfg) -> None:
         tok.vocab_size = tok.vocab_size or 50257
     if tok.tokenizer_type is None:
         return
+    vocab_size = create_tokenizer(tok).vocab_size
+    saved = cfg.padded_vocab_size if cfg.checkpoint.use_checkpoint_args else None
+    if saved is not None:  # --use-checkpoint-args: the checkpoint's embedding size wins
+        tp = cfg.parallel.tensor_model_parallel_size
+        if saved < vocab_size or saved % tp:
+            raise ValueError(f"--use-checkpoint-args: the checkpoint's padded vocabulary "
+                             f"({saved}) must hold the tokenizer's {vocab_size} tokens and split "
+                             f"over --tensor-model-parallel-size {tp}; re-pad it with "
+                             "tools/checkpoint/convert.py --target-vocab-size-divisible-by")
+        cfg.padded_vocab_size = saved
+        return
     cfg.padded_vocab_size = vocab_size_with_padding(
-        create_tokenizer(tok).vocab_size, cfg.model.make_vocab_size_divisible_by,
+        vocab_size, cfg.model.make_vocab_size_divisible_by,
         cfg.parallel.tensor_model_parallel_size)
 
 

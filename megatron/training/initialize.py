@@ -112,6 +112,9 @@ def apply_checkpoint_args(cfg: MegatronConfig) -> None:
             if section == "tokenizer" and getattr(sec, name) is not None:
                 continue  # flags given on the command line win for file paths
             setattr(sec, name, value)
+    # The checkpoint's embedding size wins over --make-vocab-size-divisible-by x TP (as in
+    # Megatron-LM), e.g. after a converter changed the TP size but kept the padding.
+    cfg.padded_vocab_size = getattr(saved, "padded_vocab_size", None)
 
 
 def build_tokenizer_from_config(cfg: MegatronConfig):
@@ -121,5 +124,7 @@ def build_tokenizer_from_config(cfg: MegatronConfig):
 
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
                                 cfg.model.make_vocab_size_divisible_by)
-    assert cfg.padded_vocab_size in (None, tokenizer.padded_vocab_size), "validate() disagrees"
+    if cfg.padded_vocab_size is not None:
+        # validate() chose it (the checkpoint's with --use-checkpoint-args).
+        tokenizer.padded_vocab_size = cfg.padded_vocab_size
     return tokenizer

@@ -1,7 +1,8 @@
 """BERT through ``pretrain()`` with ``pretrain_bert.py``'s model provider and forward step
-(issue 12): TP=2, DP=2 and PP=2 equal the single process (the lm and sop losses at every iteration and
-the final parameters, fp32, no dropout); an exact resume with dropout on; fp16, bf16 with the
-distributed optimizer, and --bert-no-binary-head train; both losses reach TensorBoard.
+(issue 12): TP=2, DP=2 and PP=2 equal the single process (the lm and sop losses at every
+iteration and the final parameters, fp32, no dropout); an exact resume with dropout on; fp16,
+bf16 with the distributed optimizer, and --bert-no-binary-head train; both losses reach
+TensorBoard.
 
 Samples: :class:`SyntheticBertSamples`, deterministic per index, with the sample contract of
 Megatron-Core v0.13's BERTMaskedWordPieceDataset (``text``, ``types``, ``labels`` (-1 where not

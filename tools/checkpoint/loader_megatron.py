@@ -138,7 +138,8 @@ class MegatronCheckpoint(ModelDescription):
     def _chunk_flat(self, index: int) -> list[dict[str, torch.Tensor]]:
         chunk = self.plan[index]
         self._stage(chunk.pipeline_rank)
-        stage_chunks = [i for i, c in enumerate(self.plan) if c.pipeline_rank == chunk.pipeline_rank]
+        stage_chunks = [i for i, c in enumerate(self.plan)
+                        if c.pipeline_rank == chunk.pipeline_rank]
         return self._flat[stage_chunks.index(index)]
 
     def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:

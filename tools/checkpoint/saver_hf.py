@@ -1,10 +1,11 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
-GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` (``hf_bert``): ``config.json``, ``model.safetensors`` (or
-``model-0000K-of-0000N.safetensors`` shards + ``model.safetensors.index.json`` past
-``max_shard_bytes``, written as they fill: the saver holds one shard), the tokenizer files
-(``vocab.json`` / ``merges.txt``). The padded vocabulary rows are dropped (``vocab_size`` = the
-true vocabulary) unless ``keep_padded_vocab``. The GeLU form is mapped to ``activation_function``
+GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` (``hf_bert``):
+``config.json``, ``model.safetensors`` (or ``model-0000K-of-0000N.safetensors`` shards +
+``model.safetensors.index.json`` past ``max_shard_bytes``, written as they fill: the saver holds
+one shard), the tokenizer files (``vocab.json`` / ``merges.txt``; BERT ``vocab.txt``). The
+padded vocabulary rows are dropped (``vocab_size`` = the true vocabulary) unless
+``keep_padded_vocab``. The GeLU form is mapped to ``activation_function``
 ``gelu_new`` (Megatron's tanh form: --openai-gelu or the default bias-GeLU fusion) or ``gelu``.
 
 ``transformers`` and ``safetensors`` are optional dependencies, imported here only.

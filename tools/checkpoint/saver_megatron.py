@@ -155,21 +155,30 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
     except ValueError as err:
         raise ValueError(f"--target-pipeline-parallel-size: {err}") from None
     plan = stages.chunks()
-    pipeline_parallel = target.pipeline_parallel_size > 1
     for stage in range(target.pipeline_parallel_size):
-        shards: list[dict] = [_top_level(md, args) for _ in range(target.tensor_parallel_size)]
-        for chunk in [c for c in plan if c.pipeline_rank == stage]:
-            per_tp = _chunk_shards(md, chunk, vocab, layout, target.tensor_parallel_size)
-            for shard, state in zip(shards, per_tp):
-                shard[chunk.model_key] = nest_model_state(state, layout.nested_sections)
-        for tp_rank, shard in enumerate(shards):
-            save_file(shard, checkpoint_name(save_dir, md.iteration, md.release,
-                                             tensor_rank=tp_rank, pipeline_rank=stage,
-                                             pipeline_parallel=pipeline_parallel))
-        del shards
+        # One stage's shards at a time: a function, so that nothing of the stage written
+        # before stays referenced while the next one is built.
+        _save_stage(md, save_dir, target, layout, args, vocab,
+                    [c for c in plan if c.pipeline_rank == stage])
     iteration_dir = checkpoint_dir(save_dir, md.iteration, md.release)
     _publish(save_dir, md, iteration_dir)
     return iteration_dir
+
+
+def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
+                vocab: int, chunks) -> None:
+    """Build and write every TP rank's file of one target pipeline stage."""
+    shards: list[dict] = [_top_level(md, args) for _ in range(target.tensor_parallel_size)]
+    for chunk in chunks:
+        per_tp = _chunk_shards(md, chunk, vocab, layout, target.tensor_parallel_size)
+        for shard, state in zip(shards, per_tp):
+            shard[chunk.model_key] = nest_model_state(state, layout.nested_sections)
+    del per_tp
+    for tp_rank in range(target.tensor_parallel_size):
+        save_file(shards[tp_rank], checkpoint_name(
+            save_dir, md.iteration, md.release, tensor_rank=tp_rank,
+            pipeline_rank=chunks[0].pipeline_rank,
+            pipeline_parallel=target.pipeline_parallel_size > 1))
 
 
 def _top_level(md: ModelDescription, args) -> dict:

@@ -257,3 +257,67 @@ def test_training_loader_ignores_a_head_copy_on_a_single_stage():
     other = helpers.gpt(num_layers=2, seed=8)
     other.load_state_dict(state)  # strict: the copy is not an unexpected key
     helpers.assert_same_tensors(model.state_dict(), other.state_dict())
+
+
+def _bert_tp_logits(rank: int, world_size: int, iteration_dir: str):
+    from megatron.checkpointing import load_checkpoint_file
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.bert import BertModel
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        model = BertModel(helpers.config(num_tokentypes=2), ps.get_tensor_model_parallel_group(),
+                          parallel_output=False).eval()
+        sd = load_checkpoint_file(Path(iteration_dir) / f"mp_rank_{rank:02d}" /
+                                  "model_optim_rng.pt")
+        model.load_state_dict(sd["model"])
+        tokens, types_ = _bert_batch()
+        with torch.no_grad():
+            return [t.clone() for t in model(tokens, torch.ones_like(tokens), types_)]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _bert_batch():
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randint(0, 255, (2, 12), generator=generator),
+            torch.randint(0, 2, (2, 12), generator=generator))
+
+
+def test_bert_converted_to_tp2_gives_the_source_logits(tmp_path):
+    from tests.multiprocess import run_distributed
+
+    model = helpers.bert()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, bert_binary_head=True))
+    out = _convert(tmp_path / "src", tmp_path / "tp2", *_layout(2, 1), model_type="BERT")
+    tokens, types_ = _bert_batch()
+    with torch.no_grad():
+        expected = model(tokens, torch.ones_like(tokens), types_)
+    for lm, binary in run_distributed(2, _bert_tp_logits, str(out / "iter_0000007")):
+        assert (lm - expected[0]).abs().max() <= 1e-5
+        assert (binary - expected[1]).abs().max() <= 1e-5
+
+
+def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, shared_data):
+    """A checkpoint whose padding is not --make-vocab-size-divisible-by x TP of its own args (as
+    Megatron-LM's converter leaves one re-split to TP2: 128 x 1 padding, TP 2 in the args)."""
+    from megatron.config.validate import validate
+    from megatron.config.cli import build_parser, parse_flags
+    from megatron.training.initialize import apply_checkpoint_args, build_tokenizer_from_config
+
+    vocab = shared_data / "tokenizers" / "gpt2-vocab.json"
+    merges = shared_data / "tokenizers" / "gpt2-merges.txt"
+    model = helpers.gpt(num_layers=2, vocab=50304)
+    args = helpers.args_of(model, tensor_model_parallel_size=2, make_vocab_size_divisible_by=128,
+                           tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab),
+                           merge_file=str(merges), seq_length=helpers.MAX_POSITIONS)
+    helpers.save_single(tmp_path / "src", model, args)
+    flags = parse_flags(build_parser(), [
+        "--use-checkpoint-args", "--load", str(tmp_path / "src"), "--ckpt-step", "7",
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"])
+    apply_checkpoint_args(flags)
+    cfg = validate(flags, world_size=2)
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.padded_vocab_size == 50304  # not 50432 = 50257 padded to 128 x 2
+    assert build_tokenizer_from_config(cfg).padded_vocab_size == 50304

@@ -1,6 +1,6 @@
-"""tools/checkpoint: HuggingFace GPT-2 (and MegatronBert) export and import on tiny random models built here
-(nothing downloaded): the exported GPT2LMHeadModel gives our logits and our greedy text, an
-imported GPT-2 gives its logits in our model, and ours -> HF -> ours is bitwise."""
+"""tools/checkpoint: HuggingFace GPT-2 and MegatronBert export and import on tiny random models
+built here (nothing downloaded): the exported model gives our logits (and, GPT, our greedy
+text), an imported one gives its logits in our model, and ours -> HF -> ours is bitwise."""
 
 from __future__ import annotations
 
