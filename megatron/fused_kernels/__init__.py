@@ -6,7 +6,8 @@
   ``fused_kernels.cuh``, which needs only CUDA); built only with a CUDA torch and CUDA_HOME.
 
 Both export ``scaled_softmax_forward``, ``scaled_masked_softmax_forward``,
-``scaled_upper_triang_masked_softmax_forward``, ``softmax_backward``, ``layer_norm_forward`` and
+``scaled_upper_triang_masked_softmax_forward``, ``softmax_backward``,
+``scaled_upper_triang_masked_softmax_backward``, ``layer_norm_forward`` and
 ``layer_norm_backward``. This package holds no Python code on purpose: the model library loads
 the extensions, with the PyTorch fallback and its log line, in
 :mod:`megatron.core.fusions.kernels`.
