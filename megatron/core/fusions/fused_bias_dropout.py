@@ -52,6 +52,8 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     """
     if not fused or bias is None:
         return _eager(x, bias, residual, prob, training)
-    if training:
+    if training and prob > 0:
         return _fused_train(x, bias, residual, prob)
+    # p = 0 in training too: the scripted dropout would still draw a bernoulli mask (a wasted
+    # pass, and random numbers eager dropout does not consume).
     return _fused_inference(x, bias, residual, prob)

@@ -44,6 +44,12 @@ def test_bias_dropout_add_fused_draws_what_eager_draws():
             eager = bias_dropout_add(x, bias, residual, 0.3, training, fused=False)
             assert torch.equal(fused, eager)
     assert torch.equal(bias_dropout_add(x, None, residual, 0.0, True), residual + x)
+    # p = 0 while training: no random numbers drawn, as eager dropout
+    torch.manual_seed(5)
+    bias_dropout_add(x, bias, residual, 0.0, True, fused=True)
+    after_call = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after_call, torch.rand(3))
 
 
 def _linear_pair(fusion: bool) -> tp_layers.ColumnParallelLinear:
@@ -81,3 +87,26 @@ def test_gradient_accumulation_fusion_without_buffer_is_plain_autograd():
     torch.testing.assert_close(fused.weight.grad, plain.weight.grad)
     torch.testing.assert_close(fused.bias.grad, plain.bias.grad)
     torch.testing.assert_close(xf.grad, xp.grad)
+
+
+def test_layernorm_module_fused_equals_torch_with_layernorm_1p():
+    """transformer.LayerNorm through the fused kernel (with --apply-layernorm-1p's gamma - 1
+    storage) against the same module on F.layer_norm: outputs and every gradient."""
+    from megatron.core.transformer.layernorm import LayerNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 48)
+    grad = torch.randn(5, 3, 48)
+    results = []
+    for fused in (True, False):
+        norm = LayerNorm(48, eps=1e-5, apply_layernorm_1p=True, fused=fused)
+        torch.manual_seed(1)  # the same parameters on both sides
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.1)
+            norm.bias.normal_(0, 0.1)
+        xi = x.clone().requires_grad_(True)
+        out = norm(xi)
+        out.backward(grad)
+        results.append((out.detach(), xi.grad, norm.weight.grad, norm.bias.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
