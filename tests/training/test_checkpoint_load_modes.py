@@ -349,7 +349,9 @@ def test_bf16_main_params_are_the_loaded_weights(single, name):
     assert all(v < straight[0] - 0.3 for v in losses), (losses, straight)
     if name == "bf16_no_load_optim":
         assert abs(losses[0] - straight[BF16_SAVED_AT]) <= BF16_LOSS_TOL
-        assert e2e.max_abs_diff(losses, straight[BF16_SAVED_AT:]) < 0.3, (losses, straight)
+        # Fresh Adam moments (--no-load-optim) take their own path from the loaded weights;
+        # the initial weights written back would put the loss near straight[0] (~1.2 higher).
+        assert e2e.max_abs_diff(losses, straight[BF16_SAVED_AT:]) < 0.5, (losses, straight)
 
 
 def test_bf16_distributed_optimizer_main_shards_are_the_loaded_weights(two):
@@ -361,7 +363,9 @@ def test_bf16_distributed_optimizer_main_shards_are_the_loaded_weights(two):
         assert probe["main_gap"] == 0.0, (rank, probe["main_gap"])
         losses = e2e.losses(run)
         assert abs(losses[0] - straight[BF16_SAVED_AT]) <= BF16_LOSS_TOL
-        assert e2e.max_abs_diff(losses, straight[BF16_SAVED_AT:]) < 0.3, (losses, straight)
+        # Fresh Adam moments (--no-load-optim) take their own path from the loaded weights;
+        # the initial weights written back would put the loss near straight[0] (~1.2 higher).
+        assert e2e.max_abs_diff(losses, straight[BF16_SAVED_AT:]) < 0.5, (losses, straight)
 
 
 # ---------------------------------------------------------------------------------------------
