@@ -26,8 +26,9 @@ from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
     check_generation_lengths, check_sampling_options, generate_tokens)
 from megatron.training import fault  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
-    get_checkpoint_tracker_filename, load_checkpoint)
+from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.training.inference import (  # noqa: E402
+    WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load)
 from megatron.training.initialize import (  # noqa: E402
     build_tokenizer_from_config, initialize_megatron)
 from megatron.training.models import gpt_model_from  # noqa: E402
@@ -82,27 +83,9 @@ def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int
 
 def check_checkpoint_flags(load: str | None, ckpt_step: int | None,
                            random_weights: bool) -> None:
-    """A checkpoint will be loaded (or --random-weights asks for none).
-
-    Raises:
-        ValueError: naming the flag, the path, and what to change.
-    """
-    if random_weights:
-        if load is not None:
-            raise ValueError(f"--random-weights and --load {load} are mutually exclusive: drop "
-                             "--random-weights to generate from the checkpoint")
-        return
-    if load is None:
-        raise ValueError("--load is required: the checkpoint directory to generate from "
-                         "(--random-weights generates from untrained weights instead)")
-    if not os.path.isdir(load):
-        raise ValueError(f"--load {load}: no such directory")
-    tracker = get_checkpoint_tracker_filename(load)
-    if ckpt_step is None and not tracker.is_file():
-        # load_checkpoint would warn and go on from random weights: text that looks like output.
-        raise ValueError(f"--load {load} holds no checkpoint ({tracker.name} not found): give "
-                         "the directory a training run saved to with --save, or --random-weights "
-                         "to generate from untrained weights")
+    """A checkpoint will be loaded (or --random-weights asks for none); see
+    :func:`~megatron.training.inference.check_checkpoint_to_load`."""
+    check_checkpoint_to_load(load, ckpt_step, random_weights, purpose="generate from")
 
 
 def generate(argv: list[str] | None = None) -> list[str]:
@@ -117,8 +100,7 @@ def generate(argv: list[str] | None = None) -> list[str]:
     _or_exit(check_generation_flags, flags.section(GenerationFlags), flags.checkpoint.load,
              flags.checkpoint.ckpt_step, flags.checkpoint.random_weights)
     # Weights only: refuse to start from random weights if the checkpoint vanished meanwhile.
-    extra = [] if flags.checkpoint.random_weights else \
-        ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
+    extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
     cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
     ex = cfg.section(GenerationFlags)
     tokenizer = build_tokenizer_from_config(cfg)

@@ -26,7 +26,7 @@ the checkpoint vanished between the check and the load."""
 
 
 def check_checkpoint_to_load(load: str | None, ckpt_step: int | None, random_weights: bool,
-                             flag: str = "--load") -> None:
+                             flag: str = "--load", purpose: str = "evaluate") -> None:
     """Before any process group: a checkpoint will be loaded (or random weights were asked for).
 
     Raises:
@@ -35,17 +35,19 @@ def check_checkpoint_to_load(load: str | None, ckpt_step: int | None, random_wei
     if random_weights:
         if load is not None:
             raise ValueError(f"--random-weights and {flag} {load} are mutually exclusive: drop "
-                             "--random-weights to use the checkpoint")
+                             f"--random-weights to {purpose} the checkpoint")
         return
     if load is None:
-        raise ValueError(f"{flag} is required: the checkpoint directory to evaluate "
+        raise ValueError(f"{flag} is required: the checkpoint directory to {purpose} "
                          "(--random-weights uses untrained weights instead)")
     if not os.path.isdir(load):
         raise ValueError(f"{flag} {load}: no such directory")
     tracker = get_checkpoint_tracker_filename(load)
     if ckpt_step is None and not tracker.is_file():
+        # load_checkpoint would warn and go on from random weights: output that looks real.
         raise ValueError(f"{flag} {load} holds no checkpoint ({tracker.name} not found): give "
-                         "the directory a training run saved to with --save")
+                         "the directory a training run saved to with --save, or "
+                         "--random-weights to use untrained weights")
 
 
 def check_checkpoint_vocabulary(cfg) -> None:
