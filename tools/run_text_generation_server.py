@@ -33,7 +33,8 @@ from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.initialize import (  # noqa: E402
     build_tokenizer_from_config, initialize_megatron)
 from megatron.training.models import gpt_model_from  # noqa: E402
-from tools.generate import check_checkpoint_flags  # noqa: E402
+from megatron.training.inference import (  # noqa: E402
+    WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load)
 
 _PROG = "tools/run_text_generation_server.py"
 
@@ -73,12 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
     try:
         check_server_flags(flags.section(ServerFlags))
-        check_checkpoint_flags(flags.checkpoint.load, flags.checkpoint.ckpt_step,
-                               flags.checkpoint.random_weights)
+        check_checkpoint_to_load(flags.checkpoint.load, flags.checkpoint.ckpt_step,
+                                 flags.checkpoint.random_weights, purpose="serve")
     except ValueError as err:
         raise SystemExit(f"{_PROG}: error: {err}") from None
-    extra = [] if flags.checkpoint.random_weights else \
-        ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
+    extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
     cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         raise SystemExit(f"{_PROG}: error: --num-layers-per-virtual-pipeline-stage is for "
