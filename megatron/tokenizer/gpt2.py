@@ -124,7 +124,8 @@ class GPT2BPETokenizer(VocabTokenizer):
         self._rank_to_id = None if identity else rank_to_id
         self._id_to_bytes: dict[int, bytes] | None = None  # built by the first detokenize
         self._exact = None  # HF tokenizers BPE, used where tiktoken's ranking would differ
-        problem = rank_consistency_problem(merges, self._vocab, self._encoding)
+        problem = _checked_rank_consistency(vocab_file, merge_file, merges, self._vocab,
+                                            self._encoding)
         if problem is not None:
             warn_rank_0(f"{merge_file}: merges are not rank-consistent ({problem}); tokenizing "
                         "with the exact pair-ranked BPE (HF tokenizers), slower than tiktoken")
@@ -208,6 +209,26 @@ def _exact_bpe(vocab: dict[str, int], merges: list[tuple[str, str]]):
     # ByteLevel's regex is GPT-2's pattern; no prefix space, as OpenAI's encoder.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return tokenizer
+
+
+# (vocab file, merges file) identities -> rank_consistency_problem's answer. The check is a pure
+# function of the two files and costs most of a GPT-2 tokenizer's construction; a process builds
+# the same tokenizer several times (validation derives the padded vocabulary with one, training
+# builds its own; test worlds run many trainings).
+_RANK_CONSISTENCY: dict[tuple, str | None] = {}
+
+
+def _file_identity(path: str | os.PathLike) -> tuple:
+    stat = os.stat(path)
+    return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
+
+
+def _checked_rank_consistency(vocab_file, merge_file, merges, vocab, encoding) -> str | None:
+    """rank_consistency_problem, remembered per unchanged pair of files."""
+    key = (_file_identity(vocab_file), _file_identity(merge_file))
+    if key not in _RANK_CONSISTENCY:
+        _RANK_CONSISTENCY[key] = rank_consistency_problem(merges, vocab, encoding)
+    return _RANK_CONSISTENCY[key]
 
 
 def rank_consistency_problem(merges: list[tuple[str, str]], vocab: dict[str, int],
