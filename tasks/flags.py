@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.config.base import spec
+from tasks.squad.flags import SquadFlags  # SQuAD's recipe flags (--task SQUAD)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -16,7 +17,15 @@ class TaskFlags:
     """Which task, its data, and its evaluation options."""
 
     task: str | None = None
-    """Task name (required): WIKITEXT103, LAMBADA."""
+    """Task name (required): WIKITEXT103, LAMBADA (zero-shot GPT); RACE, MNLI, QQP, SQUAD (BERT
+    finetuning)."""
+    train_data: list[str] | None = spec(None, nargs="+")
+    """Path(s) to the training data (finetuning tasks: RACE directories, GLUE TSV files)."""
+    epochs: int | None = None
+    """Number of finetuning epochs; 0 evaluates the --load (or --pretrained-checkpoint) weights
+    on --valid-data without training."""
+    keep_last: bool = False
+    """Keep the last partial batch of each finetuning epoch (dropped by default)."""
     valid_data: list[str] | None = spec(None, nargs="*")
     """Path(s) to the validation data (the zero-shot tasks take exactly one file)."""
     pretrained_checkpoint: str | None = None
@@ -32,4 +41,4 @@ class TaskFlags:
     """Evaluation batch size per model instance (default: --micro-batch-size)."""
 
 
-TOOL_SECTIONS = [(TaskFlags, "tasks")]
+TOOL_SECTIONS = [(TaskFlags, "tasks"), (SquadFlags, "squad")]

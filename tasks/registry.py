@@ -55,3 +55,12 @@ register("WIKITEXT103", "tasks.zeroshot_gpt.evaluate:run_wikitext",
          "zero-shot perplexity of a GPT on a word-level WikiText (or PTB) file")
 register("LAMBADA", "tasks.zeroshot_gpt.evaluate:run_lambada",
          "zero-shot last-word accuracy of a GPT on LAMBADA (jsonl)")
+register("RACE", "tasks.race.finetune:run_race",
+         "finetune a BERT multiple-choice head on RACE (accuracy per --valid-data directory)")
+register("MNLI", "tasks.glue.finetune:run_mnli",
+         "finetune a BERT classification head on MNLI (accuracy per --valid-data file)")
+register("QQP", "tasks.glue.finetune:run_qqp",
+         "finetune a BERT classification head on QQP (accuracy per --valid-data file)")
+register("SQUAD", "tasks.squad.finetune:run_squad",
+         "finetune a BERT span head on SQuAD 1.1/2.0 (--squad-version; official EM/F1, "
+         "predictions.json)")

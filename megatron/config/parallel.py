@@ -29,6 +29,13 @@ class ParallelConfig:
     (Megatron-LM defaults to nccl, which cannot run on a CPU)."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    watchdog_timeout_seconds: float | None = None
+    """Not in Megatron-LM. Each rank's watchdog ends the job, naming the rank, when a rank's main
+    thread has been outside any collective this long (hung), when a peer stopped its heartbeat
+    for this long (dead or frozen) while this rank waits for it, or when this rank has waited in
+    one collective twice this long. Set it above the longest phase a rank spends without
+    collectives (index building, checkpoint writing). Default: off (the collective timeout,
+    --distributed-timeout-minutes, is then the only bound)."""
     ddp_impl: Literal["local", "torch"] = spec("local", flag="--DDP-impl")
     """Data-parallel implementation: local (contiguous gradient buffer) or torch (PyTorch DDP)."""
     use_contiguous_buffers_in_local_ddp: bool = spec(

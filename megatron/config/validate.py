@@ -97,6 +97,7 @@ RANGES: dict[tuple[str, str], _Range] = {
     ("parallel", "pipeline_model_parallel_split_rank"): _NON_NEGATIVE_INT,
     ("parallel", "num_layers_per_virtual_pipeline_stage"): _POSITIVE_INT,
     ("parallel", "distributed_timeout_minutes"): _POSITIVE_INT,
+    ("parallel", "watchdog_timeout_seconds"): _POSITIVE,
     ("parallel", "local_rank"): _NON_NEGATIVE_INT,
     **{("training", name): _POSITIVE_INT for name in (
         "micro_batch_size", "global_batch_size", "recompute_num_layers", "train_iters",

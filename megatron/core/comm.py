@@ -16,6 +16,10 @@ the former.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +27,70 @@ ProcessGroup = dist.ProcessGroup
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """What the main thread is blocked in: a collective (or a wait on an asynchronous one)."""
+
+    op: str
+    group: ProcessGroup | None
+    since: float  # time.monotonic()
+
+
+# Read by megatron.training.watchdog from its own thread (plain assignments: no lock needed):
+# the collective this process is blocked in, and when it last started or finished one.
+_blocked: Blocked | None = None
+_last_activity = time.monotonic()
+
+
+def blocked_in() -> Blocked | None:
+    """The collective this process is blocked in now (None when it is not in one)."""
+    return _blocked
+
+
+def last_activity() -> float:
+    """``time.monotonic()`` when this process last started or finished a collective."""
+    return _last_activity
+
+
+@contextlib.contextmanager
+def _blocking(op: str, group: ProcessGroup | None):
+    global _blocked, _last_activity
+    _blocked = Blocked(op, group, time.monotonic())
+    try:
+        yield
+    finally:
+        _blocked = None
+        _last_activity = time.monotonic()
+
+
+def _issued() -> None:
+    """An asynchronous collective was posted: progress, though nothing waits yet."""
+    global _last_activity
+    _last_activity = time.monotonic()
+
+
+def wait(handles, op: str, group: ProcessGroup | None) -> None:
+    """Wait for asynchronous work handles (``None`` entries are skipped); ``op`` names what
+    they are for a watchdog that finds this rank blocked here."""
+    handles = [h for h in (handles if isinstance(handles, (list, tuple)) else [handles])
+               if h is not None]
+    if not handles:
+        return
+    with _blocking(op, group):
+        for handle in handles:
+            handle.wait()
+
+
+def _run(name: str, group: ProcessGroup | None, async_op: bool, collective, /, *args,
+         **kwargs):
+    """``collective(*args, **kwargs)``, marked as blocking unless it is asynchronous."""
+    if async_op:
+        _issued()
+        return collective(*args, **kwargs)
+    with _blocking(name, group):
+        return collective(*args, **kwargs)
 
 
 def world_group() -> ProcessGroup | None:
@@ -52,12 +120,14 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum"
         return None
     if op == "avg":
         # gloo has no AVG reduction: sum, then divide.
-        handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        with _blocking("all_reduce", group):
+            handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         tensor.div_(world_size(group))
         return handle
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]
-    return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+    return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=reduce_op,
+                group=group, async_op=async_op)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
@@ -66,7 +136,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGr
     if world_size(group) == 1:
         output.copy_(tensor)
         return None
-    return _all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
+    return _run("all_gather", group, async_op, _all_gather_single, output, tensor.contiguous(),
+                group=group, async_op=async_op)
 
 
 def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None) -> list[torch.Tensor]:
@@ -75,7 +146,8 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None) -> list[to
     if size == 1:
         return [tensor]
     out = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(out, tensor.contiguous(), group=group)
+    with _blocking("all_gather", group):
+        dist.all_gather(out, tensor.contiguous(), group=group)
     return out
 
 
@@ -85,7 +157,8 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
     if world_size(group) == 1:
         output.copy_(tensor)
         return None
-    return _reduce_scatter_single(output, tensor.contiguous(), group=group, async_op=async_op)
+    return _run("reduce_scatter", group, async_op, _reduce_scatter_single, output,
+                tensor.contiguous(), group=group, async_op=async_op)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
@@ -101,7 +174,8 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src``."""
     if world_size(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        with _blocking("broadcast", group):
+            dist.broadcast(tensor, src=src, group=group)
 
 
 def broadcast_object(obj, src: int, group: ProcessGroup | None):
@@ -109,7 +183,8 @@ def broadcast_object(obj, src: int, group: ProcessGroup | None):
     if world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with _blocking("broadcast_object", group):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -119,14 +194,16 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
     if size == 1:
         return [obj]
     out: list = [None] * size
-    dist.all_gather_object(out, obj, group=group)
+    with _blocking("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Barrier over ``group`` (returns at once for a group of one)."""
     if world_size(group) > 1:
-        dist.barrier(group=group)
+        with _blocking("barrier", group):
+            dist.barrier(group=group)
 
 
 def _peer_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -138,22 +215,26 @@ def _peer_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> None:
     """Blocking point-to-point send to global rank ``dst``, a member of ``group``."""
-    dist.send(tensor, dst=dst, group=_peer_group(group, "send"))
+    with _blocking(f"send to rank {dst}", group):
+        dist.send(tensor, dst=dst, group=_peer_group(group, "send"))
 
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking point-to-point receive from global rank ``src``, a member of ``group``."""
-    dist.recv(tensor, src=src, group=_peer_group(group, "recv"))
+    with _blocking(f"recv from rank {src}", group):
+        dist.recv(tensor, src=src, group=_peer_group(group, "recv"))
 
 
 def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None):
     """Non-blocking send to global rank ``dst`` (a member of ``group``); returns the work
     handle to ``wait()`` on."""
+    _issued()
     return dist.isend(tensor, dst=dst, group=_peer_group(group, "isend"))
 
 
 def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None):
     """Non-blocking receive into ``tensor`` from global rank ``src``; returns the work handle."""
+    _issued()
     return dist.irecv(tensor, src=src, group=_peer_group(group, "irecv"))
 
 
@@ -174,4 +255,5 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGr
     group = _peer_group(group, "batch_isend_irecv")
     functions = {"send": dist.isend, "recv": dist.irecv}
     p2p_ops = [dist.P2POp(functions[kind], tensor, peer, group) for kind, tensor, peer in ops]
+    _issued()
     return dist.batch_isend_irecv(p2p_ops)

@@ -523,9 +523,11 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
             "without --use-distributed-optimizer"
         raise CheckpointError(
             f"{name} was saved {how}, and this run "
-            f"{'uses' if ours else 'does not use'} it: the optimizer states do not convert; "
-            f"{'drop' if ours else 'add'} --use-distributed-optimizer, or pass --no-load-optim "
-            "to load the weights only")
+            f"{'uses' if ours else 'does not use'} it: its optimizer state does not load here; "
+            f"{'drop' if ours else 'add'} --use-distributed-optimizer, convert the checkpoint "
+            f"with {CONVERTER} --keep-optimizer-state "
+            f"--{'' if ours else 'no-'}target-use-distributed-optimizer, or pass "
+            "--no-load-optim to load the weights only")
     try:
         optimizer.load_state_dict(sd["optimizer"])
         if ours:

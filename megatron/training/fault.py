@@ -24,6 +24,7 @@ other ranks to read it before exiting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -38,6 +39,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from megatron.core.log import get_logger, log_all_ranks
+from megatron.training.watchdog import Watchdog
 
 LINGER_S = 5.0
 """Longest a store-hosting rank 0 waits, before it exits, for the others to read the store."""
@@ -75,6 +77,7 @@ _ending = threading.Lock()
 _left_lock = threading.Lock()
 _left = False
 _watcher: threading.Thread | None = None
+_watchdog: Watchdog | None = None
 
 
 def run_rank(main: Callable[[], object]) -> None:
@@ -101,8 +104,10 @@ def run_rank(main: Callable[[], object]) -> None:
     _finish()
 
 
-def watch_peers() -> None:
-    """Under :func:`run_rank`, connect to the rendezvous store and start the peer watcher.
+def watch_peers(watchdog_timeout_s: float | None = None) -> None:
+    """Under :func:`run_rank`, connect to the rendezvous store and start the peer watcher (and
+    with ``watchdog_timeout_s``, ``--watchdog-timeout-seconds``, the watchdog of
+    :mod:`megatron.training.watchdog`).
 
     Called by ``initialize_distributed`` once the process groups exist; a no-op otherwise
     (a world of one, in-process callers of ``pretrain`` such as the tests, a second call).
@@ -131,6 +136,68 @@ def watch_peers() -> None:
     _watcher = threading.Thread(target=_watch_peers, args=(_peers,), name="megatron-peer-watch",
                                 daemon=True)
     _watcher.start()
+    if watchdog_timeout_s is not None:
+        _start_watchdog(_peers, watchdog_timeout_s)
+
+
+def _start_watchdog(peers: _Peers, bound_s: float) -> None:
+    global _watchdog
+    try:
+        store = _connect()
+    except (RuntimeError, OSError) as err:
+        log_all_ranks(f"WARNING: no watchdog (rendezvous store unreachable: {err})",
+                      logging.WARNING)
+        return
+    _watchdog = Watchdog(store, peers.rank, peers.world_size, peers.key, bound_s,
+                         _stop_from_watchdog)
+    _watchdog.start()
+
+
+def _stop_from_watchdog(failed_rank: int, message: str) -> None:
+    """Watchdog thread: end this rank for a hang (``failed_rank`` is this rank) or a dead or
+    frozen peer; returns at once if the rank is ending already."""
+    if not _ending.acquire(blocking=False):
+        return
+    mine = failed_rank == _peers.rank
+    log_all_ranks(f"failed: {message}" if mine else
+                  f"stopping: rank {failed_rank} failed: {message}", logging.ERROR)
+    first = _record(message, failed_rank)
+    expected = f"rank {failed_rank} failed: {message}"
+    if first is not None and first != expected:
+        log_all_ranks(f"(first recorded failure: {first})", logging.ERROR)
+    _end(1)
+
+
+@contextlib.contextmanager
+def hang_watch(armed: bool = True):
+    """Within the block, the watchdog (if on) checks for a main thread stuck outside
+    collectives (``armed``), or does not (``armed=False``: a checkpoint save or an evaluation
+    inside the training loop). Set-up, before the loop, is never checked: index building and
+    checkpoint loading run long without collectives by design."""
+    if _watchdog is None:
+        yield
+        return
+    previous = _watchdog.arm_outside_check(armed)
+    try:
+        yield
+    finally:
+        _watchdog.arm_outside_check(previous)
+
+
+def _silent_peer_summary(summary: str) -> tuple[int | None, str]:
+    """With the watchdog on: a peer whose heartbeat stopped (a killed rank breaks this rank's
+    connections, and the error would name only this rank) is the first failure, with this
+    rank's error attached. Otherwise ``(None, summary)``."""
+    if _watchdog is None or _peers is None:
+        return None, summary
+    try:
+        peer = _watchdog.stopped_peer(_peers.report_store)
+    except dist.DistError:
+        return None, summary
+    if peer is None:
+        return None, summary
+    return peer, (f"stopped (no heartbeat: killed or crashed); rank {_peers.rank} then "
+                  f"failed: {summary}")
 
 
 def _connect() -> dist.Store:
@@ -157,7 +224,8 @@ def _fail(exc: BaseException | None, summary: str, code: int) -> NoReturn:
     _ending.acquire()  # blocks for good if a watcher is ending the rank already
     if exc is not None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
-    first = _record(summary)
+    culprit, record = _silent_peer_summary(summary)
+    first = _record(record, culprit)
     if first is not None and not first.startswith(f"rank {_peers.rank} failed: "):
         log_all_ranks(f"failed ({summary}) after another rank: {first}", logging.ERROR)
     else:
@@ -166,16 +234,18 @@ def _fail(exc: BaseException | None, summary: str, code: int) -> NoReturn:
     _end(code)
 
 
-def _record(summary: str) -> str | None:
-    """Record this rank's failure unless one is recorded already; returns the first record
-    (None without peers, or when the store is unreachable)."""
+def _record(summary: str, failed_rank: int | None = None) -> str | None:
+    """Record the failure of ``failed_rank`` (by default this rank) unless one is recorded
+    already; returns the first record (None without peers, or when the store is
+    unreachable)."""
     peers = _peers
     if peers is None:
         return None
     store = peers.report_store
+    failed_rank = peers.rank if failed_rank is None else failed_rank
     try:
         first = store.compare_set(peers.key("first"), "",
-                                  f"rank {peers.rank} failed: {summary}").decode()
+                                  f"rank {failed_rank} failed: {summary}").decode()
         for rank in range(peers.world_size):  # wake every watcher, finished ranks' included
             store.set(peers.wake_key(rank), "failed")
     except dist.DistError:
@@ -210,6 +280,8 @@ def _finish() -> None:
     if peers is None:
         return
     try:
+        if _watchdog is not None:
+            _watchdog.stop(peers.report_store)
         # Only this rank's watcher: the others keep watching until their own rank is done.
         peers.report_store.compare_set(peers.wake_key(peers.rank), "", "done")
     except dist.DistError:

@@ -58,7 +58,8 @@ def initialize_distributed(cfg: MegatronConfig) -> None:
             cfg.virtual_pipeline_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_split_rank,
             distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    fault.watch_peers()  # under fault.run_rank: hear at once when another rank fails
+    # Under fault.run_rank: hear at once when another rank fails (and watch for hangs).
+    fault.watch_peers(cfg.parallel.watchdog_timeout_seconds)
     log_rank_0(f"> initialized tensor model parallel with size "
                f"{parallel_state.get_tensor_model_parallel_world_size()}, pipeline model parallel "
                f"with size {parallel_state.get_pipeline_model_parallel_world_size()}, data "

@@ -15,7 +15,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
-from megatron.training import log_line
+from megatron.training import fault, log_line
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.microbatches import NumMicroBatchesCalculator
 
@@ -256,7 +256,9 @@ class Trainer:
             chunk.train()
         self.timers("interval-time", log_level=0).start(barrier=True)
         try:
-            return self._train_loop(train_iterator, valid_iterator, train_iters, signal_handler)
+            with fault.hang_watch():  # --watchdog-timeout-seconds: stuck outside collectives
+                return self._train_loop(train_iterator, valid_iterator, train_iters,
+                                        signal_handler)
         finally:
             interval = self.timers("interval-time")
             if interval.started:
@@ -297,7 +299,8 @@ class Trainer:
         """Evaluation and checkpoint saves stay out of the logged time per iteration and
         tokens/s (as later Megatron-LM releases do): they report training speed only."""
         self.timers("interval-time").stop()
-        yield  # an exception propagates at once: no barrier a failed rank's peers never reach
+        with fault.hang_watch(armed=False):  # long stretches without collectives by design
+            yield  # an exception propagates at once: no barrier a failed rank's peers never reach
         self.timers("interval-time", log_level=0).start(barrier=True)
 
     def _should_exit(self, signal_handler) -> bool:

@@ -25,7 +25,7 @@ def test_zero_shot_tasks_are_registered_and_load():
 @pytest.mark.parametrize("argv,message", [
     ([], "tasks/main.py: error: --task is required"),
     (["--task", "NOPE"], "tasks/main.py: error: --task NOPE is not a task this framework has: "
-                         "choose one of LAMBADA, WIKITEXT103"),
+                         "choose one of " + ", ".join(sorted(TASKS))),
     (["--task", "WIKITEXT103"], "tasks/main.py: error: --task WIKITEXT103 needs --valid-data"),
     (["--task", "LAMBADA", "--valid-data", "/nonexistent/lambada.jsonl"],
      "tasks/main.py: error: --valid-data /nonexistent/lambada.jsonl: no such file"),

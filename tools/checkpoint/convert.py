@@ -10,6 +10,12 @@ A loader plug-in (``loader_megatron``, ``loader_hf``) describes the model
 (:class:`~tools.checkpoint.model_description.ModelDescription`); a saver plug-in
 (``saver_megatron``, ``saver_hf``) pulls its pieces a pipeline stage / layer at a time and writes
 them. No process group is started; nothing is downloaded.
+
+The optimizer state is dropped, as Megatron-LM's tool drops it, unless ``--keep-optimizer-state``:
+then Adam's moments (and the fp32 main params of fp16/bf16 runs) are re-split with their
+parameters, the step count, grad scaler and LR scheduler carried, and the result resumes with
+``--load`` as the source would have; ``--[no-]target-use-distributed-optimizer`` switches between
+the plain and the distributed optimizer's layout (any data-parallel size loads the latter).
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "rows past it; re-padding starts from it)")
     parser.add_argument("--keep-padded-vocab", action="store_true",
                         help="HF export: keep the padding rows of the vocabulary")
+    parser.add_argument("--keep-optimizer-state", action="store_true",
+                        help="carry the optimizer state (Adam moments, fp32 main params, step, "
+                             "grad scaler, LR scheduler), re-split for the target layout "
+                             "(Megatron-LM's converter drops it)")
+    parser.add_argument("--target-use-distributed-optimizer",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="write the optimizer state in the distributed optimizer's layout "
+                             "(distrib_optim.pt, loadable at any data-parallel size) or, with "
+                             "--no-target-use-distributed-optimizer, the plain one (default: "
+                             "as the source)")
     parser.add_argument("--no-checksum-verification", action="store_true",
                         help="do not check the source shards against their .sha256 files")
     parser.add_argument("--megatron-path", default=None,
@@ -70,6 +86,11 @@ def _validate(opts: argparse.Namespace) -> None:
                                or opts.target_pipeline_parallel_size != 1):
         raise ValueError("--saver hf writes one unsplit model: leave "
                          "--target-tensor-parallel-size / --target-pipeline-parallel-size at 1")
+    if opts.keep_optimizer_state and "hf" in (opts.loader, opts.saver):
+        raise ValueError("--keep-optimizer-state needs --loader megatron --saver megatron "
+                         "(a HuggingFace model directory holds no optimizer state)")
+    if opts.target_use_distributed_optimizer is not None and opts.saver != "megatron":
+        raise ValueError("--[no-]target-use-distributed-optimizer needs --saver megatron")
     if opts.target_num_layers_per_virtual_pipeline_stage is not None \
             and opts.target_pipeline_parallel_size < 2:
         raise ValueError("--target-num-layers-per-virtual-pipeline-stage needs "
@@ -82,7 +103,8 @@ def load_model(opts: argparse.Namespace):
     if opts.loader == "megatron":
         from tools.checkpoint import loader_megatron
         md = loader_megatron.load(opts.load_dir, opts.model_type,
-                                  verify=not opts.no_checksum_verification)
+                                  verify=not opts.no_checksum_verification,
+                                  keep_optimizer=opts.keep_optimizer_state)
     else:
         from tools.checkpoint import loader_hf
         md = loader_hf.load(opts.load_dir, opts.model_type)
@@ -99,7 +121,7 @@ def save_model(md, opts: argparse.Namespace):
         target = saver_megatron.TargetLayout(
             opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size,
             opts.target_num_layers_per_virtual_pipeline_stage,
-            opts.target_vocab_size_divisible_by)
+            opts.target_vocab_size_divisible_by, opts.target_use_distributed_optimizer)
         return saver_megatron.save(md, opts.save_dir, target)
     from tools.checkpoint import saver_hf
     return saver_hf.save(md, opts.save_dir, keep_padded_vocab=opts.keep_padded_vocab,

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing import (LAYOUTS, CheckpointError, PipelineStages,
-                                    checkpoint_version, fix_query_key_value_ordering,
+from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointError,
+                                    PipelineStages, checkpoint_version, fix_query_key_value_ordering,
                                     flatten_model_state, load_checkpoint_file, model_keys,
                                     parse_tracker, shard_dir_name, shard_files, tracker_path,
                                     verify_checksum)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
+from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import ModelDescription
 
 TOLERATED_EXTRA_KEYS = ("word_embeddings.weight",)
@@ -60,9 +61,11 @@ def as_namespace(args) -> argparse.Namespace:
 
 
 class MegatronCheckpoint(ModelDescription):
-    """A Megatron checkpoint on disk, read one pipeline stage at a time."""
+    """A Megatron checkpoint on disk, read one pipeline stage at a time (with
+    ``keep_optimizer``, its optimizer state too)."""
 
-    def __init__(self, load_dir: str | Path, family: str, verify: bool = True) -> None:
+    def __init__(self, load_dir: str | Path, family: str, verify: bool = True,
+                 keep_optimizer: bool = False) -> None:
         load_dir = Path(load_dir)
         self.iteration_dir, iteration, release = find_iteration_dir(load_dir)
         self.files = shard_files(self.iteration_dir)
@@ -87,7 +90,20 @@ class MegatronCheckpoint(ModelDescription):
         self.plan = self.stages.chunks()
         self._open_stage: int | None = None
         self._flat: list[list[dict[str, torch.Tensor]]] = []  # [chunk of stage][tp] -> flat
+        # [chunk of stage][tp] -> {state key: flat}, with keep_optimizer
+        self._optimizer_flat: list[list[dict[str, dict[str, torch.Tensor]]]] = []
+        if keep_optimizer:
+            self.optimizer = self._describe_optimizer(first)
         del first
+
+    def _describe_optimizer(self, first: dict) -> optimizer_state.OptimizerDescription:
+        path = self.files[min(self.files)]
+        if self.version is None or self.version < 2.0:
+            raise CheckpointError(f"--keep-optimizer-state: {path} has checkpoint_version "
+                                  f"{self.version} (QKV rows in an older order, which its "
+                                  "optimizer state would need too); convert without it")
+        return optimizer_state.describe(first, self.args, path,
+                                        path.with_name(DISTRIB_OPTIM_FILENAME))
 
     # Files --------------------------------------------------------------------------------
     def _check_grid(self) -> None:
@@ -125,7 +141,22 @@ class MegatronCheckpoint(ModelDescription):
                 flat = flatten_model_state(sd[chunk.model_key])
                 per_tp.append(self._known(flat, chunk, self.files[(tp_rank, pipeline_rank)]))
             self._flat.append(per_tp)
+        if self.optimizer is not None:
+            self._read_optimizer_stage(shards, pipeline_rank)
         self._open_stage = pipeline_rank
+
+    def _read_optimizer_stage(self, shards: list[dict], pipeline_rank: int) -> None:
+        """The open stage's per-parameter optimizer state, per chunk and TP rank."""
+        per_rank = []
+        for tp_rank, sd in enumerate(shards):
+            path = self.files[(tp_rank, pipeline_rank)]
+            distrib = self._read(path.with_name(DISTRIB_OPTIM_FILENAME)) \
+                if self.optimizer.distributed else None
+            chunks = [per_tp[tp_rank] for per_tp in self._flat]
+            per_rank.append(optimizer_state.read_shard(sd, chunks, self.optimizer, distrib,
+                                                       path))
+        self._optimizer_flat = [[per_rank[t][c] for t in range(self.tp)]
+                                for c in range(len(self._flat))]
 
     def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
         """Drop the extra keys Megatron tolerates; refuse others the layout does not know."""
@@ -135,39 +166,61 @@ class MegatronCheckpoint(ModelDescription):
         self.layout.check_keys(flat, str(path))
         return {_current_name(k): v for k, v in flat.items()}
 
-    def _chunk_flat(self, index: int) -> list[dict[str, torch.Tensor]]:
+    def _stage_position(self, index: int) -> int:
+        """Open chunk ``index``'s stage; its position among the stage's chunks."""
         chunk = self.plan[index]
         self._stage(chunk.pipeline_rank)
         stage_chunks = [i for i, c in enumerate(self.plan)
                         if c.pipeline_rank == chunk.pipeline_rank]
-        return self._flat[stage_chunks.index(index)]
+        return stage_chunks.index(index)
 
     def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:
         subset = [{k: v for k, v in flat.items() if keep(k)} for flat in per_tp]
         return self.layout.merge_tensor_parallel(subset)
 
-    # Pieces ---------------------------------------------------------------------------------
-    def embeddings(self) -> dict[str, torch.Tensor]:
-        index = next(i for i, c in enumerate(self.plan) if c.pre_process)
-        return self._merged(self._chunk_flat(index),
-                            lambda k: k.startswith("language_model.embedding."))
+    def _piece_source(self, piece: str, layer: int | None):
+        """(chunk index, which of its keys, how to rename them) of a piece."""
+        if piece == "embeddings":
+            index = next(i for i, c in enumerate(self.plan) if c.pre_process)
+            return index, lambda k: k.startswith("language_model.embedding."), dict
+        if piece == "layer":
+            index = self.stages.chunk_index_of_layer(layer)
+            local = layer - self.plan[index].first_layer
 
-    def layer(self, index: int) -> dict[str, torch.Tensor]:
-        chunk_index = self.stages.chunk_index_of_layer(index)
-        local = index - self.plan[chunk_index].first_layer
-        merged = self._merged(self._chunk_flat(chunk_index), lambda k: _layer_of(k) == local)
-        return {_LAYER_NUMBER.sub(f".layers.{index}.", k, count=1): v for k, v in merged.items()}
-
-    def head(self) -> dict[str, torch.Tensor]:
+            def renumbered(merged: dict) -> dict:
+                return {_LAYER_NUMBER.sub(f".layers.{layer}.", k, count=1): v
+                        for k, v in merged.items()}
+            return index, lambda k: _layer_of(k) == local, renumbered
         index = next(i for i, c in enumerate(self.plan) if c.post_process)
 
         def keep(key: str) -> bool:
             rule = self.layout.rule(key)
             return rule.stage == "last" and rule.copy_of is None
-        return self._merged(self._chunk_flat(index), keep)
+        return index, keep, dict
+
+    def _piece(self, piece: str, layer: int | None = None) -> dict[str, torch.Tensor]:
+        index, keep, rename = self._piece_source(piece, layer)
+        return rename(self._merged(self._flat[self._stage_position(index)], keep))
+
+    # Pieces ---------------------------------------------------------------------------------
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        return self._piece("embeddings")
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        return self._piece("layer", index)
+
+    def head(self) -> dict[str, torch.Tensor]:
+        return self._piece("head")
+
+    def optimizer_state(self, piece: str, layer: int | None = None
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+        index, keep, rename = self._piece_source(piece, layer)
+        per_tp = self._optimizer_flat[self._stage_position(index)]
+        return {name: rename(self._merged([state[name] for state in per_tp], keep))
+                for name in per_tp[0]}
 
     def close(self) -> None:
-        self._flat, self._open_stage = [], None
+        self._flat, self._optimizer_flat, self._open_stage = [], [], None
 
 
 _LEGACY_NAMES = (("language_model.transformer.", "language_model.encoder."),
@@ -198,6 +251,7 @@ def _extras(sd: dict) -> dict:
     return out
 
 
-def load(load_dir: str | Path, family: str, verify: bool = True) -> MegatronCheckpoint:
+def load(load_dir: str | Path, family: str, verify: bool = True,
+         keep_optimizer: bool = False) -> MegatronCheckpoint:
     """The loader's entry point (``--loader megatron``)."""
-    return MegatronCheckpoint(load_dir, family, verify)
+    return MegatronCheckpoint(load_dir, family, verify, keep_optimizer)

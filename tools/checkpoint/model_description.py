@@ -12,6 +12,10 @@ padded vocabulary:
 * :meth:`ModelDescription.head` -- the final LayerNorm, the untied output layer and BERT's
   pooler / ``lm_head`` / ``binary_head``.
 
+With the optimizer state kept (``--keep-optimizer-state``), :attr:`ModelDescription.optimizer`
+describes its global part and :meth:`ModelDescription.optimizer_state` gives each piece's
+per-parameter tensors, whole and under the same keys (``tools.checkpoint.optimizer_state``).
+
 A saver pulls the pieces in whatever order it writes (a pipeline stage at a time, layer by
 layer); a loader keeps only what the current piece needs (one source pipeline stage, mapped
 from its files), so a conversion never holds a whole-model copy.
@@ -25,6 +29,8 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+
+from tools.checkpoint.optimizer_state import OptimizerDescription
 
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 OUTPUT_LAYER = "language_model.output_layer.weight"
@@ -52,6 +58,9 @@ class ModelDescription(abc.ABC):
     extra: dict = field(default_factory=dict)
     """Other top-level entries a Megatron saver carries over (``rng_state``,
     ``num_floating_point_operations_so_far``)."""
+    optimizer: OptimizerDescription | None = None
+    """The optimizer's step count, options, grad scaler and LR scheduler, when the state is
+    carried (None: dropped)."""
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +88,12 @@ class ModelDescription(abc.ABC):
     @abc.abstractmethod
     def head(self) -> dict[str, torch.Tensor]:
         """The last stage's tensors (final LayerNorm, untied output layer, BERT heads)."""
+
+    def optimizer_state(self, piece: str, layer: int | None = None
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+        """The per-parameter optimizer state of a piece (``"embeddings"``, ``"layer"`` with
+        ``layer``, ``"head"``): ``{state key: {model key: whole tensor}}``."""
+        raise ValueError(f"the {type(self).__name__} loader carries no optimizer state")
 
     def close(self) -> None:
         """Drop what the loader holds (mapped files)."""

@@ -5,8 +5,10 @@ Written one target pipeline stage at a time: the stage's layers are pulled from 
 layer by layer, split over the target TP ranks (``megatron.checkpointing.layout``), and its
 ``mp_rank_TT_PPP/model_optim_rng.pt`` files written (atomically, with checksums) before the next
 stage is pulled. ``args`` carry the new sizes, so ``--use-checkpoint-args`` and ``--load`` at the
-new layout work; the optimizer state is not written (load with ``--no-load-optim`` or
-``--finetune``).
+new layout work. The optimizer state is written only when the loader carries it
+(``--keep-optimizer-state``): each parameter's moments and fp32 main param split as the parameter
+is, in the plain or the distributed optimizer's layout (``tools.checkpoint.optimizer_state``);
+otherwise load the result with ``--no-load-optim`` or ``--finetune``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing import (CHECKPOINT_VERSION, LAYOUTS, CheckpointError,
-                                    PipelineStages, checkpoint_name, nest_model_state,
+from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, LAYOUTS,
+                                    CheckpointError, PipelineStages, checkpoint_name, nest_model_state,
                                     publish_tracker, save_file, tracker_path)
 from megatron.checkpointing.names import checkpoint_dir
+from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
                                                 ModelDescription, padded_vocab_size,
                                                 repad_vocab)
@@ -39,6 +42,8 @@ class TargetLayout:
     num_layers_per_virtual_pipeline_stage: int | None = None
     vocab_size_divisible_by: int | None = None
     """``--target-vocab-size-divisible-by``; None: the source's ``make_vocab_size_divisible_by``."""
+    use_distributed_optimizer: bool | None = None
+    """Write the optimizer state in the distributed optimizer's layout; None: as the source."""
 
 
 def target_vocab_size(md: ModelDescription, target: TargetLayout) -> int:
@@ -79,6 +84,9 @@ def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
     args.make_vocab_size_divisible_by = _divisible_by(md, target, vocab)
     if hasattr(args, "model_parallel_size"):  # checkpoint_version < 3's name of the TP size
         del args.model_parallel_size
+    if target.use_distributed_optimizer is not None:
+        # The loading run's --use-distributed-optimizer is checked against it.
+        args.use_distributed_optimizer = target.use_distributed_optimizer
     return args
 
 
@@ -108,31 +116,55 @@ def _repadded(piece: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Ten
     return {k: repad_vocab(v, vocab) if k in VOCAB_ROWS else v for k, v in piece.items()}
 
 
+def _optimizer_piece(md: ModelDescription, piece: str, layer: int | None = None):
+    """A piece's optimizer state (``{state key: {key: tensor}}``), or None when not carried."""
+    return None if md.optimizer is None else md.optimizer_state(piece, layer)
+
+
 def _chunk_pieces(md: ModelDescription, chunk, vocab: int):
     """One target model chunk's whole (not TP-split) tensors, piece by piece (the embedding,
-    each layer, the head), layers numbered locally."""
+    each layer, the head), layers numbered locally: (weights, optimizer state or None)."""
+    def local(piece: dict) -> dict:
+        return {_local(k, chunk.first_layer): v for k, v in piece.items()}
+
     if chunk.pre_process:
-        yield _repadded(md.embeddings(), vocab)
+        state = _optimizer_piece(md, "embeddings")
+        yield _repadded(md.embeddings(), vocab), _each(state, _repadded, vocab)
     for layer in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
-        yield {_local(k, chunk.first_layer): v for k, v in md.layer(layer).items()}
+        state = _optimizer_piece(md, "layer", layer)
+        yield local(md.layer(layer)), _each(state, lambda s, _: local(s), None)
     if chunk.post_process:
         head = _repadded(md.head(), vocab)
+        state = _each(_optimizer_piece(md, "head"), _repadded, vocab)
         if not chunk.pre_process and OUTPUT_LAYER not in head:
-            # Tied output layer on another stage: the last stage keeps its own copy.
+            # Tied output layer on another stage: the last stage keeps its own copy, trained
+            # with the same (all-reduced) gradients: its optimizer state is the embedding's.
             head[HEAD_COPY] = repad_vocab(md.embeddings()[WORD_EMBEDDINGS], vocab)
-        yield head
+            if state is not None:
+                for name, tensors in _optimizer_piece(md, "embeddings").items():
+                    state[name][HEAD_COPY] = repad_vocab(tensors[WORD_EMBEDDINGS], vocab)
+        yield head, state
 
 
-def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout,
-                  tp: int) -> list[dict[str, torch.Tensor]]:
-    """The chunk's flat state per target TP rank, split piece by piece: besides the output
+def _each(state, fn, arg):
+    """``fn`` applied to every state key's dict of an optimizer piece (None stays None)."""
+    return None if state is None else {name: fn(tensors, arg) for name, tensors in state.items()}
+
+
+def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int):
+    """The chunk's flat weights per target TP rank, and its optimizer state per TP rank
+    (``{state key: flat}``; empty when not carried), split piece by piece: besides the output
     being built, only one piece is held whole."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for piece in _chunk_pieces(md, chunk, vocab):
+    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    for piece, state in _chunk_pieces(md, chunk, vocab):
         for shard, part in zip(out, layout.split_tensor_parallel(piece, tp)):
             shard.update(part)
-        del piece
-    return out
+        for name, tensors in (state or {}).items():
+            for rank_state, part in zip(states, layout.split_tensor_parallel(tensors, tp)):
+                rank_state.setdefault(name, {}).update(part)
+        del piece, state
+    return out, states
 
 
 def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Path:
@@ -168,17 +200,41 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
                 vocab: int, chunks) -> None:
     """Build and write every TP rank's file of one target pipeline stage."""
-    shards: list[dict] = [_top_level(md, args) for _ in range(target.tensor_parallel_size)]
+    tp = target.tensor_parallel_size
+    shards: list[dict] = [_top_level(md, args) for _ in range(tp)]
+    weights: list[list[dict]] = [[] for _ in range(tp)]  # [tp][chunk] -> flat
+    states: list[list[dict]] = [[] for _ in range(tp)]
     for chunk in chunks:
-        per_tp = _chunk_shards(md, chunk, vocab, layout, target.tensor_parallel_size)
-        for shard, state in zip(shards, per_tp):
-            shard[chunk.model_key] = nest_model_state(state, layout.nested_sections)
-    del per_tp
-    for tp_rank in range(target.tensor_parallel_size):
-        save_file(shards[tp_rank], checkpoint_name(
-            save_dir, md.iteration, md.release, tensor_rank=tp_rank,
-            pipeline_rank=chunks[0].pipeline_rank,
-            pipeline_parallel=target.pipeline_parallel_size > 1))
+        per_tp, state_per_tp = _chunk_shards(md, chunk, vocab, layout, tp)
+        for tp_rank in range(tp):
+            shards[tp_rank][chunk.model_key] = nest_model_state(per_tp[tp_rank],
+                                                                layout.nested_sections)
+            weights[tp_rank].append(per_tp[tp_rank])
+            states[tp_rank].append(state_per_tp[tp_rank])
+        del per_tp, state_per_tp
+    for tp_rank in range(tp):
+        name = checkpoint_name(save_dir, md.iteration, md.release, tensor_rank=tp_rank,
+                               pipeline_rank=chunks[0].pipeline_rank,
+                               pipeline_parallel=target.pipeline_parallel_size > 1)
+        if md.optimizer is not None:
+            _add_optimizer(shards[tp_rank], md, args, target, weights[tp_rank],
+                           states[tp_rank], name)
+        save_file(shards[tp_rank], name)
+        shards[tp_rank] = weights[tp_rank] = states[tp_rank] = None  # written: let it go
+
+
+def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout,
+                   weights: list[dict], states: list[dict], name: Path) -> None:
+    """The shard's optimizer entries (and, distributed, its ``distrib_optim.pt``)."""
+    kind = optimizer_state.target_of(md.optimizer, args, target.use_distributed_optimizer)
+    if kind.distributed:
+        shard["optimizer"], distrib = optimizer_state.write_distributed(
+            md.optimizer, kind, weights, states)
+        save_file(distrib, name.with_name(DISTRIB_OPTIM_FILENAME))
+    else:
+        shard["optimizer"] = optimizer_state.write_plain(md.optimizer, weights, states)
+    if md.optimizer.scheduler is not None:
+        shard["opt_param_scheduler"] = md.optimizer.scheduler
 
 
 def _top_level(md: ModelDescription, args) -> dict:

@@ -97,7 +97,7 @@ class Bucket:
         if not self.started:
             self.start_grad_sync(async_op=False)
         if self.handle is not None:
-            self.handle.wait()
+            comm.wait(self.handle, "gradient reduction", self.dp_group)
             self.handle = None
         if self._shard_out is not None:
             self.shard().copy_(self._shard_out)

@@ -204,8 +204,7 @@ class P2PCommunicator:
         else:
             handles = [(comm.isend if kind == "send" else comm.irecv)(tensor, peer, self.pp_group)
                        for kind, tensor, peer in ops]
-        for handle in handles:
-            handle.wait()
+        comm.wait(handles, "pipeline send/recv", self.pp_group)
         if self.batch_p2p_comm:
             # NCCL's batched operations run on their own stream: make the received data visible
             # to the compute stream before it is used (a no-op on the CPU), as Megatron does.

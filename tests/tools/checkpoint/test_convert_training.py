@@ -1,32 +1,47 @@
-"""tools/checkpoint/convert.py, end to end: a checkpoint trained at TP1 (DP4), converted to
-TP2.PP2 with virtual stages, TP1.PP4, TP4.PP1 (tied) and TP2.PP2 (untied output layer),
-resumes with ``--load`` at the new layout and trains on with the same losses as the source
-resumed at its own layout (fp32, pooled gloo worlds; the converter runs without processes)."""
+"""tools/checkpoint/convert.py, end to end, with the optimizer state kept: a checkpoint trained
+for one iteration at layout A, converted with ``--keep-optimizer-state`` to layout B, resumes
+with ``--load`` (optimizer loaded) and trains on with the losses of the uninterrupted run at A
+(fp32, 1e-5). With Adam this holds only when the moments, the step count and the scheduler are
+carried and re-split exactly (fresh moments move the next loss by ~1e-2 here).
+
+Cases: TP1 (DP4, plain) -> TP2.PP2 with virtual stages, TP1.PP4, TP2.DP2 distributed optimizer;
+untied output layer -> TP2.PP2; TP2.DP2 distributed optimizer -> TP1.DP4 plain and -> TP4
+distributed (DP1). bf16 (fp32 main params): plain TP2 -> distributed TP1 -> plain TP2 is bitwise.
+Pooled gloo worlds; the converter runs without processes."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from megatron.checkpointing import DISTRIB_OPTIM_FILENAME, load_checkpoint_file, shard_files
 from tests.training import e2e
 from tools.checkpoint import convert
 
 LAYERS = ["--num-layers", "4"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
-# The resumed runs start a fresh optimizer on every layout (the converter drops its state).
-RESUME = ["--no-load-optim"]
-SOURCE_ITERS, RESUMED_ITERS = 1, 3
+DISTOPT = ["--use-distributed-optimizer"]
+SAVED_AT, TOTAL_ITERS = 1, 3
 LOSS_TOL = 1e-5
 
-# name: (TP, PP, layers per virtual stage, extra flags)
-LAYOUTS = {"tp2pp2_vpp": (2, 2, 1, []), "tp1pp4": (1, 4, None, []), "tp4pp1": (4, 1, None, []),
-           "tp2pp2_untied": (2, 2, None, UNTIED)}
+# source: (TP, extra flags); saved at iteration SAVED_AT of a TOTAL_ITERS run at world 4
+SOURCES = {"tied": (1, []), "untied": (1, UNTIED), "distopt": (2, DISTOPT),
+           "bf16": (2, ["--bf16"])}
+# target: (source, TP, PP, layers per virtual stage, target distributed optimizer)
+TARGETS = {"tp2pp2_vpp": ("tied", 2, 2, 1, False), "tp1pp4": ("tied", 1, 4, None, False),
+           "tp2dp2_distopt": ("tied", 2, 1, None, True),
+           "untied_tp2pp2": ("untied", 2, 2, None, False),
+           "distopt_to_tp1dp4_plain": ("distopt", 1, 1, None, False),
+           "distopt_to_tp4_distopt": ("distopt", 4, 1, None, True)}
 
 
-def _argv(corpus, tp: int, pp: int, vpp: int | None, iters: int, extra) -> list[str]:
+def _argv(corpus, tp: int, pp: int, vpp: int | None, extra) -> list[str]:
     flags = [*LAYERS, "--pipeline-model-parallel-size", str(pp), *extra]
     if vpp is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(vpp)]
-    return e2e.gpt_argv(corpus, tp=tp, iters=iters, extra=flags)
+    return e2e.gpt_argv(corpus, tp=tp, iters=TOTAL_ITERS, extra=flags)
 
 
 def _last_rank_losses(per_rank: list[dict]) -> list[float]:
@@ -36,50 +51,95 @@ def _last_rank_losses(per_rank: list[dict]) -> list[float]:
     return e2e.losses(result)
 
 
+def _convert(source: Path, target: Path, tp: int, pp: int = 1, vpp: int | None = None,
+             distributed: bool | None = None) -> None:
+    argv = ["--model-type", "GPT", "--load-dir", str(source), "--save-dir", str(target),
+            "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size",
+            str(pp), "--keep-optimizer-state"]
+    if vpp is not None:
+        argv += ["--target-num-layers-per-virtual-pipeline-stage", str(vpp)]
+    if distributed is not None:
+        argv.append("--target-use-distributed-optimizer" if distributed
+                    else "--no-target-use-distributed-optimizer")
+    assert convert.main(argv) == 0
+
+
 @pytest.fixture(scope="module")
 def trained(gpt2_corpus, tmp_path_factory):
-    """Sources (tied, untied) saved after 2 iterations at TP1.DP4, and their resumed losses."""
+    """Each source trained straight for TOTAL_ITERS at world 4, saving every iteration: its
+    losses are the reference, its iteration-SAVED_AT checkpoint the converter's input."""
     root = tmp_path_factory.mktemp("convert_training")
-    runs, sources = [], {}
-    for name, extra in (("tied", []), ("untied", UNTIED)):
-        save = str(root / f"src_{name}")
-        sources[name] = save
-        # The whole run's schedule (--train-iters), stopped and saved at SOURCE_ITERS.
-        runs.append({"argv": _argv(gpt2_corpus, 1, 1, None, RESUMED_ITERS, [
-            *extra, "--save", save, "--save-interval", str(SOURCE_ITERS),
-            "--exit-interval", str(SOURCE_ITERS)])})
-        runs.append({"argv": _argv(gpt2_corpus, 1, 1, None, RESUMED_ITERS,
-                                   [*extra, "--load", save, *RESUME])})
+    runs = [{"argv": _argv(gpt2_corpus, tp, 1, None, [
+        *extra, "--save", str(root / f"src_{name}"), "--save-interval", "1"])}
+        for name, (tp, extra) in SOURCES.items()]
     results = e2e.pooled(4, runs)
-    print([round(r[-1].get("seconds") or 0, 1) for r in results])
-    reference = {"tied": _last_rank_losses(results[1]), "untied": _last_rank_losses(results[3])}
-    return root, sources, reference
+    straight = {name: _last_rank_losses(r) for name, r in zip(SOURCES, results)}
+    saved = {name: root / f"src_{name}" / f"iter_{SAVED_AT:07d}" for name in SOURCES}
+    return root, saved, straight
 
 
 @pytest.fixture(scope="module")
 def converted(trained, gpt2_corpus):
-    """Every target layout converted from its source and resumed (one pooled world)."""
-    root, sources, _ = trained
+    """Every target converted from its source and resumed (one pooled world)."""
+    root, saved, _ = trained
     runs = []
-    for name, (tp, pp, vpp, extra) in LAYOUTS.items():
+    for name, (source, tp, pp, vpp, distributed) in TARGETS.items():
         target = root / name
-        argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron",
-                "--load-dir", sources["untied" if extra else "tied"], "--save-dir", str(target),
-                "--target-tensor-parallel-size", str(tp),
-                "--target-pipeline-parallel-size", str(pp), "--megatron-path", "/ignored"]
-        if vpp is not None:
-            argv += ["--target-num-layers-per-virtual-pipeline-stage", str(vpp)]
-        assert convert.main(argv) == 0
-        runs.append({"argv": _argv(gpt2_corpus, tp, pp, vpp, RESUMED_ITERS,
-                                   [*extra, "--load", str(target), *RESUME])})
+        _convert(saved[source], target, tp, pp, vpp, distributed)
+        extra = [*SOURCES[source][1], "--load", str(target)]
+        extra = [f for f in extra if f not in DISTOPT] + (DISTOPT if distributed else [])
+        runs.append({"argv": _argv(gpt2_corpus, tp, pp, vpp, extra)})
     results = e2e.pooled(4, runs)
-    print({name: round(r[-1].get("seconds") or 0, 1) for name, r in zip(LAYOUTS, results)})
-    return {name: _last_rank_losses(result) for name, result in zip(LAYOUTS, results)}
+    return {name: _last_rank_losses(result) for name, result in zip(TARGETS, results)}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_converted_checkpoint_trains_on_with_the_source_losses(trained, converted, name):
-    reference = trained[2]["untied" if LAYOUTS[name][3] else "tied"]
-    assert len(reference) == RESUMED_ITERS - SOURCE_ITERS
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_converted_optimizer_state_resumes_the_uninterrupted_run(trained, converted, name):
+    reference = trained[2][TARGETS[name][0]][SAVED_AT:]
+    assert len(converted[name]) == TOTAL_ITERS - SAVED_AT
     assert e2e.max_abs_diff(converted[name], reference) <= LOSS_TOL, \
         (name, converted[name], reference)
+
+
+def _optimizer_states(iteration_dir: Path) -> dict:
+    """Every shard's optimizer entries, scheduler and distrib_optim.pt."""
+    out = {}
+    for rank, path in shard_files(iteration_dir).items():
+        sd = load_checkpoint_file(path)
+        distrib = path.with_name(DISTRIB_OPTIM_FILENAME)
+        out[rank] = (sd["optimizer"], sd.get("opt_param_scheduler"),
+                     load_checkpoint_file(distrib) if distrib.is_file() else None)
+    return out
+
+
+def _assert_equal(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("source, hops", [
+    ("tied", [(2, 2, 1, None), (1, 1, None, None)]),
+    ("bf16", [(1, 1, None, True), (2, 1, None, False)])])
+def test_optimizer_state_round_trip_is_bitwise(trained, tmp_path, source, hops):
+    """Through other layouts and back (bf16: through the distributed optimizer's layout):
+    moments, fp32 main params, step, grad scaler and scheduler come back bit for bit."""
+    _, saved, _ = trained
+    current = saved[source]
+    for i, (tp, pp, vpp, distributed) in enumerate(hops):
+        _convert(current, tmp_path / f"hop{i}", tp, pp, vpp, distributed)
+        current = tmp_path / f"hop{i}"
+    back = _optimizer_states(next(current.glob("iter_*")))
+    _assert_equal(back, _optimizer_states(saved[source]), source)
+    if source == "bf16":  # the fp32 main params are carried, not re-derived from bf16 weights
+        mains = back[(0, 0)][0]["fp32_from_fp16_params"]
+        assert all(m.dtype == torch.float32 for group in mains for m in group)

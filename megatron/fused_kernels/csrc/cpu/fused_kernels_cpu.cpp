@@ -3,8 +3,8 @@
 //
 // Every kernel reads fp32/fp16/bf16, computes and accumulates in fp32, and writes the input's
 // dtype. Rows are spread over torch's intra-op thread pool (OpenMP in the CPU wheels) with
-// at::parallel_for, so torch.set_num_threads governs them; the per-row inner loops are plain
-// float loops over contiguous memory that the compiler vectorises (`#pragma omp simd`).
+// at::parallel_for, so torch.set_num_threads governs them; the per-row work is in row_kernels.h
+// (plain vectorisable loops on fp32 row buffers; this file binds tensors to it).
 //
 // Softmax semantics follow Megatron's CUDA kernels (megatron/fused_kernels/scaled_*softmax.h):
 // masked scores are set to -10000 after scaling, and a row whose every score is masked outputs
@@ -15,100 +15,79 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "row_kernels.h"
 
 namespace {
 
-constexpr float kMaskedScore = -10000.0f;
+using megatron_cpu::Bf16Codec;
+using megatron_cpu::FloatCodec;
 
-// exp(x) for float, branch-free so that loops calling it vectorise. Cephes' expf: x = n ln2 + r,
-// |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n built in the exponent bits. Error <= 2 ulp
-// over the normal range; inputs below -87.3 (e^x subnormal) return 0, as the masked -10000
-// scores must.
-inline float exp_approx(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  float r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.3f ? 0.0f : p * scale;
+// fp16 through c10's scalar conversion: CPUs rarely train in fp16, so it is kept simple.
+struct HalfCodec {
+  using storage = at::Half;
+  static void load(const at::Half* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  static void store(const float* src, float mul, at::Half* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i] * mul);
+  }
+};
+
+// Calls fn(codec) with the codec of `dtype`; fn gets the storage type as `typename
+// decltype(codec)::storage` and the data through `data<C>(tensor)`.
+template <typename Fn>
+void dispatch_codec(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(FloatCodec{}); break;
+    case at::kBFloat16: fn(Bf16Codec{}); break;
+    case at::kHalf: fn(HalfCodec{}); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, float16 or bfloat16");
+  }
 }
 
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
+template <typename C>
+typename C::storage* data(const at::Tensor& t) {
+  return reinterpret_cast<typename C::storage*>(t.data_ptr());
+}
+
+// Rows per parallel task: about 32k elements, enough to amortise a task, few enough to balance.
+int64_t grain_for(int64_t row_length) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_length, 1));
+}
+
+std::vector<float> to_float_vector(const at::Tensor& t) {
+  const at::Tensor f = t.to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
 
 // ---------------------------------------------------------------------------------------------
 // Softmax
 // ---------------------------------------------------------------------------------------------
 
-// softmax(scale * x) over the first `valid` entries of a row of `n`, zeros after them. `mask`
-// (may be null) marks masked entries (-10000). `buf` is fp32 scratch of n floats.
-template <typename T>
-void softmax_row(const T* x, const uint8_t* mask, int64_t valid, int64_t n, float scale, T* y,
-                 float* buf) {
-  float max_value = -INFINITY;
-  bool any_unmasked = valid > 0;
-  if (mask != nullptr) {
-    int64_t unmasked = 0;
-#pragma omp simd reduction(max : max_value) reduction(+ : unmasked)
-    for (int64_t i = 0; i < valid; ++i) {
-      const bool keep = mask[i] == 0;
-      buf[i] = keep ? to_float(x[i]) * scale : kMaskedScore;
-      max_value = std::max(max_value, buf[i]);
-      unmasked += keep ? 1 : 0;
-    }
-    any_unmasked = unmasked > 0;
-  } else {
-#pragma omp simd reduction(max : max_value)
-    for (int64_t i = 0; i < valid; ++i) {
-      buf[i] = to_float(x[i]) * scale;
-      max_value = std::max(max_value, buf[i]);
-    }
-  }
-  if (!any_unmasked) {  // Megatron's kernels write zeros for a fully masked row.
-    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(0.0f);
-    return;
-  }
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < valid; ++i) {
-    buf[i] = exp_approx(buf[i] - max_value);
-    sum += buf[i];
-  }
-  const float inv_sum = 1.0f / sum;
-#pragma omp simd
-  for (int64_t i = 0; i < valid; ++i) y[i] = static_cast<T>(buf[i] * inv_sum);
-  for (int64_t i = valid; i < n; ++i) y[i] = static_cast<T>(0.0f);
-}
-
 // Rows of the [rows, n] view of `input`; `row_mask(r)` gives row r's mask pointer (or null),
-// `row_valid(r)` its number of leading unmasked-by-position entries.
-template <typename T, typename MaskFn, typename ValidFn>
-void softmax_rows(const at::Tensor& input, at::Tensor& output, float scale, MaskFn row_mask,
-                  ValidFn row_valid) {
+// `row_valid(r)` its number of leading entries not masked by position (causal).
+template <typename MaskFn, typename ValidFn>
+at::Tensor softmax_rows(const at::Tensor& input, float scale, MaskFn row_mask,
+                        ValidFn row_valid, const char* name) {
+  at::Tensor output = at::empty_like(input);
   const int64_t n = input.size(-1);
   const int64_t rows = input.numel() / std::max<int64_t>(n, 1);
-  const T* in = input.data_ptr<T>();
-  T* out = output.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(n);
-    for (int64_t r = begin; r < end; ++r) {
-      softmax_row<T>(in + r * n, row_mask(r), row_valid(r), n, scale, out + r * n, buf.data());
-    }
+  dispatch_codec(input.scalar_type(), name, [&](auto codec) {
+    using C = decltype(codec);
+    const auto* in = data<C>(input);
+    auto* out = data<C>(output);
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(n);
+      for (int64_t r = begin; r < end; ++r) {
+        megatron_cpu::softmax_forward_row<C>(in + r * n, row_mask(r), row_valid(r), n, scale,
+                                             out + r * n, buf.data());
+      }
+    });
   });
+  return output;
 }
 
 void check_softmax_input(const at::Tensor& input, int64_t dims, const char* name) {
@@ -124,15 +103,10 @@ void check_softmax_input(const at::Tensor& input, int64_t dims, const char* name
 at::Tensor scaled_softmax_forward(const at::Tensor& input_, double scale) {
   check_softmax_input(input_, 4, "scaled_softmax_forward");
   const at::Tensor input = input_.contiguous();
-  at::Tensor output = at::empty_like(input);
   const int64_t sk = input.size(3);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "scaled_softmax",
-                                  [&] {
-    softmax_rows<scalar_t>(input, output, static_cast<float>(scale),
-                           [](int64_t) -> const uint8_t* { return nullptr; },
-                           [sk](int64_t) { return sk; });
-  });
-  return output;
+  return softmax_rows(input, static_cast<float>(scale),
+                      [](int64_t) -> const uint8_t* { return nullptr; },
+                      [sk](int64_t) { return sk; }, "scaled_softmax_forward");
 }
 
 // [b, np, sq, sk] with a boolean mask [b or 1, 1, sq, sk] (True = masked out).
@@ -145,21 +119,16 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& input_, const at::Ten
               "scaled_masked_softmax_forward: mask must be [b or 1, 1, sq, sk]");
   const at::Tensor input = input_.contiguous();
   const at::Tensor mask = mask_.to(at::kByte).contiguous();  // bool and uint8 are both 1 byte
-  at::Tensor output = at::empty_like(input);
   const int64_t heads = input.size(1), sq = input.size(2), sk = input.size(3);
   const int64_t mask_batches = mask.size(0);
   const uint8_t* mask_data = mask.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
-                                  "scaled_masked_softmax", [&] {
-    softmax_rows<scalar_t>(
-        input, output, static_cast<float>(scale),
-        [=](int64_t r) -> const uint8_t* {
-          const int64_t batch = r / (heads * sq), query = r % sq;  // heads share the mask
-          return mask_data + ((mask_batches == 1 ? 0 : batch) * sq + query) * sk;
-        },
-        [sk](int64_t) { return sk; });
-  });
-  return output;
+  return softmax_rows(
+      input, static_cast<float>(scale),
+      [=](int64_t r) -> const uint8_t* {
+        const int64_t batch = r / (heads * sq), query = r % sq;  // heads share the mask
+        return mask_data + ((mask_batches == 1 ? 0 : batch) * sq + query) * sk;
+      },
+      [sk](int64_t) { return sk; }, "scaled_masked_softmax_forward");
 }
 
 // [attn_batches, sq, sk], causal: query i sees keys j <= i + (sk - sq) (sq == sk in training;
@@ -169,44 +138,16 @@ at::Tensor scaled_upper_triang_masked_softmax_forward(const at::Tensor& input_, 
   TORCH_CHECK(input_.size(1) <= input_.size(2),
               "scaled_upper_triang_masked_softmax_forward: needs sq <= sk");
   const at::Tensor input = input_.contiguous();
-  at::Tensor output = at::empty_like(input);
   const int64_t sq = input.size(1), sk = input.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
-                                  "scaled_upper_triang_masked_softmax", [&] {
-    softmax_rows<scalar_t>(input, output, static_cast<float>(scale),
-                           [](int64_t) -> const uint8_t* { return nullptr; },
-                           [=](int64_t r) { return r % sq + 1 + (sk - sq); });
-  });
-  return output;
+  return softmax_rows(input, static_cast<float>(scale),
+                      [](int64_t) -> const uint8_t* { return nullptr; },
+                      [=](int64_t r) { return r % sq + 1 + (sk - sq); },
+                      "scaled_upper_triang_masked_softmax_forward");
 }
 
-// dx = scale * y * (dy - sum(dy * y)) row by row; the same for every softmax variant (masked
-// entries have y == 0, so they get no gradient). (Loops with pragmas live in templates: a
-// pragma cannot sit inside the AT_DISPATCH macro's argument.)
-// `sq` > 0: causal rows (row r of each [sq, n] block has r % sq + 1 + n - sq live entries; the
-// rest are exact zeros in y, hence in dx, and are not read).
-template <typename T>
-void softmax_backward_rows(const T* dy, const T* y, T* dx, int64_t rows, int64_t n, float s,
-                           int64_t sq) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* dyr = dy + r * n;
-      const T* yr = y + r * n;
-      T* dxr = dx + r * n;
-      const int64_t valid = sq > 0 ? r % sq + 1 + (n - sq) : n;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < valid; ++i) dot += to_float(dyr[i]) * to_float(yr[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < valid; ++i) {
-        dxr[i] = static_cast<T>(s * to_float(yr[i]) * (to_float(dyr[i]) - dot));
-      }
-      for (int64_t i = valid; i < n; ++i) dxr[i] = static_cast<T>(0.0f);
-    }
-  });
-}
-
+// dx = scale * y * (dy - sum(dy * y)) row by row, the same for every softmax variant (masked
+// entries have y == 0, so they get no gradient). `causal`: row r of each [sq, n] block has
+// r % sq + 1 + n - sq live entries; the rest are exact zeros in y, hence in dx, and are not read.
 at::Tensor softmax_backward_impl(const at::Tensor& grad_output_, const at::Tensor& output_,
                                  double scale, bool causal) {
   TORCH_CHECK(grad_output_.sizes() == output_.sizes(), "softmax backward: shape mismatch");
@@ -217,11 +158,21 @@ at::Tensor softmax_backward_impl(const at::Tensor& grad_output_, const at::Tenso
   at::Tensor grad_input = at::empty_like(output);
   const int64_t n = output.size(-1);
   const int64_t rows = output.numel() / std::max<int64_t>(n, 1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output.scalar_type(),
-                                  "softmax_backward", [&] {
-    softmax_backward_rows<scalar_t>(grad_output.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
-                                    grad_input.data_ptr<scalar_t>(), rows, n,
-                                    static_cast<float>(scale), causal ? output.size(-2) : 0);
+  const int64_t sq = causal ? output.size(-2) : 0;
+  const float s = static_cast<float>(scale);
+  dispatch_codec(output.scalar_type(), "softmax_backward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* dy = data<C>(grad_output);
+    const auto* y = data<C>(output);
+    auto* dx = data<C>(grad_input);
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      std::vector<float> ybuf(n), dybuf(n);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t valid = sq > 0 ? r % sq + 1 + (n - sq) : n;
+        megatron_cpu::softmax_backward_row<C>(dy + r * n, y + r * n, valid, n, s, dx + r * n,
+                                              ybuf.data(), dybuf.data());
+      }
+    });
   });
   return grad_input;
 }
@@ -254,119 +205,159 @@ void check_layer_norm_input(const at::Tensor& input, const at::Tensor& weight,
               "layer_norm: input, weight and bias must share one dtype");
 }
 
-template <typename T>
-void layer_norm_forward_rows(const T* x, const T* w, const T* b, T* y, float* mean_out,
-                             float* invvar_out, int64_t rows, int64_t h, float eps) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(h);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * h;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < h; ++i) {
-        row[i] = to_float(xr[i]);
-        sum += row[i];
-      }
-      const float mu = sum / static_cast<float>(h);
-      // Two passes over the cached row: the variance of the centred values does not lose the
-      // digits that E[x^2] - mean^2 cancels.
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < h; ++i) squares += (row[i] - mu) * (row[i] - mu);
-      const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) + eps);
-      T* yr = y + r * h;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) {
-        yr[i] = static_cast<T>((row[i] - mu) * rstd * to_float(w[i]) + to_float(b[i]));
-      }
-      mean_out[r] = mu;
-      invvar_out[r] = rstd;
-    }
-  });
-}
-
 // y = (x - mean) * invvar * weight + bias over the last dim; returns (y, mean, invvar), the
 // statistics fp32 [rows] for the backward.
-std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::Tensor& weight_,
-                                           const at::Tensor& bias_, double eps) {
-  check_layer_norm_input(input_, weight_, bias_);
+std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::Tensor& weight,
+                                           const at::Tensor& bias, double eps) {
+  check_layer_norm_input(input_, weight, bias);
   const at::Tensor input = input_.contiguous();
-  const at::Tensor weight = weight_.contiguous(), bias = bias_.contiguous();
   const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
   at::Tensor output = at::empty_like(input);
   at::Tensor mean = at::empty({rows}, input.options().dtype(at::kFloat));
   at::Tensor invvar = at::empty({rows}, input.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
-                                  "layer_norm_forward", [&] {
-    layer_norm_forward_rows<scalar_t>(input.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                      bias.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
-                                      mean.data_ptr<float>(), invvar.data_ptr<float>(), rows, h,
-                                      static_cast<float>(eps));
+  const std::vector<float> w = to_float_vector(weight), b = to_float_vector(bias);
+  float* mean_data = mean.data_ptr<float>();
+  float* invvar_data = invvar.data_ptr<float>();
+  dispatch_codec(input.scalar_type(), "layer_norm_forward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* x = data<C>(input);
+    auto* y = data<C>(output);
+    at::parallel_for(0, rows, grain_for(h), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(h);
+      for (int64_t r = begin; r < end; ++r) {
+        megatron_cpu::layer_norm_forward_row<C>(x + r * h, w.data(), b.data(), h,
+                                                static_cast<float>(eps), y + r * h, row.data(),
+                                                mean_data + r, invvar_data + r);
+      }
+    });
   });
   return {output, mean, invvar};
-}
-
-template <typename T>
-void layer_norm_backward_chunks(const T* dy, const T* x, const float* mu, const float* rstd,
-                                const T* w, T* dx, float* dw_partial, int64_t rows, int64_t h,
-                                int64_t chunks) {
-  float* db_partial = dw_partial + chunks * h;
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<float> xhat(h), g(h);
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      float* dw = dw_partial + c * h;
-      float* db = db_partial + c * h;
-      const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
-      for (int64_t r = row_begin; r < row_end; ++r) {
-        const T* dyr = dy + r * h;
-        const T* xr = x + r * h;
-        const float m = mu[r], inv = rstd[r];
-        float sum_g = 0.0f, sum_g_xhat = 0.0f;
-#pragma omp simd reduction(+ : sum_g, sum_g_xhat)
-        for (int64_t i = 0; i < h; ++i) {
-          const float d = to_float(dyr[i]);
-          xhat[i] = (to_float(xr[i]) - m) * inv;
-          g[i] = d * to_float(w[i]);
-          dw[i] += d * xhat[i];
-          db[i] += d;
-          sum_g += g[i];
-          sum_g_xhat += g[i] * xhat[i];
-        }
-        const float mean_g = sum_g / static_cast<float>(h);
-        const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
-        T* dxr = dx + r * h;
-#pragma omp simd
-        for (int64_t i = 0; i < h; ++i) {
-          dxr[i] = static_cast<T>(inv * (g[i] - mean_g - xhat[i] * mean_g_xhat));
-        }
-      }
-    }
-  });
 }
 
 // Input, weight and bias gradients. Weight/bias partial sums are kept per chunk of rows in fp32
 // and added in chunk order, so the result does not depend on thread timing.
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
                                             const at::Tensor& input_, const at::Tensor& mean_,
-                                            const at::Tensor& invvar_, const at::Tensor& weight_) {
+                                            const at::Tensor& invvar_, const at::Tensor& weight) {
   const at::Tensor grad_output = grad_output_.contiguous(), input = input_.contiguous();
   const at::Tensor mean = mean_.contiguous(), invvar = invvar_.contiguous();
-  const at::Tensor weight = weight_.contiguous();
   TORCH_CHECK(grad_output.sizes() == input.sizes(), "layer_norm_backward: shape mismatch");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(),
+              "layer_norm_backward: dtype mismatch");
   const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * at::get_num_threads()));
   at::Tensor grad_input = at::empty_like(input);
   at::Tensor partial = at::zeros({2, chunks, h}, input.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(),
-                                  "layer_norm_backward", [&] {
-    layer_norm_backward_chunks<scalar_t>(
-        grad_output.data_ptr<scalar_t>(), input.data_ptr<scalar_t>(), mean.data_ptr<float>(),
-        invvar.data_ptr<float>(), weight.data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(),
-        partial.data_ptr<float>(), rows, h, chunks);
+  const std::vector<float> w = to_float_vector(weight);
+  const float* mu = mean.data_ptr<float>();
+  const float* rstd = invvar.data_ptr<float>();
+  float* dw_partial = partial.data_ptr<float>();
+  float* db_partial = dw_partial + chunks * h;
+  dispatch_codec(input.scalar_type(), "layer_norm_backward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* dy = data<C>(grad_output);
+    const auto* x = data<C>(input);
+    auto* dx = data<C>(grad_input);
+    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      std::vector<float> xhat(h), g(h);
+      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+        const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
+        for (int64_t r = row_begin; r < row_end; ++r) {
+          megatron_cpu::layer_norm_backward_row<C>(dy + r * h, x + r * h, mu[r], rstd[r],
+                                                   w.data(), h, dx + r * h, dw_partial + c * h,
+                                                   db_partial + c * h, xhat.data(), g.data());
+        }
+      }
+    });
   });
   at::Tensor sums = partial.sum(1);  // [2, h] in chunk order
   return {grad_input, sums[0].to(weight.scalar_type()), sums[1].to(weight.scalar_type())};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross entropy (the vocabulary-parallel loss's per-rank passes; the all-reduces stay in
+// Python, in megatron/core/tensor_parallel/cross_entropy.py)
+// ---------------------------------------------------------------------------------------------
+
+void check_logits(const at::Tensor& logits, const char* name) {
+  TORCH_CHECK(logits.device().is_cpu(), name, ": expected a CPU tensor");
+  TORCH_CHECK(logits.dim() >= 1 && logits.is_contiguous(), name,
+              ": expected contiguous logits [..., V/p]");
+}
+
+// One read of the logits [..., V/p]: per row the max, sum(exp(l - max)) and sum(l), fp32 [...].
+std::vector<at::Tensor> cross_entropy_stats(const at::Tensor& logits) {
+  check_logits(logits, "cross_entropy_stats");
+  const int64_t n = logits.size(-1), rows = logits.numel() / std::max<int64_t>(n, 1);
+  const auto stat_shape = logits.sizes().slice(0, logits.dim() - 1);
+  at::Tensor max_out = at::empty(stat_shape, logits.options().dtype(at::kFloat));
+  at::Tensor sum_exp_out = at::empty_like(max_out), sum_out = at::empty_like(max_out);
+  float* m = max_out.data_ptr<float>();
+  float* se = sum_exp_out.data_ptr<float>();
+  float* s = sum_out.data_ptr<float>();
+  dispatch_codec(logits.scalar_type(), "cross_entropy_stats", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* l = data<C>(logits);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(megatron_cpu::kCrossEntropyBlock);
+      for (int64_t r = begin; r < end; ++r) {
+        megatron_cpu::cross_entropy_row_stats<C>(l + r * n, n, m + r, se + r, s + r,
+                                                 buf.data());
+      }
+    });
+  });
+  return {max_out, sum_exp_out, sum_out};
+}
+
+// d loss / d logits = (softmax - on_target * onehot(target) - uniform) * grad_loss, with the
+// softmax rebuilt from the saved row max and sum of exponentials (global over the TP group).
+// `local_target` [...] int64: the target's column on this rank, or -1 where another rank holds
+// it. Written into `logits` itself when `inplace` (one read and one write of the logits).
+at::Tensor cross_entropy_backward(at::Tensor logits, const at::Tensor& max_,
+                                  const at::Tensor& sum_exp_,
+                                  const at::Tensor& local_target_, const at::Tensor& grad_loss_,
+                                  double on_target, double uniform, bool inplace) {
+  check_logits(logits, "cross_entropy_backward");
+  const int64_t n = logits.size(-1), rows = logits.numel() / std::max<int64_t>(n, 1);
+  const at::Tensor max = max_.to(at::kFloat).contiguous();
+  const at::Tensor sum_exp = sum_exp_.to(at::kFloat).contiguous();
+  const at::Tensor grad_loss = grad_loss_.to(at::kFloat).contiguous();
+  const at::Tensor local_target = local_target_.to(at::kLong).contiguous();
+  TORCH_CHECK(max.numel() == rows && sum_exp.numel() == rows && grad_loss.numel() == rows &&
+                  local_target.numel() == rows,
+              "cross_entropy_backward: per-row tensors must have logits.numel() / V/p entries");
+  TORCH_CHECK(rows == 0 || local_target.max().item<int64_t>() < n,
+              "cross_entropy_backward: a local target is outside [0, ", n, ")");
+  at::Tensor grad = inplace ? logits : at::empty_like(logits);
+  const float* m = max.data_ptr<float>();
+  const float* se = sum_exp.data_ptr<float>();
+  const float* g = grad_loss.data_ptr<float>();
+  const int64_t* target = local_target.data_ptr<int64_t>();
+  dispatch_codec(logits.scalar_type(), "cross_entropy_backward", [&](auto codec) {
+    using C = decltype(codec);
+    using S = typename C::storage;
+    const S* l = data<C>(logits);
+    S* out = data<C>(grad);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(megatron_cpu::kCrossEntropyBlock);
+      for (int64_t r = begin; r < end; ++r) {
+        // The target column's softmax, read before the row is overwritten.
+        const int64_t t = target[r];
+        float target_value = 0.0f;
+        if (t >= 0) C::load(l + r * n + t, &target_value, 1);
+        megatron_cpu::cross_entropy_row_grad<C>(l + r * n, n, m[r], 1.0f / se[r],
+                                                static_cast<float>(uniform), g[r], out + r * n,
+                                                buf.data());
+        if (t >= 0) {
+          const float p = megatron_cpu::fast_exp(target_value - m[r]) / se[r];
+          const float value = (p - static_cast<float>(uniform) -
+                               static_cast<float>(on_target)) * g[r];
+          C::store(&value, 1.0f, out + r * n + t, 1);
+        }
+      }
+    });
+  });
+  return grad;
 }
 
 }  // namespace
@@ -385,4 +376,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "fused layer norm -> (y, mean, invvar)");
   m.def("layer_norm_backward", &layer_norm_backward,
         "fused layer norm backward -> (grad_input, grad_weight, grad_bias)");
+  m.def("cross_entropy_stats", &cross_entropy_stats,
+        "per row of logits [..., V/p]: (max, sum exp(l - max), sum l), one read");
+  m.def("cross_entropy_backward", &cross_entropy_backward,
+        "(softmax - on_target * onehot - uniform) * grad_loss from the row statistics");
 }

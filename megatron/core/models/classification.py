@@ -1,0 +1,200 @@
+"""BERT with a finetuning head instead of its pretraining heads (Megatron-LM's
+``megatron/model/classification.py`` and ``multiple_choice.py``).
+
+* :class:`Classification`: pooler -> dropout(``hidden_dropout``) -> ``Linear(h, classes)``;
+  checkpoint key ``classification_head``.
+* :class:`MultipleChoice`: inputs ``[b, choices, s]`` run as ``[b choices, s]``; pooler ->
+  dropout -> ``Linear(h, 1)`` -> ``view(-1, choices)``; checkpoint key ``multichoice_head``.
+
+Both are a :class:`BertWithHead`: the BERT body (embedding with token types, padding-masked
+encoder, final LayerNorm, pooler; ``language_model.*`` as in a pretrained BERT checkpoint) and a
+replicated head on the last stage. There is no masked-LM head, so no tied output weight either.
+
+Loading (``load_state_dict``) has two modes, as Megatron-LM's finetuning uses them:
+
+* ``strict=True`` (resuming a finetuning run, ``--load``): every key must fit.
+* ``strict=False`` (a pretrained BERT, ``--pretrained-checkpoint``): only ``language_model`` is
+  read; the pretraining heads (``lm_head``, ``binary_head``, ``word_embeddings_for_head``) are
+  dropped, and what the checkpoint lacks (the new head; the pooler and token-type embedding of
+  a BERT pretrained with ``--bert-no-binary-head``) keeps its fresh initialization; each is
+  logged. Shape mismatches are errors in both modes.
+
+Another span-level head (SQuAD's ``Linear(h, 2)`` over the sequence) subclasses
+:class:`BertWithHead` the same way: build the head in ``build_head``, apply it in ``head``,
+name its checkpoint section in ``head_key`` (``pooled`` is None with ``add_pooler=False``).
+
+Legend: b batch, c choices, s sequence, h hidden, k classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megatron.core.log import log_rank_0
+from megatron.core.models.bert import bert_extended_attention_mask, bert_position_ids
+from megatron.core.models.language_model import replicated_linear
+from megatron.core.models.language_module import (LanguageModule, build_model_stage,
+                                                  flatten_checkpoint_state_dict)
+from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.transformer.config import TransformerConfig
+
+__all__ = ["BertWithHead", "Classification", "MultipleChoice", "NUM_CHOICES",
+           "classification_model_stage", "multiple_choice_model_stage"]
+
+NUM_CHOICES = 4
+"""Choices per RACE question."""
+
+_PRETRAINING_SECTIONS = ("lm_head", "binary_head", "word_embeddings_for_head")
+"""Checkpoint sections of a pretrained BERT that a finetuning model has no use for."""
+
+
+class BertWithHead(LanguageModule):
+    """The BERT body (with pooler unless ``add_pooler=False``) and one task head on the last
+    stage; ``forward(input_ids [b, s], padding_mask [b, s], tokentype_ids [b, s])``.
+
+    Args:
+        config: transformer settings; ``num_tokentypes`` should be 2 (Megatron-LM's finetuning
+            models always have two token types).
+        tp_group: the TP process group.
+        add_pooler: build the pooler (first position -> dense -> tanh).
+        kwargs: see :class:`LanguageModule` (``pre_process``, ``post_process``, ...).
+    """
+
+    checkpoint_name = "BERT finetuning"
+    attn_mask_type = "padding"
+    head_key = "head"
+    """The head's checkpoint section (Megatron-LM's ``_classification_head_key``...)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
+                 add_pooler: bool = True, **kwargs) -> None:
+        super().__init__(config, tp_group, add_pooler=add_pooler, **kwargs)
+        # No LM head: nothing reads the word embedding as an output weight, on any stage.
+        self.share_embeddings_and_output_weights = False
+        self.head_dropout = None
+        if self.post_process:
+            # A plain Dropout on the replicated pooled output: the default generator, which
+            # every TP rank seeds alike, so TP ranks drop the same elements.
+            self.head_dropout = torch.nn.Dropout(config.hidden_dropout)
+            self.build_head(config)
+        self.set_parameter_defaults()
+
+    def _init_word_embeddings(self):
+        return None  # no tied output weight (see __init__)
+
+    def build_head(self, config: TransformerConfig) -> None:
+        """Create the head's modules (last stage only)."""
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
+        """``hidden [s, b, h]``, ``pooled [b, h]`` -> the task's logits."""
+        raise NotImplementedError
+
+    def head_module(self) -> torch.nn.Module:
+        """The module saved under :attr:`head_key`."""
+        return getattr(self, self.head_key)
+
+    def forward(self, input_ids: torch.Tensor | None, padding_mask: torch.Tensor,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``, ``padding_mask`` (1 = real token), ``tokentype_ids``: ``[b, s]``.
+        Returns the head's logits on the last stage, the hidden ``[s, b, h]`` elsewhere."""
+        mask = None if bool(padding_mask.all()) else bert_extended_attention_mask(padding_mask)
+        position_ids = bert_position_ids(input_ids) if input_ids is not None else None
+        output = self.language_model(input_ids, position_ids, mask, tokentype_ids)
+        if not self.post_process:
+            return output
+        hidden, pooled = output if self.language_model.pooler is not None else (output, None)
+        return self.head(hidden, pooled)
+
+    def extra_state_dict_sections(self) -> dict[str, dict]:
+        if not self.post_process:
+            return {}
+        return {self.head_key: self.head_module().state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping, strict: bool = True, assign: bool = False):
+        """See the module docstring (``strict=False``: a pretrained BERT).
+
+        Raises:
+            ValueError: with ``strict``, missing or unexpected keys; shape mismatches always.
+        """
+        if strict:
+            return super().load_state_dict(state_dict, strict=True, assign=assign)
+        dropped = sorted(k for k in state_dict if k in _PRETRAINING_SECTIONS)
+        kept = {k: v for k, v in state_dict.items() if k not in _PRETRAINING_SECTIONS}
+        flat = flatten_checkpoint_state_dict(kept)
+        fresh = sorted(k for k in self.state_dict() if k not in flat)
+        if dropped:
+            log_rank_0(f" > loading a pretrained BERT: its {', '.join(dropped)} dropped")
+        if fresh:
+            log_rank_0(" > not in the checkpoint, initialized afresh: " + ", ".join(fresh))
+        return super().load_state_dict(kept, strict=False, assign=assign)
+
+
+class Classification(BertWithHead):
+    """Megatron-LM's ``Classification``: ``logits [b, k]`` from the pooled first position."""
+
+    head_key = "classification_head"
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
+                 num_classes: int, **kwargs) -> None:
+        if num_classes < 2:
+            raise ValueError(f"a classification head needs >= 2 classes, got {num_classes}")
+        self.num_classes = num_classes
+        super().__init__(config, tp_group, add_pooler=True, **kwargs)
+
+    def build_head(self, config: TransformerConfig) -> None:
+        self.classification_head = replicated_linear(config.hidden_size, self.num_classes,
+                                                     config)
+
+    def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
+        logits = self.classification_head(self.head_dropout(pooled))  # [b, k]
+        return logits.view(-1, self.num_classes)
+
+
+class MultipleChoice(BertWithHead):
+    """Megatron-LM's ``MultipleChoice``: inputs ``[b, c, s]``, ``logits [b, c]``, one score
+    per choice from its pooled first position."""
+
+    head_key = "multichoice_head"
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
+                 **kwargs) -> None:
+        super().__init__(config, tp_group, add_pooler=True, **kwargs)
+        self.num_choices: int | None = None
+
+    def build_head(self, config: TransformerConfig) -> None:
+        self.multichoice_head = replicated_linear(config.hidden_size, 1, config)
+
+    def forward(self, input_ids: torch.Tensor | None, padding_mask: torch.Tensor,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``, ``padding_mask``, ``tokentype_ids``: ``[b, c, s]``; the choices run
+        as ``b c`` sequences of the batch."""
+        if padding_mask.dim() != 3:
+            raise ValueError(f"MultipleChoice takes [batch, choices, seq] inputs; the padding "
+                             f"mask has shape {tuple(padding_mask.shape)}")
+        self.num_choices = padding_mask.size(1)
+
+        def flat(t):
+            return None if t is None else t.reshape(-1, t.size(-1))  # [b c, s]
+
+        return super().forward(flat(input_ids), flat(padding_mask), flat(tokentype_ids))
+
+    def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
+        scores = self.multichoice_head(self.head_dropout(pooled))  # [b c, 1]
+        return scores.view(-1, self.num_choices)  # [b, c]
+
+
+def classification_model_stage(config: TransformerConfig, num_classes: int, *,
+                               pre_process: bool | None = None,
+                               post_process: bool | None = None) -> Classification:
+    """This rank's :class:`Classification` stage from parallel_state's groups (seed first)."""
+    return build_model_stage(Classification, config, pre_process=pre_process,
+                             post_process=post_process, num_classes=num_classes)
+
+
+def multiple_choice_model_stage(config: TransformerConfig, *, pre_process: bool | None = None,
+                                post_process: bool | None = None) -> MultipleChoice:
+    """This rank's :class:`MultipleChoice` stage from parallel_state's groups (seed first)."""
+    return build_model_stage(MultipleChoice, config, pre_process=pre_process,
+                             post_process=post_process)

@@ -1,0 +1,265 @@
+// Per-row CPU kernels of the fused softmax, layer norm and cross entropy, on plain pointers.
+//
+// Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch), so the
+// vectoriser's report can be read on this header alone:
+//   g++ -O3 -march=native -fno-math-errno -fopenmp-simd -fopt-info-vec -x c++ -c row_kernels.h
+// (after instantiating the templates, as tests/fused_kernels/test_row_kernels_vectorise does not:
+// fused_kernels_cpu.cpp instantiates them for float, bf16 and fp16).
+//
+// Speed rules the code follows (each found by measurement, bench/README.md):
+// * every inner loop works on fp32 (or on the raw 16 bits of a bf16) over contiguous memory, with
+//   no calls and no branches, so that `#pragma omp simd` turns it into AVX2/AVX-512 code;
+// * half-precision rows are converted whole into an fp32 row buffer on load and back on store
+//   (bf16 by bit shifts, which vectorise; c10's per-element conversion does not);
+// * a row is read from memory once: it is loaded into an L1-sized fp32 buffer and the later
+//   passes (max, exp and sum, normalise) run on that buffer; the 50k-wide cross-entropy rows
+//   are streamed in blocks with an online (running max, rescaled sum) softmax.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace megatron_cpu {
+
+constexpr float kMaskedScore = -10000.0f;
+
+// exp(x) in fp32 without calls or branches, so that loops calling it vectorise. Cephes' expf:
+// x = n ln2 + r with |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick), a degree-6 polynomial
+// for e^r, 2^n built in the exponent bits. Error <= 2 ulp over the normal range; inputs below
+// -87.3 (e^x subnormal) return exactly 0, as the masked -10000 scores must.
+inline float fast_exp(float x) {
+  const float clamped = std::fmin(std::fmax(x, -87.3f), 88.3f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = clamped * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t t_bits;
+  std::memcpy(&t_bits, &t, sizeof(t_bits));
+  int32_t shifter_bits;
+  std::memcpy(&shifter_bits, &shifter, sizeof(shifter_bits));
+  const int32_t bits = (t_bits - shifter_bits + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  const float keep = x >= -87.3f ? 1.0f : 0.0f;
+  return x != x ? x : p * two_n * keep;  // NaN propagates (the loss's NaN check sees it)
+}
+
+// Storage codecs: rows of storage type <-> fp32 buffers. The fp16 codec lives with torch's
+// Half type in fused_kernels_cpu.cpp.
+struct FloatCodec {
+  using storage = float;
+  static void load(const float* src, float* dst, int64_t n) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+  static void store(const float* src, float mul, float* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
+  }
+};
+
+// bf16 as its raw 16 bits: the high half of an fp32.
+struct Bf16Codec {
+  using storage = uint16_t;
+  static void load(const uint16_t* src, float* dst, int64_t n) {
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;
+  }
+  // Round to nearest even, as c10::BFloat16 does; NaN stays a (quiet) NaN.
+  static void store(const float* src, float mul, uint16_t* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = src[i] * mul;
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+      dst[i] = static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
+    }
+  }
+};
+
+template <typename C>
+inline void store_zeros(typename C::storage* dst, int64_t n) {
+  if (n > 0) std::memset(dst, 0, static_cast<size_t>(n) * sizeof(*dst));  // 0.0 in every dtype
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax
+// ---------------------------------------------------------------------------------------------
+
+// y = softmax(scale * x) over the first `valid` of `n` entries, zeros after them. `mask` (may be
+// null) marks masked entries, which score -10000 as in Megatron's kernels; a row with every
+// entry masked outputs zeros. `buf`: fp32 scratch of n floats.
+template <typename C>
+void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int64_t valid,
+                         int64_t n, float scale, typename C::storage* y, float* buf) {
+  if (valid <= 0) {
+    store_zeros<C>(y, n);
+    return;
+  }
+  C::load(x, buf, valid);
+  float max_value = -INFINITY;
+  if (mask != nullptr) {
+    int64_t unmasked = 0;
+#pragma omp simd reduction(max : max_value) reduction(+ : unmasked)
+    for (int64_t i = 0; i < valid; ++i) {
+      const bool keep = mask[i] == 0;
+      buf[i] = keep ? buf[i] * scale : kMaskedScore;
+      max_value = std::fmax(max_value, buf[i]);
+      unmasked += keep ? 1 : 0;
+    }
+    if (unmasked == 0) {  // Megatron's kernels write zeros for a fully masked row
+      store_zeros<C>(y, n);
+      return;
+    }
+  } else {
+#pragma omp simd reduction(max : max_value)
+    for (int64_t i = 0; i < valid; ++i) {
+      buf[i] *= scale;
+      max_value = std::fmax(max_value, buf[i]);
+    }
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < valid; ++i) {
+    buf[i] = fast_exp(buf[i] - max_value);
+    sum += buf[i];
+  }
+  C::store(buf, 1.0f / sum, y, valid);
+  store_zeros<C>(y + valid, n - valid);
+}
+
+// dx = scale * y * (dy - sum(dy * y)) over the first `valid` entries, zeros after them (y is 0
+// there). `ybuf`, `dybuf`: fp32 scratch of n floats each.
+template <typename C>
+void softmax_backward_row(const typename C::storage* dy, const typename C::storage* y,
+                          int64_t valid, int64_t n, float scale, typename C::storage* dx,
+                          float* ybuf, float* dybuf) {
+  C::load(y, ybuf, valid);
+  C::load(dy, dybuf, valid);
+  float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t i = 0; i < valid; ++i) dot += dybuf[i] * ybuf[i];
+#pragma omp simd
+  for (int64_t i = 0; i < valid; ++i) dybuf[i] = ybuf[i] * (dybuf[i] - dot);
+  C::store(dybuf, scale, dx, valid);
+  store_zeros<C>(dx + valid, n - valid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm
+// ---------------------------------------------------------------------------------------------
+
+// One row: y = (x - mean) * rstd * w + b with fp32 w, b; returns mean and rstd. `row`: h floats.
+template <typename C>
+void layer_norm_forward_row(const typename C::storage* x, const float* w, const float* b,
+                            int64_t h, float eps, typename C::storage* y, float* row,
+                            float* mean_out, float* rstd_out) {
+  C::load(x, row, h);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < h; ++i) sum += row[i];
+  const float mu = sum / static_cast<float>(h);
+  // The variance of the centred (cached) row: E[x^2] - mean^2 would cancel digits.
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < h; ++i) squares += (row[i] - mu) * (row[i] - mu);
+  const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) row[i] = (row[i] - mu) * rstd * w[i] + b[i];
+  C::store(row, 1.0f, y, h);
+  *mean_out = mu;
+  *rstd_out = rstd;
+}
+
+// One row of the backward: dx into `dx`, and dw += dy * xhat, db += dy into fp32 partial sums.
+// `xhat`, `g`: h floats of scratch each.
+template <typename C>
+void layer_norm_backward_row(const typename C::storage* dy, const typename C::storage* x,
+                             float mu, float rstd, const float* w, int64_t h,
+                             typename C::storage* dx, float* dw, float* db, float* xhat,
+                             float* g) {
+  C::load(x, xhat, h);
+  C::load(dy, g, h);
+  float sum_g = 0.0f, sum_g_xhat = 0.0f;
+#pragma omp simd reduction(+ : sum_g, sum_g_xhat)
+  for (int64_t i = 0; i < h; ++i) {
+    const float d = g[i];
+    const float xh = (xhat[i] - mu) * rstd;
+    xhat[i] = xh;
+    dw[i] += d * xh;
+    db[i] += d;
+    g[i] = d * w[i];
+    sum_g += g[i];
+    sum_g_xhat += g[i] * xh;
+  }
+  const float mean_g = sum_g / static_cast<float>(h);
+  const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) g[i] = g[i] - mean_g - xhat[i] * mean_g_xhat;
+  C::store(g, rstd, dx, h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross entropy over a (vocabulary-parallel) row of logits
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kCrossEntropyBlock = 2048;  // floats per streamed block: 8 KiB, L1-resident
+
+// Online softmax statistics of one row in a single read: max m, sum exp(l - m), and (for label
+// smoothing) the plain sum of the logits. `buf`: kCrossEntropyBlock floats.
+template <typename C>
+void cross_entropy_row_stats(const typename C::storage* logits, int64_t n, float* max_out,
+                             float* sum_exp_out, float* sum_out, float* buf) {
+  float running_max = -INFINITY, running_sum = 0.0f, plain_sum = 0.0f;
+  for (int64_t start = 0; start < n; start += kCrossEntropyBlock) {
+    const int64_t len = std::min(kCrossEntropyBlock, n - start);
+    C::load(logits + start, buf, len);
+    float block_max = -INFINITY, block_sum = 0.0f;
+#pragma omp simd reduction(max : block_max) reduction(+ : block_sum)
+    for (int64_t i = 0; i < len; ++i) {
+      block_max = std::fmax(block_max, buf[i]);
+      block_sum += buf[i];
+    }
+    plain_sum += block_sum;
+    const float new_max = std::fmax(running_max, block_max);
+    float exp_sum = 0.0f;
+#pragma omp simd reduction(+ : exp_sum)
+    for (int64_t i = 0; i < len; ++i) exp_sum += fast_exp(buf[i] - new_max);
+    // The first block has running_sum == 0, so exp(-inf) (0 from fast_exp) times it is 0.
+    running_sum = running_sum * fast_exp(running_max - new_max) + exp_sum;
+    running_max = new_max;
+  }
+  *max_out = running_max;
+  *sum_exp_out = running_sum;
+  *sum_out = plain_sum;
+}
+
+// grad = (exp(l - m) / s - smoothing / V) * g, written over `out` (which may be `logits`
+// itself: each block is read before it is written). The target's (1 - smoothing) * g is
+// subtracted by the caller, which knows which rank holds the target. `buf`: block floats.
+template <typename C>
+void cross_entropy_row_grad(const typename C::storage* logits, int64_t n, float max_value,
+                            float inv_sum_exp, float uniform, float g,
+                            typename C::storage* out, float* buf) {
+  for (int64_t start = 0; start < n; start += kCrossEntropyBlock) {
+    const int64_t len = std::min(kCrossEntropyBlock, n - start);
+    C::load(logits + start, buf, len);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) buf[i] = fast_exp(buf[i] - max_value) * inv_sum_exp - uniform;
+    C::store(buf, g, out + start, len);
+  }
+}
+
+}  // namespace megatron_cpu

@@ -1,0 +1,1 @@
+"""GLUE finetuning (MNLI, QQP) of a BERT with a classification head."""

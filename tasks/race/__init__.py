@@ -1,0 +1,1 @@
+"""RACE finetuning of a BERT with a multiple-choice head."""

@@ -1,0 +1,98 @@
+"""SIGTERM and SIGINT to a running job (issue 19), at PP=2 with the distributed optimizer.
+
+Real ``torchrun`` jobs with ``--exit-signal-handler``; the signal arrives once iteration 3 is
+logged:
+
+* SIGTERM to torchrun (it forwards the signal to every rank's process group, as it does when a
+  scheduler stops it), and SIGTERM to the ranks' process groups directly (what ``scancel`` or a
+  preemption does to the job's processes): the ranks finish the iteration, save a checkpoint at
+  the iteration they reached, log ``exiting program after receiving SIGTERM`` and exit 0; the
+  tracker names that checkpoint, and a run resumed from it logs the same losses as the run that
+  never stopped.
+* SIGINT (Ctrl-C) to torchrun: as Megatron-LM, ``--exit-signal-handler`` acts on SIGTERM only;
+  SIGINT interrupts at once (exit code 130, named in the log, no hang), and the last periodic
+  checkpoint is intact, complete and still the tracker's target.
+
+``tests/training/test_resume.py`` covers SIGTERM to one rank of a TP=2 job launched without
+torchrun; ``tests/training/test_fail_fast.py`` SIGINT to a rank blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import signal
+import pytest
+
+from megatron.checkpointing.files import verify_checksum
+from tests.faults import harness as h
+
+ITERS = h.PP2_ITERS
+SAVE_INTERVAL = 2
+RESUMED = ("sigterm_torchrun",)  # the group case saves the same way: its checkpoint is checked
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory, pp2_reference):
+    root = tmp_path_factory.mktemp("signals")
+    cases = {"sigterm_torchrun": lambda job: job.signal_launcher(signal.SIGTERM),
+             "sigterm_group": lambda job: job.signal_group(signal.SIGTERM),
+             "sigint_torchrun": lambda job: job.signal_launcher(signal.SIGINT)}
+    jobs = {name: h.launch("pretrain_gpt.py", h.pp2_flags(root / name), root / f"{name}.log",
+                           nproc=2) for name in cases}
+    try:
+        for name, send in cases.items():
+            jobs[name].wait_for(" iteration        3/")
+            send(jobs[name])
+        codes = {name: job.wait() for name, job in jobs.items()}
+        trackers = {name: h.tracker(root / name) for name in jobs}
+        resumed = {name: h.launch("pretrain_gpt.py", [*h.pp2_flags(root / name), "--load",
+                                                      root / name],
+                                  root / f"{name}_resumed.log", nproc=2) for name in RESUMED}
+        resumed_codes = {name: job.wait() for name, job in resumed.items()}
+    finally:
+        for job in jobs.values():
+            job.reap()
+    return {"jobs": jobs, "codes": codes, "trackers": trackers, "resumed": resumed,
+            "resumed_codes": resumed_codes, "reference": pp2_reference, "root": root}
+
+
+@pytest.mark.parametrize("case", ["sigterm_torchrun", "sigterm_group"])
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(signalled, case):
+    job: h.Job = signalled["jobs"][case]
+    text = job.text()
+    assert "exiting program after receiving SIGTERM" in text, job.tail()
+    # Every rank ended cleanly; torchrun itself reports the signal it got, only then.
+    assert "failed" not in text.replace("failed (exitcode", ""), job.tail()
+    if case == "sigterm_group":
+        assert signalled["codes"][case] == 0, job.tail()
+    reached = max(job.losses())
+    assert 3 <= reached < ITERS
+    assert signalled["trackers"][case] == reached
+    assert f"successfully saved checkpoint at iteration {reached:7d}" in text
+    root = signalled["root"] / case
+    shards = sorted((root / f"iter_{reached:07d}").rglob("*.pt"))
+    assert [p.name for p in shards] == ["distrib_optim.pt", "model_optim_rng.pt"] * 2, shards
+    assert all(verify_checksum(p) for p in shards)
+    reference = signalled["reference"].losses()
+    h.compare_losses(reference, job.losses())
+    if case not in RESUMED:
+        return
+    resumed: h.Job = signalled["resumed"][case]
+    assert signalled["resumed_codes"][case] == 0, resumed.tail()
+    assert sorted(resumed.losses()) == list(range(reached + 1, ITERS + 1)), resumed.tail()
+    h.compare_losses(reference, resumed.losses())
+
+
+def test_sigint_interrupts_at_once_and_keeps_the_last_checkpoint(signalled):
+    job: h.Job = signalled["jobs"]["sigint_torchrun"]
+    text = job.text()
+    assert signalled["codes"]["sigint_torchrun"] != 0, job.tail()
+    assert "failed: interrupted (SIGINT)" in text, job.tail()
+    assert "exiting program after receiving" not in text
+    saved = signalled["trackers"]["sigint_torchrun"]
+    assert saved is not None and saved % SAVE_INTERVAL == 0 and saved <= max(job.losses())
+    root = signalled["root"] / "sigint_torchrun"
+    shards = sorted((root / f"iter_{saved:07d}").rglob("*.pt"))
+    # Two pipeline stages, each with its model and its distributed-optimizer shard.
+    assert [p.name for p in shards] == ["distrib_optim.pt", "model_optim_rng.pt"] * 2, shards
+    assert all(verify_checksum(p) for p in shards)
+    assert h.temp_files(root) == []
