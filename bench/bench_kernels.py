@@ -1,11 +1,16 @@
 """CPU fused kernels against PyTorch eager and torch.compile of the same eager code, same run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_kernels.py [--seqs 512,1024] [--dtypes fp32,bf16]
-        [--threads 2] [--reps 10] [--no-compile]
+        [--threads 2] [--reps 10] [--no-compile] [--kernels softmax,layer_norm,cross_entropy]
+        [--untuned-malloc]
 
 GPT-2-small shapes: batch 4, 12 heads, sequence 512 and 1024 (scores ``[4, 12, s, s]``); layer
-norm over 768 on ``[s, 4, 768]``. Each row times forward + backward (median of ``--reps`` after
-two warm-up calls) of:
+norm over 768 on ``[s, 4, 768]``; cross entropy over the 50304-word vocabulary on ``[s, 4]``
+tokens. Each row times forward + backward of the variants below, interleaved (one call of each
+per round, ``--reps`` rounds after two warm-up rounds, the median per variant), so that a load
+change on the machine hits every variant alike. glibc's allocator gets the tuning
+``pretrain_gpt.py`` applies on CPU (``--untuned-malloc`` leaves it), so that neither side pays
+page faults for its fresh outputs every call, as in training:
 
 * ``fused``: ``megatron.core.fusions`` (the C++ extension ``megatron.fused_kernels._cpu``);
 * ``eager``: the PyTorch path the model runs without the fusion (causal: ``masked_fill`` with the
@@ -22,6 +27,7 @@ storages), the memory a fusion saves during training besides the forward's tempo
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,8 +35,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron.core.device import tune_host_allocator
 from megatron.core.fusions import fused_softmax, kernels
 from megatron.core.fusions.fused_layer_norm import fused_layer_norm
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,18 +67,19 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def time_fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tensor],
-                 grad: torch.Tensor, reps: int) -> float:
-    """Median seconds of forward + backward."""
-    times = []
+def time_interleaved(fns: dict[str, Callable[..., torch.Tensor]], inputs: list[torch.Tensor],
+                     grad: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median seconds of forward + backward of each of ``fns``, one call of each per round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(reps + 2):
-        for t in inputs:
-            t.grad = None
-        start = time.perf_counter()
-        fn(*inputs).backward(grad)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            for t in inputs:
+                t.grad = None
+            start = time.perf_counter()
+            fn(*inputs).backward(grad)
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def softmax_cases(s: int, dtype: torch.dtype):
@@ -103,18 +112,40 @@ def layer_norm_case(s: int, dtype: torch.dtype):
             lambda x_, w_, b_: F.layer_norm(x_, (768,), w_, b_, 1e-5))
 
 
+def cross_entropy_case(s: int, dtype: torch.dtype, vocab: int = 50304):
+    """The loss on ``[s, 4]`` tokens. The fused side gets a non-leaf copy of the logits to
+    overwrite, as the model's output layer hands it (``inplace=True``); the copy is in both
+    sides' time."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(s, 4, vocab, generator=gen).to(dtype).requires_grad_(True)
+    target = torch.randint(0, vocab, (s, 4), generator=gen)
+
+    def fused(t):
+        return vocab_parallel_cross_entropy(t * 1.0, target, None, inplace=True,
+                                            loss_dtype=torch.float32, fused=True)
+
+    def eager(t):
+        logits = (t * 1.0).float()
+        return F.cross_entropy(logits.view(-1, vocab), target.view(-1),
+                               reduction="none").view(s, 4)
+
+    return (f"cross_entropy (V {vocab})", [x], fused, eager)
+
+
 def bench_case(name, inputs, fused, eager, reps, use_compile, label) -> list[str]:
     grad = torch.randn_like(fused(*inputs))
-    row = {"fused": time_fwd_bwd(fused, inputs, grad, reps),
-           "eager": time_fwd_bwd(eager, inputs, grad, reps)}
+    fns = {"fused": fused, "eager": eager}
     compiled = "n/a"
     if use_compile:
         try:
             fn = torch.compile(eager, dynamic=False)
-            compiled = f"{time_fwd_bwd(fn, inputs, grad, reps) * 1e3:.1f}"
-            row["compile"] = float(compiled) / 1e3
+            fn(*inputs).backward(grad)  # compile outside the timed rounds
+            fns["compile"] = fn
         except Exception as exc:  # no compiler, unsupported op: say so, keep the row
             compiled = f"failed ({type(exc).__name__})"
+    row = time_interleaved(fns, inputs, grad, reps)
+    if "compile" in row:
+        compiled = f"{row['compile'] * 1e3:.1f}"
     mib = 1 / 2**20
     saved_fused = saved_bytes(lambda: fused(*inputs)) * mib
     saved_eager = saved_bytes(lambda: eager(*inputs)) * mib
@@ -131,19 +162,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--kernels", default="softmax,layer_norm,cross_entropy")
+    parser.add_argument("--untuned-malloc", action="store_true",
+                        help="leave glibc's allocator as it is (fresh pages every call)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    tuned = False if args.untuned_malloc else tune_host_allocator()
     if kernels.extension("cpu") is None:
         raise SystemExit("megatron.fused_kernels._cpu is not built: run scripts/bootstrap.sh")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; times in ms, forward + backward")
+          f"{torch.backends.cpu.get_cpu_capability()}; allocator tuned: {tuned}; load average "
+          f"{os.getloadavg()[0]:.1f}; times in ms, forward + backward")
     print("| kernel | shape, dtype | fused | eager | compile | fused vs eager | "
           "fused vs compile | saved MiB fused | saved MiB eager |")
     print("|---|---|---|---|---|---|---|---|---|")
     for s in (int(v) for v in args.seqs.split(",")):
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
-            cases = softmax_cases(s, dtype) + [layer_norm_case(s, dtype)]
+            wanted = args.kernels.split(",")
+            cases = (softmax_cases(s, dtype) if "softmax" in wanted else []) + \
+                ([layer_norm_case(s, dtype)] if "layer_norm" in wanted else []) + \
+                ([cross_entropy_case(s, dtype)] if "cross_entropy" in wanted else [])
             for name, inputs, fused, eager in cases:
                 label = f"s={s}, {dname}"
                 for line in bench_case(name, inputs, fused, eager, args.reps,

@@ -9,7 +9,11 @@ acts as in training). Two configurations in the same run:
 
 * ``fused``: every fusion on (the default flags) and the C++ kernels;
 * ``unfused``: ``--no-masked-softmax-fusion --no-bias-dropout-fusion
-  --no-gradient-accumulation-fusion --openai-gelu`` and ``F.layer_norm`` (the PyTorch path).
+  --no-gradient-accumulation-fusion --openai-gelu``, ``F.layer_norm`` and the unfused
+  vocab-parallel cross entropy (the PyTorch paths).
+
+glibc's allocator is tuned as ``pretrain_gpt.py`` tunes it on CPU (``--untuned-malloc`` leaves it).
+``--only fused|unfused`` profiles one side (e.g. one per process, to compare on a quiet machine).
 
 For each, the profiler's ``key_averages()`` table sorted by self CPU time (the ops' own time), so
 the rows show which kernels the fusions replace and what the step spends elsewhere (GEMMs,
@@ -24,7 +28,9 @@ import dataclasses
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from megatron.core.device import tune_host_allocator
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import cross_entropy
 from megatron.core.transformer import layernorm
 from megatron.core.transformer.config import TransformerConfig
 
@@ -65,14 +71,24 @@ def main() -> None:
     parser.add_argument("--attention", default="unfused", choices=["unfused", "auto"])
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--only", choices=["fused", "unfused"])
+    parser.add_argument("--untuned-malloc", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if not args.untuned_malloc:
+        tune_host_allocator()
+    fused_kernel_for = cross_entropy.fused_kernel_for
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 50257, (shape["mb"], shape["seq"]), generator=gen)
     positions = torch.arange(shape["seq"]).expand_as(tokens)
     for fused in (True, False):
+        if args.only and args.only != ("fused" if fused else "unfused"):
+            continue
+        # The cross entropy has no flag (it is fused wherever the kernel is built): switch it
+        # here for the comparison.
+        cross_entropy.fused_kernel_for = fused_kernel_for if fused else (lambda logits: None)
         model = build(shape, fused, dtype, args.attention)
         step(model, tokens, positions)  # warm-up: allocations, TorchScript profiling runs
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -81,6 +97,8 @@ def main() -> None:
         name = "fused" if fused else "unfused"
         print(f"\n## {name}: {args.shape}, {dtype}, attention {args.attention}, "
               f"{args.steps} steps\n")
+        total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
+        print(f"self CPU total {total:.2f} s ({total / args.steps:.2f} s per step)\n")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -439,7 +439,8 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
 
 
 def _iterations_per_epoch(cfg: MegatronConfig, num_samples: int) -> int:
-    sampler = _train_sampler(cfg, num_samples, 0, 0, 1)
+    # Counted with the run's data-parallel size: each step takes mbs x dp x micro-batches.
+    sampler = _train_sampler(cfg, num_samples, 0, 0, cfg.data_parallel_size)
     iterations = sampler.iterations()
     if iterations == 0:
         raise ValueError(f"--train-data holds {num_samples} samples, fewer than one global batch "

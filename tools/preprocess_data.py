@@ -35,6 +35,7 @@ import re
 import sys
 import threading
 import time
+import zlib
 from typing import IO, Iterator
 
 import numpy as np
@@ -140,11 +141,17 @@ def _open_input(path: str) -> IO[bytes]:
 
 
 def read_batches(files: list[str]) -> Iterator[Batch]:
-    """Batches of non-blank lines, never spanning two files."""
+    """Batches of non-blank lines, never spanning two files.
+
+    Raises:
+        InputError: a ``.gz`` input that is truncated or corrupt (named, with the last line
+            read whole).
+    """
     for path in files:
         with _open_input(path) as f:
             batch, size = Batch(path, [], []), 0
-            for lineno, line in enumerate(f, 1):
+            lines = _lines_of(f, path)
+            for lineno, line in lines:
                 if not line.strip():
                     continue
                 batch.linenos.append(lineno)
@@ -155,6 +162,20 @@ def read_batches(files: list[str]) -> Iterator[Batch]:
                     batch, size = Batch(path, [], []), 0
             if batch.lines:
                 yield batch
+
+
+def _lines_of(f: IO[bytes], path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)``; gzip's errors on a damaged archive (EOFError, BadGzipFile,
+    zlib.error) become an InputError naming the file instead of a bare traceback."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line
+    except (EOFError, OSError, zlib.error) as err:
+        if not path.endswith(".gz"):
+            raise
+        raise InputError(f"{path}: corrupt or truncated compressed input after line {lineno} "
+                         f"({type(err).__name__}: {err}); re-create or re-download it") from None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,6 +51,12 @@ class ServerFlags:
     """Requests that may wait while one runs; more get 503."""
     max_request_bytes: int = 1 << 20
     """Largest request body accepted (larger: 413)."""
+    max_connections: int = 64
+    """Connections handled at once; more are answered 503 at once (a flood of clients, or of
+    slow ones, cannot exhaust threads and memory)."""
+    client_timeout: float = 30.0
+    """Seconds a client has to send its whole request, and that one write to it (a streamed
+    token) may wait for it to read; past them the connection is closed."""
     kv_cache: bool = True
     """Keep keys and values between steps (--no-kv-cache recomputes every step: slower, for
     checking)."""
@@ -67,6 +73,11 @@ def check_server_flags(ex: ServerFlags) -> None:
         raise ValueError(f"--max-queue-size ({ex.max_queue_size}) must be >= 1")
     if ex.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes ({ex.max_request_bytes}) must be >= 1024")
+    if ex.max_connections < 1:
+        raise ValueError(f"--max-connections ({ex.max_connections}) must be >= 1")
+    if not ex.client_timeout > 0 or ex.client_timeout == float("inf"):
+        raise ValueError(f"--client-timeout ({ex.client_timeout}) must be a finite number of "
+                         "seconds > 0")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
     """Rank 0: HTTP until SIGINT/SIGTERM, then stop the other ranks."""
-    from werkzeug.serving import make_server
-
     from megatron.text_generation.server.app import create_app
+    from megatron.text_generation.server.serving import BoundedServer
 
     engine = GenerationEngine(
         lambda request, on_step: lead_request(model, tokenizer, request, on_step=on_step,
@@ -114,7 +124,8 @@ def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
         max_queue=ex.max_queue_size)
     app = create_app(engine, tokenizer, max_sequence_length=common["max_sequence_length"],
                      max_body_bytes=ex.max_request_bytes)
-    server = make_server(ex.host, ex.port, app, threaded=True)
+    server = BoundedServer(ex.host, ex.port, app, max_connections=ex.max_connections,
+                           client_timeout_s=ex.client_timeout)
     stop = threading.Event()
 
     def shutdown(*_):

@@ -25,6 +25,8 @@ import hashlib
 import os
 import re
 import shutil
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -225,6 +227,7 @@ def verify_checksum(path: Path) -> bool:
     try:
         text = recorded.read_bytes()
     except FileNotFoundError:
+        _verify_zip_crcs(path)
         return False
     match = re.match(rb"([0-9a-fA-F]{64})\s", text)
     if match is None:
@@ -244,6 +247,29 @@ def verify_checksum(path: Path) -> bool:
             "(flipped bits, or an incomplete copy). Restore it from a good copy, or pass "
             "--no-verify-checkpoint-checksums to load it anyway")
     return True
+
+
+def _verify_zip_crcs(path: Path) -> None:
+    """A shard without a .sha256 (written by Megatron-LM): torch's zip format records a CRC32 of
+    every entry, which torch's reader never checks (a flipped bit in a tensor loads silently);
+    check them, reading the file once. The legacy non-zip format records nothing.
+
+    Raises:
+        CheckpointError: an entry's bytes disagree with its CRC32.
+    """
+    if not zipfile.is_zipfile(path):
+        return  # legacy format, or a truncated zip (torch's loader names that one)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as err:
+        raise CheckpointError(f"corrupt or truncated checkpoint file {path}: {err}") from err
+    if bad is not None:
+        raise CheckpointError(
+            f"corrupt or truncated checkpoint file {path}: the bytes of its entry {bad} do not "
+            "match the CRC32 recorded when it was saved (flipped bits, or an incomplete copy). "
+            "Restore it from a good copy, or pass --no-verify-checkpoint-checksums to load it "
+            "anyway")
 
 
 # Write errors -----------------------------------------------------------------------------------

@@ -17,6 +17,39 @@ def megatron_identifiers(class_name: str, *paths: str | os.PathLike | None, **op
     return out
 
 
+def read_utf8(path: str | os.PathLike) -> str:
+    """The text of a tokenizer file. A byte sequence that is not UTF-8 is a ValueError naming
+    the file, the line and the byte offset (Python's own message names neither)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte offset {err.start}: "
+                         f"{err.reason}); is it the right file?") from None
+
+
+def load_vocab_json(vocab_file: str | os.PathLike) -> dict[str, int]:
+    """A ``vocab.json`` (token -> id), checked: JSON errors name the file, line and column; the
+    top level must be an object and every id a non-negative integer."""
+    import json
+
+    try:
+        vocab = json.loads(read_utf8(vocab_file))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{vocab_file}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})"
+                         ) from None
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{vocab_file}: expected a JSON object mapping tokens to ids, got a "
+                         f"{type(vocab).__name__}")
+    for token, index in vocab.items():
+        if type(index) is not int or index < 0:  # bool is an int subclass: refused too
+            raise ValueError(f"{vocab_file}: token {token!r} has id {index!r}; ids must be "
+                             "non-negative integers")
+    return vocab
+
+
 class AbstractTokenizer(abc.ABC):
     """Text <-> token ids, plus the special ids the datasets and models ask for.
 

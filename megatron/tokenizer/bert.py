@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import os
 import re
 import unicodedata
 
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from megatron.tokenizer.base import VocabTokenizer
+from megatron.tokenizer.base import VocabTokenizer, read_utf8
 
 _MAX_INPUT_CHARS_PER_WORD = 200  # Megatron-LM's bert_tokenization.py (Google's default is 100)
 # Google's CJK ideograph blocks (not Hangul, Hiragana or Katakana).
@@ -51,9 +52,9 @@ def load_vocab(vocab_file: str | os.PathLike) -> dict[str, int]:
     A token repeated after stripping keeps its last line number, as in Google's dict update.
     """
     vocab: dict[str, int] = {}
-    with open(vocab_file, encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            vocab[line.strip()] = index
+    # Text-mode line splitting (\n, \r\n, \r), as Google's reader sees the file.
+    for index, line in enumerate(io.StringIO(read_utf8(vocab_file), newline=None)):
+        vocab[line.strip()] = index
     return vocab
 
 

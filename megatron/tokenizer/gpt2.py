@@ -20,14 +20,14 @@ BPE instead, which ranks by pair exactly as OpenAI does (2.3 vs 10 MB/s for tikt
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import numpy as np
 import tiktoken
 
 from megatron.core.log import warn_rank_0
-from megatron.tokenizer.base import VocabTokenizer, megatron_identifiers
+from megatron.tokenizer.base import (VocabTokenizer, load_vocab_json, megatron_identifiers,
+                                     read_utf8)
 
 # OpenAI's pattern, verbatim from encoder.py.
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -81,8 +81,7 @@ def load_merges(merge_file: str | os.PathLike) -> list[tuple[str, str]]:
         ValueError: a line that is not two space-separated tokens.
     """
     merges = []
-    with open(merge_file, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    lines = read_utf8(merge_file).split("\n")
     for lineno, line in enumerate(lines, 1):
         # OpenAI skips the first line ("#version: ...") and the empty string after the final
         # newline; we skip a '#version' header and blank lines: the same on well-formed files.
@@ -110,8 +109,7 @@ class GPT2BPETokenizer(VocabTokenizer):
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
         super().__init__("GPT2 BPE")
         self.unique_identifiers = megatron_identifiers("_GPT2BPETokenizer", vocab_file, merge_file)
-        with open(vocab_file, encoding="utf-8") as f:
-            self._set_vocab(json.load(f))
+        self._set_vocab(load_vocab_json(vocab_file))
         if EOD_TOKEN not in self._vocab:
             raise ValueError(f"{vocab_file}: no {EOD_TOKEN} token (is it a GPT-2 vocab.json?)")
         self.eod_id = self._vocab[EOD_TOKEN]

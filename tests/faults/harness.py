@@ -184,7 +184,8 @@ class Job:
 
 def launch(script: str, flags: Sequence[object], log: Path, *, nproc: int = 1,
            name: str | None = None, hooks: dict[str, str] | None = None,
-           torchrun_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Job:
+           torchrun_args: Sequence[str] = (), env: dict[str, str] | None = None,
+           prefix: Sequence[str] = ()) -> Job:
     """Start ``torchrun --nproc-per-node nproc <script> <flags>`` on 127.0.0.1.
 
     Args:
@@ -196,13 +197,15 @@ def launch(script: str, flags: Sequence[object], log: Path, *, nproc: int = 1,
         torchrun_args: replace the single-node rendezvous (``--standalone``-like) with these
             (``--nnodes 2 --node-rank 0 --rdzv-endpoint ...``).
         env: extra environment variables.
+        prefix: a command torchrun runs under (``ip netns exec NODE``: it execs, so the job's
+            pid is torchrun's).
     """
     name = name or f"{log.stem}-{os.getpid()}-{random.randrange(1 << 30)}"
     target = [str(DRIVER), str(REPO / script)] if hooks else [str(REPO / script)]
     rendezvous = list(torchrun_args) or [
         "--nnodes", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", *rendezvous,
            "--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.1",
            *target, *map(str, flags)]
     environment = child_env(**(hooks or {}), **(env or {}))

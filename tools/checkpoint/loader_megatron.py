@@ -200,7 +200,8 @@ class MegatronCheckpoint(ModelDescription):
 
     def _piece(self, piece: str, layer: int | None = None) -> dict[str, torch.Tensor]:
         index, keep, rename = self._piece_source(piece, layer)
-        return rename(self._merged(self._flat[self._stage_position(index)], keep))
+        position = self._stage_position(index)  # opens the stage: before reading _flat
+        return rename(self._merged(self._flat[position], keep))
 
     # Pieces ---------------------------------------------------------------------------------
     def embeddings(self) -> dict[str, torch.Tensor]:
@@ -215,7 +216,8 @@ class MegatronCheckpoint(ModelDescription):
     def optimizer_state(self, piece: str, layer: int | None = None
                         ) -> dict[str, dict[str, torch.Tensor]]:
         index, keep, rename = self._piece_source(piece, layer)
-        per_tp = self._optimizer_flat[self._stage_position(index)]
+        position = self._stage_position(index)
+        per_tp = self._optimizer_flat[position]
         return {name: rename(self._merged([state[name] for state in per_tp], keep))
                 for name in per_tp[0]}
 

@@ -175,11 +175,14 @@ class LanguageModule(torch.nn.Module):
         ``logits`` are overwritten: pass a temporary nobody else reads (the output layer's
         backward needs only its input and weight).
         """
+        loss_dtype = None  # the logits' (float64 stays float64)
         if logits.dtype in (torch.float16, torch.bfloat16) and not \
                 self.config.fp16_lm_cross_entropy:
-            logits = logits.float()  # the loss in fp32 (float64 stays float64)
+            # The loss in fp32: the fused kernel reads the half logits and computes in fp32
+            # (no fp32 copy of the [s, b, V/p] logits); the unfused path upcasts them.
+            loss_dtype = torch.float32
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
-                                            inplace=True)  # [s, b]
+                                            inplace=True, loss_dtype=loss_dtype)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
     # Checkpoint layout ---------------------------------------------------------------------

@@ -3,6 +3,18 @@
 Each TP rank holds logits ``[..., V/p]``. Only three ``[...]``-sized all-reduces are needed
 (the max, the sum of exponentials and the target logit), so the communication is
 batch x sequence, not batch x sequence x vocabulary.
+
+Two implementations, equal to ~1e-6 in fp32 (tests/core/tensor_parallel/test_fused_cross_entropy.py):
+
+* fused (Megatron-core's ``fused_vocab_parallel_cross_entropy``; the C++ kernels of
+  ``megatron.fused_kernels._cpu``), chosen for fp32/bf16/fp16 CPU logits when the extension is
+  built: the forward reads the logits once (an online max and sum of exponentials per row) and
+  writes nothing of their size; the backward rebuilds the softmax from the saved row statistics
+  and writes the gradient in one pass, over the logits buffer when ``inplace``. Half-precision
+  logits are read as they are and computed in fp32, so ``loss_dtype=torch.float32`` costs no
+  fp32 copy of them.
+* unfused (PyTorch ops: max, subtract, exp, sum, divide; the softmax kept for the backward),
+  everywhere else (CUDA, float64, the extension missing).
 """
 
 from __future__ import annotations
@@ -10,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import comm
+from megatron.core.fusions import kernels
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size, vocab_range
 
 
@@ -91,10 +104,64 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The fused kernels' loss: see the module docstring. Returns the fp32 loss."""
+
+    @staticmethod
+    def forward(ctx, ext, logits, target, tp_group, label_smoothing, inplace):
+        local_max, local_sum_exp, local_sum = ext.cross_entropy_stats(logits)  # fp32 [...]
+        global_max = _all_reduce(local_max.clone(), tp_group, op="max")
+        # Each rank's sum of exponentials is relative to its own max: rescale to the global one.
+        sum_exp = _all_reduce(local_sum_exp * torch.exp(local_max - global_max), tp_group)
+
+        part = logits.size(-1)
+        start, end = vocab_range(part, tp_rank(tp_group))
+        outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(outside, -1)  # -1: another rank's id
+        predicted = torch.gather(logits, -1, local_target.clamp(min=0).unsqueeze(-1))
+        predicted = _all_reduce(predicted.squeeze(-1).float().masked_fill(outside, 0.0),
+                                tp_group)
+        log_normaliser = torch.log(sum_exp) + global_max  # log sum_v exp(l_v)
+        loss = log_normaliser - predicted
+
+        vocab_size = part * tp_world_size(tp_group)
+        smoothing = 0.0
+        if label_smoothing > 0:
+            # As the unfused path: (1 - e) on the target, e / V spread over the vocabulary.
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            sum_log_probs = _all_reduce(local_sum - part * log_normaliser, tp_group)
+            loss = (1.0 - smoothing) * loss - smoothing * sum_log_probs / vocab_size
+
+        ctx.save_for_backward(logits, global_max, sum_exp, local_target)
+        ctx.ext, ctx.inplace = ext, inplace
+        ctx.on_target, ctx.uniform = 1.0 - smoothing, smoothing / vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, global_max, sum_exp, local_target = ctx.saved_tensors
+        grad = ctx.ext.cross_entropy_backward(logits, global_max, sum_exp, local_target,
+                                              grad_loss, ctx.on_target, ctx.uniform,
+                                              ctx.inplace)
+        return None, grad, None, None, None, None
+
+
+def fused_kernel_for(logits: torch.Tensor):
+    """The extension whose cross-entropy kernels cover ``logits``, or ``None``."""
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.dim() < 1:
+        return None
+    if logits.device.type != "cpu":  # the CUDA extension has no cross-entropy kernel
+        return None
+    ext = kernels.extension("cpu")
+    return ext if ext is not None and hasattr(ext, "cross_entropy_stats") else None
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  tp_group: ProcessGroup | None,
                                  label_smoothing: float = 0.0, *,
-                                 inplace: bool = False) -> torch.Tensor:
+                                 inplace: bool = False,
+                                 loss_dtype: torch.dtype | None = None,
+                                 fused: bool | None = None) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-split logits.
 
     Args:
@@ -102,15 +169,34 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         target: ``[...]`` int64 ids in ``[0, V)``.
         tp_group: the TP process group (``None`` = this rank alone: no tensor parallelism).
         label_smoothing: Megatron-style smoothing (0 = off).
-        inplace: reuse ``vocab_parallel_logits``' memory (it is overwritten with the softmax)
-            and the saved softmax in backward, which may then run only once. For logits that
-            nothing else reads, such as the output layer's temporary in :class:`GPTModel`.
-            The logits must not be a leaf that requires grad (autograd raises: they are marked
-            dirty).
+        inplace: the logits' memory may be reused (overwritten with the softmax by the unfused
+            forward, with the gradient by either backward), and the backward may then run only
+            once. For logits that nothing else reads, such as the output layer's temporary in
+            :class:`GPTModel`. The unfused path refuses a leaf that requires grad (autograd
+            raises: the logits are marked dirty); the fused one then leaves the leaf alone.
+        loss_dtype: the loss's dtype (default: the logits'). ``torch.float32`` with half logits
+            is Megatron's loss in fp32: the fused kernels read the half logits directly, the
+            unfused path computes on an fp32 copy.
+        fused: force (True) or forbid (False) the fused kernels; ``None`` uses them where they
+            cover the logits. True raises if they do not.
 
     Returns:
         The unreduced loss ``[...]`` (same on every TP rank).
     """
-    loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group,
-                                               label_smoothing, inplace)
+    logits = vocab_parallel_logits
+    loss_dtype = loss_dtype or logits.dtype
+    ext = None if fused is False else fused_kernel_for(logits)
+    if fused and ext is None:
+        raise ValueError("vocab_parallel_cross_entropy(fused=True): no fused kernel covers "
+                         f"{logits.dtype} logits on {logits.device.type} (the CPU extension "
+                         "megatron.fused_kernels._cpu handles fp32/bf16/fp16)")
+    if ext is not None:
+        # A leaf's memory is its value: never overwrite it, whatever the caller allows.
+        inplace = inplace and not logits.is_leaf and logits.is_contiguous()
+        loss = _FusedVocabParallelCrossEntropy.apply(ext, logits.contiguous(), target,
+                                                     tp_group, label_smoothing, inplace)
+        return loss.to(loss_dtype)
+    if logits.dtype != loss_dtype:
+        logits = logits.to(loss_dtype)  # a fresh copy: the in-place path may reuse it
+    loss, _ = _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing, inplace)
     return loss

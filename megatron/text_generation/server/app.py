@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flask import Flask, Response, jsonify, request, send_from_directory
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from megatron.text_generation.api import GenerationResult, tokenize_prompts
 from megatron.text_generation.server.engine import (Cancelled, GenerationEngine, Job,
@@ -95,10 +95,16 @@ class _Context:
         self.timeout_s = timeout_s
 
     def body(self):
-        data = request.get_json(force=True, silent=True)
-        if data is None and request.get_data(cache=True) != b"null":
-            raise FieldError("the request body is not valid JSON")
-        return data
+        raw = request.get_data(cache=True)  # a 413 past the limit (werkzeug) ...
+        limit = request.max_content_length
+        if request.content_length is None and limit is not None and len(raw) >= limit:
+            # ... except for a chunked body, which werkzeug cuts at the limit without a word
+            # (it then answered 400 "not valid JSON").
+            raise RequestEntityTooLarge()
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's
+            raise FieldError("the request body is not valid JSON") from None
 
     # PUT /api ------------------------------------------------------------------------------
     def megatron_api(self):

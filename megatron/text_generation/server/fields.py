@@ -9,6 +9,7 @@ that names the field (sent back as a 400).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ MAX_BEAM_WIDTH = 64
 MAX_SEED = 2**63 - 1
 MAX_OPENAI_LOGPROBS = 10
 MAX_STOP_STRINGS = 4
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class FieldError(ValueError):
@@ -101,7 +103,18 @@ def _prompts(value: Any, name: str, allow_empty: bool) -> list[str]:
                          f"{len(value)})")
     if not allow_empty and any(len(p) == 0 for p in value):
         raise FieldError("Empty prompts require add_BOS=true")
+    for i, prompt in enumerate(value):
+        _check_unicode(prompt, f"{name}[{i}]")
     return value
+
+
+def _check_unicode(text: str, name: str) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which are not text: no tokenizer
+    can encode them (before: a 400 quoting Python's codec error, naming no field)."""
+    match = _LONE_SURROGATE.search(text)
+    if match is not None:
+        raise FieldError(f"{name} holds a lone surrogate U+{ord(match.group()):04X} at character "
+                         f"{match.start()} (half of a UTF-16 pair: not Unicode text)")
 
 
 def parse_api_request(body: Any, max_sequence_length: int) -> GenerationRequest:
@@ -215,6 +228,8 @@ def _stop_strings(value: Any) -> list[str]:
             len(stops) > MAX_STOP_STRINGS:
         raise FieldError(f"stop must be a non-empty string or a list of up to "
                          f"{MAX_STOP_STRINGS} non-empty strings; got {value!r}")
+    for i, stop in enumerate(stops):
+        _check_unicode(stop, f"stop[{i}]")
     return stops
 
 

@@ -61,19 +61,18 @@ def write_qqp(path: Path, n: int, seed: int, test: bool = False) -> Path:
 
 
 def write_race(directory: Path, docs: int, seed: int, questions_per_doc: int = 2) -> Path:
-    """A RACE directory of two ``*.txt`` files: the right option is the one the article names
-    (a cloze ``_`` question every other time)."""
+    """A RACE directory of two ``*.txt`` files: the right option is the place the article
+    names, the wrong ones are actions (a cloze ``_`` question every other time)."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
     for _ in range(docs):
-        named, *others = rng.sample(OBJECTS, 4)
+        named = rng.choice(OBJECTS)
         article = f"{rng.choice(SUBJECTS)} went to {named}.\n{_sentence(rng)}"
         questions, options, answers = [], [], []
         for q in range(questions_per_doc):
             right = rng.randrange(4)
-            order = others[:]
-            rng.shuffle(order)
+            order = rng.sample(VERBS, 3)
             order.insert(right, named)
             options.append(order)
             answers.append("ABCD"[right])

@@ -4,10 +4,11 @@ with ``--load`` (optimizer loaded) and trains on with the losses of the uninterr
 (fp32, 1e-5). With Adam this holds only when the moments, the step count and the scheduler are
 carried and re-split exactly (fresh moments move the next loss by ~1e-2 here).
 
-Cases: TP1 (DP4, plain) -> TP2.PP2 with virtual stages, TP1.PP4, TP2.DP2 distributed optimizer;
-untied output layer -> TP2.PP2; TP2.DP2 distributed optimizer -> TP1.DP4 plain and -> TP4
-distributed (DP1). bf16 (fp32 main params): plain TP2 -> distributed TP1 -> plain TP2 is bitwise.
-Pooled gloo worlds; the converter runs without processes."""
+Cases: tied, TP1.DP4 plain -> TP2.PP2 with virtual stages (plain) and -> TP2.DP2 distributed
+optimizer; untied, TP2.DP2 distributed optimizer -> TP1.DP4 plain and -> TP2.PP2 distributed
+(DP1). A control converted without the state (fresh Adam) must miss the losses. bf16 (fp32
+main params): plain TP2 -> distributed TP1 -> plain TP2 is bitwise. Pooled gloo worlds; the
+converter runs without processes."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ SAVED_AT, TOTAL_ITERS = 1, 3
 LOSS_TOL = 1e-5
 
 # source: (TP, extra flags); saved at iteration SAVED_AT of a TOTAL_ITERS run at world 4
-SOURCES = {"tied": (1, []), "untied": (1, UNTIED), "distopt": (2, DISTOPT),
+SOURCES = {"tied": (1, []), "distopt_untied": (2, [*DISTOPT, *UNTIED]),
            "bf16": (2, ["--bf16"])}
 # target: (source, TP, PP, layers per virtual stage, target distributed optimizer)
-TARGETS = {"tp2pp2_vpp": ("tied", 2, 2, 1, False), "tp1pp4": ("tied", 1, 4, None, False),
+TARGETS = {"tp2pp2_vpp": ("tied", 2, 2, 1, False),
            "tp2dp2_distopt": ("tied", 2, 1, None, True),
-           "untied_tp2pp2": ("untied", 2, 2, None, False),
-           "distopt_to_tp1dp4_plain": ("distopt", 1, 1, None, False),
-           "distopt_to_tp4_distopt": ("distopt", 4, 1, None, True)}
+           "distopt_to_tp1dp4_plain": ("distopt_untied", 1, 1, None, False),
+           "distopt_to_tp2pp2_distopt": ("distopt_untied", 2, 2, None, True)}
+CONTROL = "tp2pp2_vpp"
+"""Also converted without the optimizer state and resumed with --no-load-optim."""
+FRESH_ADAM_MIN_DIFF = 1e-3
 
 
 def _argv(corpus, tp: int, pp: int, vpp: int | None, extra) -> list[str]:
@@ -52,10 +55,10 @@ def _last_rank_losses(per_rank: list[dict]) -> list[float]:
 
 
 def _convert(source: Path, target: Path, tp: int, pp: int = 1, vpp: int | None = None,
-             distributed: bool | None = None) -> None:
+             distributed: bool | None = None, keep: bool = True) -> None:
     argv = ["--model-type", "GPT", "--load-dir", str(source), "--save-dir", str(target),
             "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size",
-            str(pp), "--keep-optimizer-state"]
+            str(pp)] + (["--keep-optimizer-state"] if keep else [])
     if vpp is not None:
         argv += ["--target-num-layers-per-virtual-pipeline-stage", str(vpp)]
     if distributed is not None:
@@ -89,8 +92,13 @@ def converted(trained, gpt2_corpus):
         extra = [*SOURCES[source][1], "--load", str(target)]
         extra = [f for f in extra if f not in DISTOPT] + (DISTOPT if distributed else [])
         runs.append({"argv": _argv(gpt2_corpus, tp, pp, vpp, extra)})
+    source, tp, pp, vpp, _ = TARGETS[CONTROL]
+    _convert(saved[source], root / "control", tp, pp, vpp, keep=False)
+    runs.append({"argv": _argv(gpt2_corpus, tp, pp, vpp, [
+        *SOURCES[source][1], "--load", str(root / "control"), "--no-load-optim"])})
     results = e2e.pooled(4, runs)
-    return {name: _last_rank_losses(result) for name, result in zip(TARGETS, results)}
+    return {name: _last_rank_losses(result)
+            for name, result in zip([*TARGETS, "control"], results)}
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
@@ -99,6 +107,14 @@ def test_converted_optimizer_state_resumes_the_uninterrupted_run(trained, conver
     assert len(converted[name]) == TOTAL_ITERS - SAVED_AT
     assert e2e.max_abs_diff(converted[name], reference) <= LOSS_TOL, \
         (name, converted[name], reference)
+
+
+def test_without_the_optimizer_state_the_losses_differ(trained, converted):
+    """The control: the same conversion without --keep-optimizer-state, resumed with fresh Adam
+    moments, misses the uninterrupted run (so the test above can fail)."""
+    reference = trained[2][TARGETS[CONTROL][0]][SAVED_AT:]
+    assert e2e.max_abs_diff(converted["control"], reference) > FRESH_ADAM_MIN_DIFF, \
+        (converted["control"], reference)
 
 
 def _optimizer_states(iteration_dir: Path) -> dict:

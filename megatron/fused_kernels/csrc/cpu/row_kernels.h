@@ -2,7 +2,7 @@
 //
 // Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch), so the
 // vectoriser's report can be read on this header alone:
-//   g++ -O3 -march=native -fno-math-errno -fopenmp-simd -fopt-info-vec -x c++ -c row_kernels.h
+//   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd -fopt-info-vec -x c++ -c row_kernels.h
 // (after instantiating the templates, as tests/fused_kernels/test_row_kernels_vectorise does not:
 // fused_kernels_cpu.cpp instantiates them for float, bf16 and fp16).
 //
@@ -26,12 +26,17 @@ namespace megatron_cpu {
 
 constexpr float kMaskedScore = -10000.0f;
 
+// max/min as one maxps/minps: std::fmax/fmin keep IEEE NaN rules and compile to libm calls,
+// which stop the vectoriser. A NaN still reaches the sums (and the loss) through the exp pass.
+inline float max_f(float a, float b) { return a > b ? a : b; }
+inline float min_f(float a, float b) { return a < b ? a : b; }
+
 // exp(x) in fp32 without calls or branches, so that loops calling it vectorise. Cephes' expf:
 // x = n ln2 + r with |r| <= ln2/2 (n rounded by the 1.5 * 2^23 trick), a degree-6 polynomial
 // for e^r, 2^n built in the exponent bits. Error <= 2 ulp over the normal range; inputs below
 // -87.3 (e^x subnormal) return exactly 0, as the masked -10000 scores must.
 inline float fast_exp(float x) {
-  const float clamped = std::fmin(std::fmax(x, -87.3f), 88.3f);
+  const float clamped = min_f(max_f(x, -87.3f), 88.3f);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float t = clamped * 1.44269504088896341f + shifter;
   const float n = t - shifter;
@@ -116,7 +121,7 @@ void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int6
     for (int64_t i = 0; i < valid; ++i) {
       const bool keep = mask[i] == 0;
       buf[i] = keep ? buf[i] * scale : kMaskedScore;
-      max_value = std::fmax(max_value, buf[i]);
+      max_value = max_f(max_value, buf[i]);
       unmasked += keep ? 1 : 0;
     }
     if (unmasked == 0) {  // Megatron's kernels write zeros for a fully masked row
@@ -127,7 +132,7 @@ void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int6
 #pragma omp simd reduction(max : max_value)
     for (int64_t i = 0; i < valid; ++i) {
       buf[i] *= scale;
-      max_value = std::fmax(max_value, buf[i]);
+      max_value = max_f(max_value, buf[i]);
     }
   }
   float sum = 0.0f;
@@ -229,11 +234,11 @@ void cross_entropy_row_stats(const typename C::storage* logits, int64_t n, float
     float block_max = -INFINITY, block_sum = 0.0f;
 #pragma omp simd reduction(max : block_max) reduction(+ : block_sum)
     for (int64_t i = 0; i < len; ++i) {
-      block_max = std::fmax(block_max, buf[i]);
+      block_max = max_f(block_max, buf[i]);
       block_sum += buf[i];
     }
     plain_sum += block_sum;
-    const float new_max = std::fmax(running_max, block_max);
+    const float new_max = max_f(running_max, block_max);
     float exp_sum = 0.0f;
 #pragma omp simd reduction(+ : exp_sum)
     for (int64_t i = 0; i < len; ++i) exp_sum += fast_exp(buf[i] - new_max);

@@ -1,0 +1,265 @@
+"""The finetuning loop end to end through ``tasks/main.py``'s ``run`` on pooled gloo worlds:
+a tiny BERT learns a synthetic task in each format (RACE, MNLI, QQP); TP=2 and DP=2 equal one
+process; a run resumed mid-epoch repeats the straight run's losses; --epochs 0; a pretrained
+BERT checkpoint loads (heads dropped) before training; flags and data refused before any
+process group; one torchrun smoke run of the real script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.training import loop
+from tasks import main as tasks_main
+from tests.tasks.finetune import synthetic
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+# Pooled-world runner ---------------------------------------------------------------------------
+def run_finetunes(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """Each run's ``tasks/main.py`` argv on this rank: the lm loss of every iteration, the
+    evaluations, and (``"params"``) the final language-model weights (module level: pooled)."""
+    del rank, world_size
+    out = []
+    for run in runs:
+        parallel_state.destroy_model_parallel()
+        losses: list[float] = []
+        real_step = loop.train_step
+
+        def recording_step(*args, **kwargs):
+            result = real_step(*args, **kwargs)
+            losses.append(result[0]["lm loss"])
+            return result
+
+        loop.train_step = recording_step
+        try:
+            result = tasks_main.run(run["argv"])
+        finally:
+            loop.train_step = real_step
+        params = None
+        if run.get("params"):
+            inner = result.model[0]
+            while hasattr(inner, "module"):
+                inner = inner.module
+            params = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+        out.append({"losses": losses, "iteration": result.state.iteration,
+                    "evaluations": [(e.epoch, e.iteration, e.metrics, e.at_epoch_end)
+                                    for e in result.evaluations],
+                    "best": None if result.best is None else
+                    (result.best.epoch, result.best.checkpoint), "params": params})
+    return out
+
+
+def pooled(world_size: int, runs: list[dict]) -> list[list[dict]]:
+    """``[run][rank] -> result``."""
+    from tests.multiprocess import run_distributed
+
+    per_rank = run_distributed(world_size, run_finetunes, runs, timeout=400.0)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
+
+
+# Data and flags ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("finetune")
+    synthetic.write_vocab(d / "vocab.txt")
+    return d
+
+
+def _files(d: Path) -> dict[str, str]:
+    """The synthetic task files under ``d`` (the same every call)."""
+    if not (d / "vocab.txt").exists():
+        synthetic.write_vocab(d / "vocab.txt")
+    (d / "MNLI").mkdir(exist_ok=True)
+    (d / "QQP").mkdir(exist_ok=True)
+    files = {
+        "mnli_train": synthetic.write_mnli(d / "MNLI" / "train.tsv", 256, seed=1),
+        "mnli_small": synthetic.write_mnli(d / "MNLI" / "train_small.tsv", 64, seed=3),
+        "mnli_dev": synthetic.write_mnli(d / "MNLI" / "dev_matched.tsv", 48, seed=2),
+        "qqp_train": synthetic.write_qqp(d / "QQP" / "train.tsv", 128, seed=1),
+        "qqp_dev": synthetic.write_qqp(d / "QQP" / "dev.tsv", 48, seed=2),
+        "race_train": synthetic.write_race(d / "RACE" / "train" / "middle", 48, seed=1),
+        "race_middle": synthetic.write_race(d / "RACE" / "dev" / "middle", 12, seed=2),
+        "race_high": synthetic.write_race(d / "RACE" / "dev" / "high", 12, seed=3),
+    }
+    return {k: str(v) for k, v in files.items()}
+
+
+def argv(d: Path, task: str, train: list[str], valid: list[str], *, tp: int = 1,
+         mbs: int = 16, gbs: int = 16, epochs: int = 3, lr: float = 3e-3,
+         dropout: float = 0.0, extra: tuple = ()) -> list[str]:
+    """tasks/main.py flags of a 2-layer, hidden-64 BERT (fp32) on the synthetic vocabulary;
+    the padded vocabulary (128) is the same at TP 1 and 2."""
+    data_flags = (["--train-data", *train] if train else []) + ["--valid-data", *valid]
+    return ["--task", task, *data_flags, "--epochs", str(epochs), "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+            "--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by",
+            str(128 // tp), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+            "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-decay-style", "linear",
+            "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01", "--clip-grad", "1.0",
+            "--seed", "1234", "--hidden-dropout", str(dropout), "--attention-dropout",
+            str(dropout), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+            str(d / "vocab.txt"), "--num-workers", "0", "--log-interval", "4",
+            "--eval-iters", "1", "--distributed-backend", "gloo", *map(str, extra)]
+
+
+def _accuracy(result: dict) -> float:
+    return result["evaluations"][-1][2]["accuracy"]
+
+
+# Tests ---------------------------------------------------------------------------------------
+def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
+    """One world-of-one call (several runs) and one world-of-two call."""
+    f = _files(data)
+    mnli = ([f["mnli_small"]], [f["mnli_dev"]])
+    straight, part = tmp_path / "straight", tmp_path / "part"
+    save = ["--save-interval", "1000"]
+    resume_flags = dict(mbs=8, gbs=8, epochs=2, dropout=0.1, lr=1e-3)  # 2 x 8 iterations
+    reference_flags = dict(mbs=4, gbs=16, epochs=2, lr=1e-3)  # gradient accumulation: 4
+    single = pooled(1, [
+        {"argv": argv(data, "MNLI", [f["mnli_train"]], [f["mnli_dev"]], epochs=3)},
+        {"argv": argv(data, "QQP", [f["qqp_train"]], [f["qqp_dev"]], epochs=2)},
+        {"argv": argv(data, "RACE", [f["race_train"]], [f["race_middle"], f["race_high"]],
+                      mbs=8, gbs=8, epochs=2, lr=1e-3)},
+        {"argv": argv(data, "MNLI", *mnli, **reference_flags)},
+        {"argv": argv(data, "MNLI", *mnli, **resume_flags,
+                      extra=("--save", straight, *save, "--eval-interval", "5"))},
+        {"argv": argv(data, "MNLI", *mnli, **resume_flags,
+                      extra=("--save", part, *save, "--exit-interval", "5"))},
+        {"argv": argv(data, "MNLI", *mnli, **resume_flags,
+                      extra=("--save", part, *save, "--load", part, "--eval-interval", "5"))},
+        {"argv": argv(data, "MNLI", [], mnli[1], epochs=0, extra=("--load", straight))},
+    ])
+    mnli_run, qqp_run, race_run, reference, full, first, resumed, evaluated = \
+        (runs[0] for runs in single)
+
+    # Chance is 1/3 (MNLI), 1/2 (QQP), 1/4 (RACE).
+    print("accuracies", [_accuracy(r) for r in (mnli_run, qqp_run, race_run)])
+    assert _accuracy(mnli_run) >= 0.8, mnli_run["evaluations"]
+    assert _accuracy(qqp_run) >= 0.8, qqp_run["evaluations"]
+    assert _accuracy(race_run) >= 0.7, race_run["evaluations"]
+    # RACE reports each --valid-data directory and the overall accuracy.
+    assert set(race_run["evaluations"][-1][2]) == {"accuracy", "accuracy dev-middle",
+                                                   "accuracy dev-high"}
+    assert len(mnli_run["losses"]) == 3 * (256 // 16)
+
+    # Resume mid-epoch (iteration 5 of 8 in epoch 1): the same losses as the straight run,
+    # dropout on; the --eval-interval evaluations (every 5 iterations) change nothing.
+    assert first["iteration"] == 5 and len(first["losses"]) == 5
+    assert first["losses"] == full["losses"][:5]
+    assert resumed["losses"] == pytest.approx(full["losses"][5:], abs=1e-6, rel=0)
+    assert [(e[0], e[1], e[3]) for e in full["evaluations"]] == \
+        [(0, 5, False), (0, 8, True), (1, 10, False), (1, 15, False), (1, 16, True)]
+    assert resumed["evaluations"] == full["evaluations"][1:]
+    best_epoch, best_checkpoint = full["best"]
+    assert best_checkpoint == str(straight / f"iter_{8 * (best_epoch + 1):07d}")
+    # --epochs 0 on the last checkpoint: the straight run's final accuracy.
+    assert evaluated["evaluations"] == [(-1, 16, full["evaluations"][-1][2], True)]
+
+    # TP=2 and DP=2 (a world of two) finetune as one process.
+    double = pooled(2, [
+        {"argv": argv(data, "MNLI", *mnli, tp=2, **reference_flags)},
+        {"argv": argv(data, "MNLI", *mnli, **{**reference_flags, "mbs": 2})},
+    ])
+    for runs in double:
+        for rank_result in runs:
+            assert rank_result["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0)
+            assert rank_result["evaluations"][-1][2] == reference["evaluations"][-1][2]
+
+
+def _write_pretrained_bert(root: Path, model_argv: list[str]) -> dict[str, torch.Tensor]:
+    """A pretrained BERT checkpoint (binary head, iteration 100) as pretrain_bert.py saves
+    one; returns its language-model weights."""
+    from megatron.config import parse_args
+    from megatron.core.models.bert import bert_model_stage
+    from megatron.training.checkpointing import TRACKER_FILENAME, get_checkpoint_name
+    from megatron.training.models import bert_transformer_config
+    from tasks.flags import TOOL_SECTIONS
+
+    cfg = parse_args(model_argv, tool_sections=TOOL_SECTIONS)
+    torch.manual_seed(99)
+    bert = bert_model_stage(bert_transformer_config(cfg), add_binary_head=True)
+    name = get_checkpoint_name(root, 100, pipeline_parallel=False, tensor_rank=0)
+    name.parent.mkdir(parents=True)
+    args = cfg.to_namespace()
+    args.iteration, args.consumed_train_samples, args.consumed_valid_samples = 100, 3200, 0
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 100,
+                "model": bert.state_dict_for_save_checkpoint()}, name)
+    (root / TRACKER_FILENAME).write_text("100")
+    return {f"language_model.{k}": v for k, v in bert.language_model.state_dict().items()}
+
+
+def test_pretrained_checkpoint_weights_only(data, tmp_path):
+    f = _files(data)
+    model_argv = argv(data, "MNLI", [f["mnli_small"]], [f["mnli_dev"]], epochs=1,
+                      lr=1e-30, extra=("--min-lr", "0"))
+    pretrained = _write_pretrained_bert(tmp_path / "bert", model_argv)
+    # lr ~ 0: the trained weights stay the loaded ones (unless the optimizer copied its
+    # initial fp32 weights back: the pretrained weights would be lost at the first step).
+    (run,), = pooled(1, [{"argv": model_argv + ["--pretrained-checkpoint",
+                                                 str(tmp_path / "bert")], "params": True}])
+    assert run["iteration"] == 4  # 64 / 16, from 0: not the checkpoint's 100
+    for name, value in pretrained.items():
+        torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-6)
+    assert "classification_head.weight" in run["params"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"--epochs": None}, "--task MNLI needs --epochs"),
+    ({"--train-iters": "5"}, "--train-iters with --task MNLI: finetuning runs --epochs passes"),
+    ({"--pipeline-model-parallel-size": "2"}, "finetuning supports tensor and data parallelism"),
+    ({"--keep-last": True, "--micro-batch-size": "4"}, "--keep-last with gradient accumulation"),
+    ({"--train-data": "{tmp}/none.tsv"}, "--train-data {tmp}/none.tsv: no such file"),
+    ({"--pretrained-checkpoint": "{tmp}"}, "--pretrained-checkpoint {tmp} holds no checkpoint"),
+    ({"--train-data": "{bad}"}, "{bad}:3: malformed MNLI row: 3 tab-separated columns"),
+    ({"--global-batch-size": "512"}, "--train-data holds 256 samples, fewer than one global"),
+])
+def test_refused_before_any_process_group(data, tmp_path, monkeypatch, change, message):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("started"))
+    f = _files(data)
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("\n".join((data / "MNLI" / "train.tsv").read_text().splitlines()[:2])
+                   + "\n1\ttoo\tshort\n")
+    args = argv(data, "MNLI", [f["mnli_train"]], [f["mnli_dev"]])
+    for flag, value in change.items():
+        if flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+        if value is True:
+            args.append(flag)
+        elif value is not None:
+            args += [flag, value.format(tmp=tmp_path, bad=bad)]
+    with pytest.raises(SystemExit) as exc:
+        tasks_main.run(args)
+    assert message.format(tmp=tmp_path, bad=bad) in str(exc.value), str(exc.value)
+
+
+def test_cli_smoke_race_tp2(tmp_path, shared_data):
+    """The real script under torchrun, two ranks at TP 2, the real BERT vocabulary."""
+    f = _files(tmp_path)
+    vocab = shared_data / "tokenizers" / "bert-base-uncased-vocab.txt"
+    args = argv(tmp_path, "RACE", [f["race_train"]], [f["race_middle"], f["race_high"]],
+                tp=2, mbs=16, gbs=16, epochs=1, extra=("--save", tmp_path / "ck",
+                                                        "--save-interval", "100"))
+    args[args.index("--vocab-file") + 1] = str(vocab)
+    args[args.index("--make-vocab-size-divisible-by") + 1] = "64"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "0", "tasks/main.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "iteration        6/       6 |" in out  # 96 questions / 16
+    assert "|epoch: 0| metrics for dev-middle: correct / total = " in out
+    assert ">> |epoch: 0| overall: correct / total = " in out and "/ 48 = " in out
+    assert f"checkpoint {tmp_path / 'ck' / 'iter_0000006'}" in out
+    assert (tmp_path / "ck" / "iter_0000006" / "mp_rank_01" / "model_optim_rng.pt").is_file()
