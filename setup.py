@@ -44,7 +44,7 @@ def _fused_kernel_extensions():
         # kernels never read floating-point exception flags); without it they stay scalar.
         extra_compile_args={"cxx": ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                                     *arch]},
-        extra_link_args=["-fopenmp"])]
+        extra_link_args=["-fopenmp"], depends=[str(FUSED / "cpu" / "row_kernels.h")])]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
         exts.append(cpp_extension.CUDAExtension(
             "megatron.fused_kernels._cuda", [str(FUSED / "cuda" / "fused_kernels_cuda.cu")],

@@ -8,6 +8,8 @@ resident set from ``getrusage(RUSAGE_CHILDREN)``), which also counts the pages o
 files the loader maps:
 
 * TP1 -> TP2.PP2 (``--saver megatron``);
+* the same with ``--keep-optimizer-state``, from a copy of the checkpoint that holds an fp32
+  Adam state (random moments: 3x the weights; the row's size column is that checkpoint's);
 * TP1 -> HuggingFace ``GPT2LMHeadModel`` (``--saver hf``);
 * a bare ``import`` of the tool's modules (the interpreter + torch baseline).
 
@@ -54,8 +56,30 @@ def _layer(i: int, hidden: int) -> dict[str, torch.Tensor]:
     return {p + k: torch.randn(s) * 0.02 for k, s in shapes.items()}
 
 
-def write_source(root: Path, layers: int, hidden: int, heads: int) -> int:
-    """A TP1.PP1 GPT checkpoint of random weights; returns its file's size in bytes."""
+def _adam_state(flat: dict[str, torch.Tensor]) -> dict:
+    """A plain fp32 optimizer's state dict (Megatron's FP32Optimizer = torch AdamW's) over the
+    model's parameters, in Megatron's order and weight-decay groups, random moments."""
+    from tools.checkpoint.optimizer_state import param_groups
+
+    groups, state, index = [], {}, 0
+    for kind, members in param_groups([flat]):
+        ids = []
+        for _, key in members:
+            state[index] = {"step": torch.tensor(100.0),
+                            "exp_avg": torch.randn_like(flat[key]) * 1e-3,
+                            "exp_avg_sq": torch.rand_like(flat[key]) * 1e-6}
+            ids.append(index)
+            index += 1
+        groups.append({"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay":
+                       0.01 if kind == "decay" else 0.0, "wd_mult": 1.0 if kind == "decay"
+                       else 0.0, "lr_mult": 1.0, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def write_source(root: Path, layers: int, hidden: int, heads: int,
+                 optimizer: bool = False) -> int:
+    """A TP1.PP1 GPT checkpoint of random weights (and an Adam state); returns its file's size
+    in bytes."""
     flat = {"language_model.embedding.word_embeddings.weight": torch.randn(VOCAB, hidden) * 0.02,
             "language_model.embedding.position_embeddings.weight":
                 torch.randn(POSITIONS, hidden) * 0.02}
@@ -72,8 +96,11 @@ def write_source(root: Path, layers: int, hidden: int, heads: int) -> int:
         tokenizer_type="GPT2BPETokenizer", vocab_file=None, merge_file=None,
         bias_gelu_fusion=True, add_bias_linear=True, layernorm_epsilon=1e-5, iteration=100)
     path = checkpoint_name(root, 100)
-    save_file({"args": args, "checkpoint_version": 3.0, "iteration": 100,
-               "model": nest_model_state(flat)}, path)
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": 100,
+          "model": nest_model_state(flat)}
+    if optimizer:
+        sd["optimizer"] = _adam_state(flat)
+    save_file(sd, path)
     publish_tracker(root, 100, checkpoint_dir(root, 100))
     return path.stat().st_size
 
@@ -118,6 +145,13 @@ def main() -> None:
         for name, argv in rows:
             seconds, rss = measure(argv)
             print(f"| {name} | {seconds:.1f} | {rss / 2**20:.0f} MiB | {rss / size:.2f} |")
+        with_state = write_source(tmp / "src_optim", **shape, optimizer=True)
+        seconds, rss = measure([*convert, "--load-dir", str(tmp / "src_optim"), "--save-dir",
+                                str(tmp / "tp2pp2_optim"), "--target-tensor-parallel-size", "2",
+                                "--target-pipeline-parallel-size", "2",
+                                "--keep-optimizer-state"])
+        print(f"| TP1 -> TP2.PP2 --keep-optimizer-state ({with_state / 2**20:.0f} MiB with the "
+              f"state) | {seconds:.1f} | {rss / 2**20:.0f} MiB | {rss / with_state:.2f} |")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def training_log_string(*, iteration: int, train_iters: int, consumed_samples: i
     s += f" learning rate: {learning_rate:.3E} |"
     s += f" global batch size: {batch_size:5d} |"
     for key, value in losses.items():
-        if value > 0.0:
+        # Megatron prints losses > 0 only (a loss never logged stays 0), which hid a NaN loss:
+        # a NaN/inf one is shown ("lm loss: NAN").
+        if value > 0.0 or not math.isfinite(value):
             s += f" {key}: {value:.6E} |"
     s += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:

@@ -132,7 +132,8 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
         return
     what = []
     if reported_on is not None:
-        shown = ", ".join(f"{key}: {value}" for key, value in losses.items())
+        shown = ", ".join(f"{key}: {value}" for key, value in losses.items()) or \
+            "no loss: not the last pipeline stage"
         what.append(f"a reported loss is NaN/inf (first on rank {reported_on}; here {shown})")
     if loss_on is not None:
         what.append(f"the local loss first went NaN/inf on rank {loss_on}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from megatron.tokenizer.base import AbstractTokenizer
 from tasks.squad.reader import Paragraph, SquadExample
 
@@ -36,21 +38,57 @@ class DocSpan:
 class SquadFeature:
     """One ``[CLS] query [SEP] doc-span [SEP]`` sequence (unpadded: ``len(input_ids)`` tokens).
 
-    ``token_to_orig_map`` maps a feature position of a document token to its word index in the
-    example's ``doc_tokens``; ``token_is_max_context`` says whether that position is the one
-    where the token has the most context among the example's features.
+    Positions ``doc_offset ..`` hold the window's document tokens; for each of them
+    ``orig_index`` is its word in the example's ``doc_tokens`` and ``max_context`` whether this
+    window gives it the most context among the example's windows. (Google's
+    ``token_to_orig_map``/``token_is_max_context`` dicts, kept as arrays: SQuAD's training set
+    has ~90k features of 384 tokens.)
     """
 
     unique_id: int
     example_index: int
     doc_span_index: int
-    input_ids: list[int]
-    token_type_ids: list[int]
-    token_to_orig_map: dict[int, int]
-    token_is_max_context: dict[int, bool]
+    input_ids: np.ndarray
+    """int32 ``[n]``."""
+    doc_offset: int
+    orig_index: np.ndarray
+    """int32 ``[window length]``."""
+    max_context: np.ndarray
+    """bool ``[window length]``."""
     start_position: int | None = None
     end_position: int | None = None
     is_impossible: bool = False
+
+    @property
+    def token_type_ids(self) -> np.ndarray:
+        """0 for ``[CLS] query [SEP]``, 1 for the window and its ``[SEP]``."""
+        types = np.ones(len(self.input_ids), dtype=np.int8)
+        types[:self.doc_offset] = 0
+        return types
+
+    def word_index(self, position: int) -> int | None:
+        """The word of the document token at ``position`` (None: not a document token)."""
+        i = position - self.doc_offset
+        return int(self.orig_index[i]) if 0 <= i < len(self.orig_index) else None
+
+    def is_max_context(self, position: int) -> bool:
+        i = position - self.doc_offset
+        return bool(self.max_context[i]) if 0 <= i < len(self.max_context) else False
+
+    @property
+    def token_to_orig_map(self) -> dict[int, int]:
+        """Google's dict: feature position -> word index, for the document tokens."""
+        return dict(zip(range(self.doc_offset, self.doc_offset + len(self.orig_index)),
+                        self.orig_index.tolist()))
+
+    @property
+    def token_is_max_context(self) -> dict[int, bool]:
+        """Google's dict: feature position -> max-context flag, for the document tokens."""
+        return dict(zip(range(self.doc_offset, self.doc_offset + len(self.max_context)),
+                        self.max_context.tolist()))
+
+
+_PARAGRAPHS_PER_CALL = 512
 
 
 @dataclasses.dataclass
@@ -63,13 +101,27 @@ class _TokenizedDoc:
 
 
 def tokenize_paragraph(paragraph: Paragraph, tokenizer: AbstractTokenizer) -> _TokenizedDoc:
-    """WordPiece of every whitespace word (one batched call per paragraph)."""
-    doc = _TokenizedDoc([], [], [])
-    for i, pieces in enumerate(tokenizer.tokenize_batch(list(paragraph.doc_tokens))):
-        doc.orig_to_tok_index.append(len(doc.sub_tokens))
-        doc.tok_to_orig_index.extend([i] * len(pieces))
-        doc.sub_tokens.extend(pieces)
-    return doc
+    """WordPiece of every whitespace word of one paragraph."""
+    return tokenize_paragraphs([paragraph], tokenizer)[0]
+
+
+def tokenize_paragraphs(paragraphs: Sequence[Paragraph],
+                        tokenizer: AbstractTokenizer) -> list[_TokenizedDoc]:
+    """WordPiece of every whitespace word of every paragraph, in batched tokenizer calls of
+    many paragraphs (one call per paragraph costs more in call overhead than in tokenizing)."""
+    docs = []
+    for first in range(0, len(paragraphs), _PARAGRAPHS_PER_CALL):
+        chunk = paragraphs[first:first + _PARAGRAPHS_PER_CALL]
+        pieces = iter(tokenizer.tokenize_batch([w for p in chunk for w in p.doc_tokens]))
+        for paragraph in chunk:
+            doc = _TokenizedDoc([], [], [])
+            for i in range(len(paragraph.doc_tokens)):
+                word = next(pieces)
+                doc.orig_to_tok_index.append(len(doc.sub_tokens))
+                doc.tok_to_orig_index.extend([i] * len(word))
+                doc.sub_tokens.extend(word)
+            docs.append(doc)
+    return docs
 
 
 def improve_answer_span(doc_tokens: Sequence[int], start: int, end: int,
@@ -142,14 +194,14 @@ def convert_examples_to_features(examples: Sequence[SquadExample], tokenizer: Ab
                          f"--max-query-length {max_query_length} and [CLS]/[SEP]/[SEP]: raise "
                          "--seq-length or lower --max-query-length")
     queries = tokenizer.tokenize_batch([e.question_text for e in examples])
-    docs: dict[int, _TokenizedDoc] = {}  # by id(paragraph): its questions share it
+    # A paragraph's questions share its tokens: each paragraph once, keyed by identity.
+    paragraphs = list({id(e.paragraph): e.paragraph for e in examples}.values())
+    docs = dict(zip(map(id, paragraphs), tokenize_paragraphs(paragraphs, tokenizer)))
     features: list[SquadFeature] = []
     for example_index, (example, query) in enumerate(zip(examples, queries)):
-        key = id(example.paragraph)
-        if key not in docs:
-            docs[key] = tokenize_paragraph(example.paragraph, tokenizer)
         features.extend(_example_features(
-            example, example_index, query[:max_query_length], docs[key], tokenizer,
+            example, example_index, query[:max_query_length], docs[id(example.paragraph)],
+            tokenizer,
             max_seq_length, doc_stride, is_training, first_unique_id=1000000000 + len(features)))
     return features
 
@@ -166,6 +218,21 @@ def _answer_tokens(example: SquadExample, doc: _TokenizedDoc,
                                tokenizer.tokenize(example.orig_answer_text))
 
 
+def max_context_spans(spans: Sequence[DocSpan], num_tokens: int) -> np.ndarray:
+    """For every document token, the index of the span where it has max context
+    (:func:`check_is_max_context` for all tokens at once; ties go to the first span)."""
+    best_score = np.full(num_tokens, -np.inf)
+    best_span = np.full(num_tokens, -1, dtype=np.int64)
+    for index, span in enumerate(spans):
+        positions = np.arange(span.start, span.start + span.length)
+        end = span.start + span.length - 1
+        score = np.minimum(positions - span.start, end - positions) + 0.01 * span.length
+        better = score > best_score[positions]
+        best_score[positions[better]] = score[better]
+        best_span[positions[better]] = index
+    return best_span
+
+
 def _example_features(example: SquadExample, example_index: int, query: list[int],
                       doc: _TokenizedDoc, tokenizer: AbstractTokenizer, max_seq_length: int,
                       doc_stride: int, is_training: bool,
@@ -174,20 +241,20 @@ def _example_features(example: SquadExample, example_index: int, query: list[int
     if is_training and not example.is_impossible:
         answer = _answer_tokens(example, doc, tokenizer)
     spans = doc_spans(len(doc.sub_tokens), max_seq_length - len(query) - 3, doc_stride)
-    doc_offset = len(query) + 2  # [CLS] query [SEP]
+    best_span = max_context_spans(spans, len(doc.sub_tokens))
+    sub_tokens = np.asarray(doc.sub_tokens, dtype=np.int32)
+    tok_to_orig = np.asarray(doc.tok_to_orig_index, dtype=np.int32)
+    head = np.asarray([tokenizer.cls, *query, tokenizer.sep], dtype=np.int32)
+    doc_offset = len(head)  # [CLS] query [SEP]
     out = []
     for span_index, span in enumerate(spans):
-        input_ids = [tokenizer.cls, *query, tokenizer.sep]
-        token_to_orig_map, token_is_max_context = {}, {}
-        for i in range(span.start, span.start + span.length):
-            token_to_orig_map[len(input_ids)] = doc.tok_to_orig_index[i]
-            token_is_max_context[len(input_ids)] = check_is_max_context(spans, span_index, i)
-            input_ids.append(doc.sub_tokens[i])
-        input_ids.append(tokenizer.sep)
-        token_type_ids = [0] * doc_offset + [1] * (span.length + 1)
+        window = slice(span.start, span.start + span.length)
+        input_ids = np.concatenate([head, sub_tokens[window],
+                                    np.asarray([tokenizer.sep], dtype=np.int32)])
         feature = SquadFeature(first_unique_id + span_index, example_index, span_index,
-                               input_ids, token_type_ids, token_to_orig_map,
-                               token_is_max_context, is_impossible=example.is_impossible)
+                               input_ids, doc_offset, tok_to_orig[window],
+                               best_span[window] == span_index,
+                               is_impossible=example.is_impossible)
         if is_training:
             feature.start_position, feature.end_position = 0, 0  # [CLS]: no answer here
             if answer is not None and span.start <= answer[0] and \

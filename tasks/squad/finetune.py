@@ -50,7 +50,7 @@ class SquadFeatureDataset(torch.utils.data.Dataset):
         for i, f in enumerate(features):
             length = len(f.input_ids)
             self.text[i, :length] = f.input_ids
-            self.types[i, :length] = f.token_type_ids
+            self.types[i, f.doc_offset:length] = 1
             self.lengths[i] = length
             self.labels[i] = (f.start_position or 0, f.end_position or 0)
 
@@ -166,11 +166,14 @@ def evaluate_set(model, ev: EvalSet, cfg, tokenizer, epoch: int) -> dict[str, fl
 
 
 def metrics_provider(cfg, tokenizer):
-    """``finetune``'s callback provider: reads every ``--valid-data`` file now (before process
-    groups); the callback returns ``f1`` and ``exact`` of the first file first (``f1`` ranks
-    the epochs), then every file's scores as ``NAME key``."""
+    """``finetune``'s callback provider (None without ``--valid-data``): reads every
+    ``--valid-data`` file now (before process groups); the callback returns ``f1`` and
+    ``exact`` of the first file first (``f1`` ranks the epochs), then every file's scores as
+    ``NAME key``."""
     eval_sets = [read_eval_set(path, cfg, tokenizer)
                  for path in cfg.section(TaskFlags).valid_data or ()]
+    if not eval_sets:
+        return None  # no --valid-data: training only (the summary says no evaluation ran)
 
     def callback(model, epoch: int) -> dict[str, float]:
         log_rank_last("calculating metrics ...")

@@ -143,10 +143,10 @@ def _candidates(features: Sequence[SquadFeature], results: Mapping[int, tuple],
     for feature_index, feature in enumerate(features):
         start_logits, end_logits = results[feature.unique_id]
         for start in _best_indexes(start_logits, n_best_size):
-            if not feature.token_is_max_context.get(start, False):
-                continue  # also drops non-document positions: they have no entry
+            if not feature.is_max_context(start):
+                continue  # also drops non-document positions
             for end in _best_indexes(end_logits, n_best_size):
-                if end not in feature.token_to_orig_map or end < start or \
+                if feature.word_index(end) is None or end < start or \
                         end - start + 1 > max_answer_length:
                     continue
                 out.append(_Prelim(feature_index, start, end, float(start_logits[start]),
@@ -158,8 +158,7 @@ def _span_text(example: SquadExample, feature: SquadFeature, start: int, end: in
                inv_vocab: Mapping[int, str], lower_case: bool) -> str:
     tok_text = " ".join(inv_vocab[int(i)] for i in feature.input_ids[start:end + 1])
     tok_text = " ".join(tok_text.replace(" ##", "").replace("##", "").strip().split())
-    orig_tokens = example.doc_tokens[feature.token_to_orig_map[start]:
-                                     feature.token_to_orig_map[end] + 1]
+    orig_tokens = example.doc_tokens[feature.word_index(start):feature.word_index(end) + 1]
     return get_final_text(tok_text, " ".join(orig_tokens), lower_case)
 
 

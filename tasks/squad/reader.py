@@ -127,6 +127,9 @@ def read_squad_examples(path: str | os.PathLike, version: str, is_training: bool
         for p, para in enumerate(_field(article, "paragraphs", list, path, f"data[{a}]")):
             where = f"data[{a}].paragraphs[{p}]"
             paragraph = split_paragraph(_field(para, "context", str, path, where))
+            if not paragraph.doc_tokens:
+                raise ValueError(f"{path}: {where}.context is empty: a question needs a "
+                                 "paragraph to answer from")
             for q, qa in enumerate(_field(para, "qas", list, path, where)):
                 example = _read_question(qa, paragraph, version, is_training, path,
                                          f"{where}.qas[{q}]")

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not check the source shards against their .sha256 files")
     parser.add_argument("--megatron-path", default=None,
                         help="accepted for Megatron-LM compatibility and ignored")
+    parser.add_argument("--hf-architecture", default=None,
+                        choices=["GPT2LMHeadModel", "MegatronBertForPreTraining",
+                                 "BertForPreTraining"],
+                        help="HF export: the class to write (default: the one the checkpoint "
+                             "needs: BERT trained with --apply-residual-connection-post-layernorm"
+                             " -> BertForPreTraining, else MegatronBertForPreTraining)")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="HF export: copy the tokenizer files from here (else the "
                              "checkpoint's --vocab-file / --merge-file)")
@@ -89,6 +95,8 @@ def _validate(opts: argparse.Namespace) -> None:
     if opts.keep_optimizer_state and "hf" in (opts.loader, opts.saver):
         raise ValueError("--keep-optimizer-state needs --loader megatron --saver megatron "
                          "(a HuggingFace model directory holds no optimizer state)")
+    if opts.hf_architecture is not None and opts.saver != "hf":
+        raise ValueError("--hf-architecture needs --saver hf")
     if opts.target_use_distributed_optimizer is not None and opts.saver != "megatron":
         raise ValueError("--[no-]target-use-distributed-optimizer needs --saver megatron")
     if opts.target_num_layers_per_virtual_pipeline_stage is not None \
@@ -125,7 +133,7 @@ def save_model(md, opts: argparse.Namespace):
         return saver_megatron.save(md, opts.save_dir, target)
     from tools.checkpoint import saver_hf
     return saver_hf.save(md, opts.save_dir, keep_padded_vocab=opts.keep_padded_vocab,
-                         tokenizer_dir=opts.tokenizer_dir)
+                         tokenizer_dir=opts.tokenizer_dir, architecture=opts.hf_architecture)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
-"""Loader plug-in: a local HuggingFace GPT-2 (or ``MegatronBertForPreTraining``, ``hf_bert``)
-model directory (``config.json`` + ``model.safetensors`` or its shards) -> a model description.
-Tensors are read lazily, layer by layer (``safetensors.safe_open``); nothing is downloaded.
+"""Loader plug-in: a local HuggingFace GPT-2 (or ``MegatronBertForPreTraining`` /
+post-LN ``BertForPreTraining``, ``hf_bert``) model directory (``config.json`` +
+``model.safetensors`` or its shards) -> a model description. Tensors are read lazily, layer
+by layer (``safetensors.safe_open``); nothing is downloaded.
 
 The description's ``args`` are Megatron's for that architecture (``--tokenizer-type
 GPT2BPETokenizer`` with the directory's ``vocab.json`` / ``merges.txt`` when present;

@@ -271,7 +271,9 @@ def write_plain(desc: OptimizerDescription, chunks: Sequence[Mapping[str, torch.
         ids = []
         for chunk, key in members:
             if desc.num_steps:
-                entry = {"step": torch.tensor(float(desc.num_steps))}
+                # torch's Adam counts steps per parameter; SGD keeps no count.
+                entry = {} if desc.state_keys == SGD_KEYS else \
+                    {"step": torch.tensor(float(desc.num_steps))}
                 for name in desc.state_keys:
                     entry[name] = states[chunk][name][key].contiguous()
                 state[index] = entry

@@ -1,6 +1,7 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
-GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` (``hf_bert``):
+GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
+``BertForPreTraining`` (``hf_bert``):
 ``config.json``, ``model.safetensors`` (or ``model-0000K-of-0000N.safetensors`` shards +
 ``model.safetensors.index.json`` past ``max_shard_bytes``, written as they fill: the saver holds
 one shard), the tokenizer files (``vocab.json`` / ``merges.txt``; BERT ``vocab.txt``). The
@@ -22,7 +23,7 @@ import torch
 
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
-from tools.checkpoint.hf_bert import bert_config, bert_tensors
+from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -114,12 +115,20 @@ def gpt2_config(md: ModelDescription, vocab: int):
 
 def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool = False,
          tokenizer_dir: str | Path | None = None,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, architecture: str | None = None) -> Path:
     """Write ``md`` as a HuggingFace model directory; returns it.
+
+    Args:
+        architecture: BERT: the HF class asked for (``--hf-architecture``); None: the one the
+            checkpoint's layer arrangement needs.
 
     Raises:
         ValueError: a model the HF class cannot express (naming the flag).
     """
+    if md.family == "BERT":
+        architecture = architecture_for(md.args, architecture)  # before anything is written
+    elif architecture not in (None, "GPT2LMHeadModel"):
+        raise ValueError(f"--hf-architecture {architecture}: GPT exports as GPT2LMHeadModel")
     out = Path(save_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--save-dir {out} is not empty")
@@ -128,7 +137,7 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
         md.true_vocab_size = true_vocab_size_from_args(md)
     vocab = _vocab_rows(md, keep_padded_vocab)
     if md.family == "BERT":
-        return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes)
+        return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     config = gpt2_config(md, vocab)
     heads = int(md.args.num_attention_heads)
     writer = ShardWriter(out, max_shard_bytes)
@@ -158,11 +167,11 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
 
 
 def _save_bert(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
-               max_shard_bytes: int) -> Path:
-    """BERT -> ``MegatronBertForPreTraining`` (``hf_bert``)."""
-    config = bert_config(md, vocab)
+               max_shard_bytes: int, architecture: str) -> Path:
+    """BERT -> ``MegatronBertForPreTraining`` / ``BertForPreTraining`` (``hf_bert``)."""
+    config = bert_config(md, vocab, architecture)
     writer = ShardWriter(out, max_shard_bytes)
-    for name, tensor in bert_tensors(md, vocab):
+    for name, tensor in bert_tensors(md, vocab, architecture):
         writer.add(name, tensor)
     writer.finish()
     config.save_pretrained(out)

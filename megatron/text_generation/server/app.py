@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flask import Flask, Response, jsonify, request, send_from_directory
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import (ClientDisconnected, HTTPException, RequestEntityTooLarge,
+                                 RequestTimeout)
 
 from megatron.text_generation.api import GenerationResult, tokenize_prompts
 from megatron.text_generation.server.engine import (Cancelled, GenerationEngine, Job,
@@ -95,7 +96,10 @@ class _Context:
         self.timeout_s = timeout_s
 
     def body(self):
-        raw = request.get_data(cache=True)  # a 413 past the limit (werkzeug) ...
+        try:
+            raw = request.get_data(cache=True)  # a 413 past the limit (werkzeug) ...
+        except ClientDisconnected:  # the server's request deadline passed, or the client left
+            raise RequestTimeout("the request body did not arrive whole in time") from None
         limit = request.max_content_length
         if request.content_length is None and limit is not None and len(raw) >= limit:
             # ... except for a chunked body, which werkzeug cuts at the limit without a word

@@ -32,7 +32,8 @@ def write_mnli(path: Path, n: int, seed: int, test: bool = False) -> Path:
     for i in range(n):
         label = rng.choice(sorted(MNLI_CUES))
         premise = _sentence(rng)
-        hypothesis = f"{MNLI_CUES[label]} {_sentence(rng)}"
+        cue = MNLI_CUES[label]
+        hypothesis = f"{cue} {_sentence(rng)[:-2]} {cue} ."
         row = [str(i), str(1000 + i), f"{i}e", "fiction", "(x)", "(y)", "(X)", "(Y)",
                premise, hypothesis]
         if not test:

@@ -8,7 +8,7 @@ import pytest
 
 from tasks.squad.features import (DocSpan, check_is_max_context, convert_examples_to_features,
                                   doc_spans, improve_answer_span,
-                                  tokenize_paragraph)
+                                  max_context_spans, tokenize_paragraph)
 from tasks.squad.postprocess import compute_predictions
 from tasks.squad.reader import read_squad_examples
 from tests.tasks.squad.squad_files import ARNOLD_QAS, TESLA_QAS, bert_tokenizer, squad_dict, write
@@ -37,6 +37,15 @@ def test_doc_spans_and_max_context_by_hand():
     assert check_is_max_context(spans, 0, 3) and not check_is_max_context(spans, 1, 3)
 
 
+@pytest.mark.parametrize("tokens,window,stride", [(10, 4, 3), (50, 7, 2), (33, 8, 8), (5, 9, 1)])
+def test_max_context_of_all_tokens_is_googles_rule(tokens, window, stride):
+    spans = doc_spans(tokens, window, stride)
+    best = max_context_spans(spans, tokens)
+    for position in range(tokens):
+        assert [check_is_max_context(spans, i, position) for i in range(len(spans))] == \
+            [best[position] == i for i in range(len(spans))]
+
+
 def test_improve_answer_span_tightens_to_the_answer_tokens():
     doc = ["(", "1856", "-", "1943", ")"]
     assert improve_answer_span(doc, 0, 4, ["1856"]) == (1, 1)
@@ -56,10 +65,11 @@ def test_features_layout_and_labels(tmp_path, tokenizer):
         "[CLS]", "when", "was", "tesla", "born", "?", "[SEP]", "nikola", "tesla", "(", "1856",
         "-", "1943", ")", "was", "a", "serbian", "-", "american", "inventor", ".", "he",
         "worked", "[SEP]"]
-    assert first.token_type_ids == [0] * 7 + [1] * 17
+    assert first.token_type_ids.tolist() == [0] * 7 + [1] * 17
     assert (first.start_position, first.end_position) == (10, 10)  # "1856" only
     assert first.token_to_orig_map[7] == 0 and first.token_to_orig_map[10] == 2
     assert 0 not in first.token_to_orig_map and 23 not in first.token_to_orig_map
+    assert (first.word_index(10), first.word_index(6), first.word_index(23)) == (2, None, None)
     # The next span starts 6 sub-tokens on; "1856" lies before it: label [CLS].
     assert _pieces(tokenizer, born[1].input_ids)[7:9] == [")", "was"]
     assert (born[1].start_position, born[1].end_position) == (0, 0)
@@ -91,7 +101,7 @@ def test_tokenised_answers_map_back_to_the_exact_characters(tmp_path, tokenizer,
     evaluation = read_squad_examples(path, "2.0", False).examples
     labelled = convert_examples_to_features(train, tokenizer, seq, stride, 8, True)
     feats = convert_examples_to_features(evaluation, tokenizer, seq, stride, 8, False)
-    assert [f.input_ids for f in feats] == [f.input_ids for f in labelled]
+    assert [f.input_ids.tolist() for f in feats] == [f.input_ids.tolist() for f in labelled]
     results = {}
     for f in labelled:
         start, end = np.full(seq, -5.0), np.full(seq, -5.0)

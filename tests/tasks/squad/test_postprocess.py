@@ -39,9 +39,9 @@ def _example(qid="q") -> SquadExample:
 
 
 def _feature(unique_id: int, max_context: bool = True) -> SquadFeature:
-    ids = [0, 1, 2, 3, 4, 5, 6, 2]
-    return SquadFeature(unique_id, 0, unique_id, ids, [0, 0, 0, 1, 1, 1, 1, 1],
-                        {3: 0, 4: 1, 5: 2, 6: 2}, {p: max_context for p in range(3, 7)})
+    # [CLS] what [SEP] the big cat . [SEP]: "cat" and "." are pieces of the word "cat."
+    return SquadFeature(unique_id, 0, unique_id, np.array([0, 1, 2, 3, 4, 5, 6, 2]), 3,
+                        np.array([0, 1, 2, 2]), np.full(4, max_context))
 
 
 def _logits(cls, starts, ends):

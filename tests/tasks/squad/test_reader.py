@@ -104,6 +104,10 @@ def test_other_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"answers\[0\].answer_start \(question id 'born'\) "
                                          "should be a int, found str"):
         read_squad_examples(write(tmp_path / "s.json", content), "2.0", True)
+    content = squad_dict()
+    content["data"][1]["paragraphs"][0]["context"] = " \n"
+    with pytest.raises(ValueError, match=r"data\[1\].paragraphs\[0\].context is empty"):
+        read_squad_examples(write(tmp_path / "e.json", content), "2.0", False)
     content = squad_dict(impossible=False)
     content["data"][0]["paragraphs"][0]["qas"][0]["answers"] = []
     with pytest.raises(ValueError, match="question id 'born'.* has no answer: a training "

@@ -163,3 +163,58 @@ def test_bert_with_two_gelu_forms_is_refused(tmp_path):
     helpers.save_single(tmp_path / "src", model, helpers.args_of(model, bert_binary_head=True))
     assert convert.main(["--model-type", "BERT", "--load-dir", str(tmp_path / "src"),
                          "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
+
+
+def test_post_ln_bert_exports_as_bert_for_pretraining_and_back(tmp_path):
+    """--apply-residual-connection-post-layernorm (original BERT) -> BertForPreTraining, chosen
+    from the checkpoint's args: its LayerNorms shift by one layer (hf_bert), the logits equal
+    ours, and HF -> ours is bitwise."""
+    model = helpers.bert(num_layers=3, vocab=256, bias_gelu_fusion=False,
+                         apply_residual_connection_post_layernorm=True)
+    args = helpers.args_of(model, bias_gelu_fusion=False, bert_binary_head=True,
+                           make_vocab_size_divisible_by=128,
+                           apply_residual_connection_post_layernorm=True)
+    helpers.save_single(tmp_path / "src", model, args)
+    tp2pp2 = _convert(tmp_path / "src", tmp_path / "tp2pp2", "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "3", model_type="BERT")
+    out = _convert(tp2pp2, tmp_path / "hf", "--saver", "hf", "--true-vocab-size", "255",
+                   model_type="BERT")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bert" and config["architectures"] == ["BertForPreTraining"]
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    tokens = torch.randint(0, 255, (2, 12))
+    types_ = torch.randint(0, 2, (2, 12))
+    padding = torch.ones_like(tokens)
+    padding[1, 9:] = 0  # a padded sequence: the key masks must agree too
+    with torch.no_grad():
+        ours_lm, ours_binary = model(tokens, padding, types_)
+        theirs = hf(tokens, attention_mask=padding, token_type_ids=types_)
+    # At the real positions (padded query rows differ by design: Megatron's mask hides every
+    # key from them, HF's only the padded keys; neither is ever predicted).
+    real = padding.bool()
+    assert (ours_lm[..., :255][real] - theirs.prediction_logits[real]).abs().max() <= LOGITS_TOL
+    assert (ours_binary - theirs.seq_relationship_logits).abs().max() <= LOGITS_TOL
+    kept = _convert(tmp_path / "src", tmp_path / "hf_kept", "--saver", "hf",
+                    "--keep-padded-vocab", model_type="BERT")
+    back = _convert(kept, tmp_path / "back", "--loader", "hf", model_type="BERT")
+    back_sd = helpers.shards(back / "iter_0000000")[(0, 0)]
+    assert back_sd["args"].apply_residual_connection_post_layernorm
+    helpers.assert_same_tensors(
+        helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)]),
+        helpers.flat_model(back_sd))
+
+
+@pytest.mark.parametrize("post_ln, asked", [(False, "BertForPreTraining"),
+                                            (True, "MegatronBertForPreTraining")])
+def test_impossible_hf_bert_architecture_names_the_flag(tmp_path, capsys, post_ln, asked):
+    model = helpers.bert(num_layers=2, bias_gelu_fusion=False,
+                         apply_residual_connection_post_layernorm=post_ln)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(
+        model, bias_gelu_fusion=False, bert_binary_head=True,
+        apply_residual_connection_post_layernorm=post_ln))
+    assert convert.main(["--model-type", "BERT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "hf"), "--saver", "hf",
+                         "--hf-architecture", asked]) == 2
+    error = capsys.readouterr().err
+    assert "--apply-residual-connection-post-layernorm" in error and asked in error
+    assert not (tmp_path / "hf").exists()  # refused before anything is written

@@ -4,7 +4,7 @@
 // Every kernel reads fp32/fp16/bf16, computes and accumulates in fp32, and writes the input's
 // dtype. Rows are spread over torch's intra-op thread pool (OpenMP in the CPU wheels) with
 // at::parallel_for, so torch.set_num_threads governs them; the per-row work is in row_kernels.h
-// (plain vectorisable loops on fp32 row buffers; this file binds tensors to it).
+// (plain vectorisable fp32 loops; this file binds tensors to them).
 //
 // Softmax semantics follow Megatron's CUDA kernels (megatron/fused_kernels/scaled_*softmax.h):
 // masked scores are set to -10000 after scaling, and a row whose every score is masked outputs
@@ -28,11 +28,10 @@ using megatron_cpu::FloatCodec;
 // fp16 through c10's scalar conversion: CPUs rarely train in fp16, so it is kept simple.
 struct HalfCodec {
   using storage = at::Half;
+  static float to_float(at::Half v) { return static_cast<float>(v); }
+  static at::Half from_float(float v) { return static_cast<at::Half>(v); }
   static void load(const at::Half* src, float* dst, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  }
-  static void store(const float* src, float mul, at::Half* dst, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i] * mul);
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
   }
 };
 
@@ -166,11 +165,9 @@ at::Tensor softmax_backward_impl(const at::Tensor& grad_output_, const at::Tenso
     const auto* y = data<C>(output);
     auto* dx = data<C>(grad_input);
     at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
-      std::vector<float> ybuf(n), dybuf(n);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t valid = sq > 0 ? r % sq + 1 + (n - sq) : n;
-        megatron_cpu::softmax_backward_row<C>(dy + r * n, y + r * n, valid, n, s, dx + r * n,
-                                              ybuf.data(), dybuf.data());
+        megatron_cpu::softmax_backward_row<C>(dy + r * n, y + r * n, valid, n, s, dx + r * n);
       }
     });
   });
@@ -339,20 +336,18 @@ at::Tensor cross_entropy_backward(at::Tensor logits, const at::Tensor& max_,
     const S* l = data<C>(logits);
     S* out = data<C>(grad);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(megatron_cpu::kCrossEntropyBlock);
       for (int64_t r = begin; r < end; ++r) {
         // The target column's softmax, read before the row is overwritten.
         const int64_t t = target[r];
         float target_value = 0.0f;
-        if (t >= 0) C::load(l + r * n + t, &target_value, 1);
+        if (t >= 0) target_value = C::to_float(l[r * n + t]);
         megatron_cpu::cross_entropy_row_grad<C>(l + r * n, n, m[r], 1.0f / se[r],
-                                                static_cast<float>(uniform), g[r], out + r * n,
-                                                buf.data());
+                                                static_cast<float>(uniform), g[r], out + r * n);
         if (t >= 0) {
           const float p = megatron_cpu::fast_exp(target_value - m[r]) / se[r];
           const float value = (p - static_cast<float>(uniform) -
                                static_cast<float>(on_target)) * g[r];
-          C::store(&value, 1.0f, out + r * n + t, 1);
+          out[r * n + t] = C::from_float(value);
         }
       }
     });

@@ -9,11 +9,11 @@
 // Speed rules the code follows (each found by measurement, bench/README.md):
 // * every inner loop works on fp32 (or on the raw 16 bits of a bf16) over contiguous memory, with
 //   no calls and no branches, so that `#pragma omp simd` turns it into AVX2/AVX-512 code;
-// * half-precision rows are converted whole into an fp32 row buffer on load and back on store
-//   (bf16 by bit shifts, which vectorise; c10's per-element conversion does not);
-// * a row is read from memory once: it is loaded into an L1-sized fp32 buffer and the later
-//   passes (max, exp and sum, normalise) run on that buffer; the 50k-wide cross-entropy rows
-//   are streamed in blocks with an online (running max, rescaled sum) softmax.
+// * half precision is converted inside those loops (bf16 by bit shifts, which vectorise; c10's
+//   conversion does not), so a row is not copied to convert it;
+// * a row is read from memory once: the first pass converts it into an L1-sized fp32 buffer and
+//   the later passes (exp and sum, normalise-and-store) run on that buffer; the 50k-wide
+//   cross-entropy rows are streamed in blocks with an online (running max, rescaled sum) softmax.
 
 #pragma once
 
@@ -60,37 +60,38 @@ inline float fast_exp(float x) {
   return x != x ? x : p * two_n * keep;  // NaN propagates (the loss's NaN check sees it)
 }
 
-// Storage codecs: rows of storage type <-> fp32 buffers. The fp16 codec lives with torch's
-// Half type in fused_kernels_cpu.cpp.
+// Storage codecs: element conversions storage <-> fp32, inlined into the loops below (one pass
+// reads the stored row and computes; one pass computes and stores), plus whole-row load/store
+// for the loops that revisit a row. The fp16 codec lives with torch's Half type in
+// fused_kernels_cpu.cpp.
 struct FloatCodec {
   using storage = float;
+  static float to_float(float v) { return v; }
+  static float from_float(float v) { return v; }
   static void load(const float* src, float* dst, int64_t n) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
   }
-  static void store(const float* src, float mul, float* dst, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
-  }
 };
 
-// bf16 as its raw 16 bits: the high half of an fp32.
+// bf16 as its raw 16 bits: the high half of an fp32. Bit shifts, which vectorise.
 struct Bf16Codec {
   using storage = uint16_t;
-  static void load(const uint16_t* src, float* dst, int64_t n) {
-    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;
+  static float to_float(uint16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
   }
   // Round to nearest even, as c10::BFloat16 does; NaN stays a (quiet) NaN.
-  static void store(const float* src, float mul, uint16_t* dst, int64_t n) {
+  static uint16_t from_float(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
+  }
+  static void load(const uint16_t* src, float* dst, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = src[i] * mul;
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-      dst[i] = static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
-    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
   }
 };
 
@@ -113,14 +114,13 @@ void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int6
     store_zeros<C>(y, n);
     return;
   }
-  C::load(x, buf, valid);
   float max_value = -INFINITY;
   if (mask != nullptr) {
     int64_t unmasked = 0;
 #pragma omp simd reduction(max : max_value) reduction(+ : unmasked)
     for (int64_t i = 0; i < valid; ++i) {
       const bool keep = mask[i] == 0;
-      buf[i] = keep ? buf[i] * scale : kMaskedScore;
+      buf[i] = keep ? C::to_float(x[i]) * scale : kMaskedScore;
       max_value = max_f(max_value, buf[i]);
       unmasked += keep ? 1 : 0;
     }
@@ -131,7 +131,7 @@ void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int6
   } else {
 #pragma omp simd reduction(max : max_value)
     for (int64_t i = 0; i < valid; ++i) {
-      buf[i] *= scale;
+      buf[i] = C::to_float(x[i]) * scale;
       max_value = max_f(max_value, buf[i]);
     }
   }
@@ -141,24 +141,24 @@ void softmax_forward_row(const typename C::storage* x, const uint8_t* mask, int6
     buf[i] = fast_exp(buf[i] - max_value);
     sum += buf[i];
   }
-  C::store(buf, 1.0f / sum, y, valid);
+  const float inv_sum = 1.0f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < valid; ++i) y[i] = C::from_float(buf[i] * inv_sum);
   store_zeros<C>(y + valid, n - valid);
 }
 
 // dx = scale * y * (dy - sum(dy * y)) over the first `valid` entries, zeros after them (y is 0
-// there). `ybuf`, `dybuf`: fp32 scratch of n floats each.
+// there). The row is read twice (the second time from L1).
 template <typename C>
 void softmax_backward_row(const typename C::storage* dy, const typename C::storage* y,
-                          int64_t valid, int64_t n, float scale, typename C::storage* dx,
-                          float* ybuf, float* dybuf) {
-  C::load(y, ybuf, valid);
-  C::load(dy, dybuf, valid);
+                          int64_t valid, int64_t n, float scale, typename C::storage* dx) {
   float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-  for (int64_t i = 0; i < valid; ++i) dot += dybuf[i] * ybuf[i];
+  for (int64_t i = 0; i < valid; ++i) dot += C::to_float(dy[i]) * C::to_float(y[i]);
 #pragma omp simd
-  for (int64_t i = 0; i < valid; ++i) dybuf[i] = ybuf[i] * (dybuf[i] - dot);
-  C::store(dybuf, scale, dx, valid);
+  for (int64_t i = 0; i < valid; ++i) {
+    dx[i] = C::from_float(scale * C::to_float(y[i]) * (C::to_float(dy[i]) - dot));
+  }
   store_zeros<C>(dx + valid, n - valid);
 }
 
@@ -171,10 +171,12 @@ template <typename C>
 void layer_norm_forward_row(const typename C::storage* x, const float* w, const float* b,
                             int64_t h, float eps, typename C::storage* y, float* row,
                             float* mean_out, float* rstd_out) {
-  C::load(x, row, h);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < h; ++i) sum += row[i];
+  for (int64_t i = 0; i < h; ++i) {
+    row[i] = C::to_float(x[i]);
+    sum += row[i];
+  }
   const float mu = sum / static_cast<float>(h);
   // The variance of the centred (cached) row: E[x^2] - mean^2 would cancel digits.
   float squares = 0.0f;
@@ -182,8 +184,7 @@ void layer_norm_forward_row(const typename C::storage* x, const float* w, const 
   for (int64_t i = 0; i < h; ++i) squares += (row[i] - mu) * (row[i] - mu);
   const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) row[i] = (row[i] - mu) * rstd * w[i] + b[i];
-  C::store(row, 1.0f, y, h);
+  for (int64_t i = 0; i < h; ++i) y[i] = C::from_float((row[i] - mu) * rstd * w[i] + b[i]);
   *mean_out = mu;
   *rstd_out = rstd;
 }
@@ -195,13 +196,11 @@ void layer_norm_backward_row(const typename C::storage* dy, const typename C::st
                              float mu, float rstd, const float* w, int64_t h,
                              typename C::storage* dx, float* dw, float* db, float* xhat,
                              float* g) {
-  C::load(x, xhat, h);
-  C::load(dy, g, h);
   float sum_g = 0.0f, sum_g_xhat = 0.0f;
 #pragma omp simd reduction(+ : sum_g, sum_g_xhat)
   for (int64_t i = 0; i < h; ++i) {
-    const float d = g[i];
-    const float xh = (xhat[i] - mu) * rstd;
+    const float d = C::to_float(dy[i]);
+    const float xh = (C::to_float(x[i]) - mu) * rstd;
     xhat[i] = xh;
     dw[i] += d * xh;
     db[i] += d;
@@ -212,8 +211,7 @@ void layer_norm_backward_row(const typename C::storage* dy, const typename C::st
   const float mean_g = sum_g / static_cast<float>(h);
   const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) g[i] = g[i] - mean_g - xhat[i] * mean_g_xhat;
-  C::store(g, rstd, dx, h);
+  for (int64_t i = 0; i < h; ++i) dx[i] = C::from_float(rstd * (g[i] - mean_g - xhat[i] * mean_g_xhat));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -230,10 +228,10 @@ void cross_entropy_row_stats(const typename C::storage* logits, int64_t n, float
   float running_max = -INFINITY, running_sum = 0.0f, plain_sum = 0.0f;
   for (int64_t start = 0; start < n; start += kCrossEntropyBlock) {
     const int64_t len = std::min(kCrossEntropyBlock, n - start);
-    C::load(logits + start, buf, len);
     float block_max = -INFINITY, block_sum = 0.0f;
 #pragma omp simd reduction(max : block_max) reduction(+ : block_sum)
     for (int64_t i = 0; i < len; ++i) {
+      buf[i] = C::to_float(logits[start + i]);
       block_max = max_f(block_max, buf[i]);
       block_sum += buf[i];
     }
@@ -251,19 +249,17 @@ void cross_entropy_row_stats(const typename C::storage* logits, int64_t n, float
   *sum_out = plain_sum;
 }
 
-// grad = (exp(l - m) / s - smoothing / V) * g, written over `out` (which may be `logits`
-// itself: each block is read before it is written). The target's (1 - smoothing) * g is
-// subtracted by the caller, which knows which rank holds the target. `buf`: block floats.
+// grad = (exp(l - m) / s - smoothing / V) * g, written over `out`, which may be `logits`
+// itself (each element is read before it is written). The target's (1 - smoothing) * g is
+// subtracted by the caller, which knows which rank holds the target.
 template <typename C>
 void cross_entropy_row_grad(const typename C::storage* logits, int64_t n, float max_value,
                             float inv_sum_exp, float uniform, float g,
-                            typename C::storage* out, float* buf) {
-  for (int64_t start = 0; start < n; start += kCrossEntropyBlock) {
-    const int64_t len = std::min(kCrossEntropyBlock, n - start);
-    C::load(logits + start, buf, len);
+                            typename C::storage* out) {
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) buf[i] = fast_exp(buf[i] - max_value) * inv_sum_exp - uniform;
-    C::store(buf, g, out + start, len);
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = fast_exp(C::to_float(logits[i]) - max_value) * inv_sum_exp;
+    out[i] = C::from_float((p - uniform) * g);
   }
 }
 
