@@ -1,7 +1,8 @@
 """Where a training step's time goes, with the fusions on and off: torch.profiler tables.
 
     PYTHONPATH=. .venv/bin/python bench/profile_step.py [--shape small|gpt2] [--bf16]
-        [--attention unfused|auto] [--rows 20] [--steps 2]
+        [--attention unfused|auto] [--rows 20] [--steps 2] [--only fused|unfused]
+        [--ab-steps N [--ab-cross-entropy]] [--untuned-malloc]
 
 One process, 2 threads, the model library directly (no data loader, no optimizer: forward,
 loss, backward into DDP-style fp32 ``main_grad`` buffers, so the gradient-accumulation fusion
@@ -14,6 +15,9 @@ acts as in training). Two configurations in the same run:
 
 glibc's allocator is tuned as ``pretrain_gpt.py`` tunes it on CPU (``--untuned-malloc`` leaves it).
 ``--only fused|unfused`` profiles one side (e.g. one per process, to compare on a quiet machine).
+``--ab-steps N`` skips the profiler and times N steps of each side alternately in one process
+(fused, unfused, fused, ...; medians), so that a load change hits both alike; with
+``--ab-cross-entropy`` both sides run every other fusion and differ only in the cross entropy.
 
 For each, the profiler's ``key_averages()`` table sorted by self CPU time (the ops' own time), so
 the rows show which kernels the fusions replace and what the step spends elsewhere (GEMMs,
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -64,6 +70,26 @@ def step(model: GPTModel, tokens: torch.Tensor, positions: torch.Tensor) -> None
             param.grad = None
 
 
+def use_fused_cross_entropy(fused: bool, kernel_for=cross_entropy.fused_kernel_for) -> None:
+    """The cross entropy has no flag (it is fused wherever the kernel is built): switch it here
+    for the comparison."""
+    cross_entropy.fused_kernel_for = kernel_for if fused else (lambda logits: None)
+
+
+def time_alternately(models: dict[str, GPTModel], tokens: torch.Tensor, positions: torch.Tensor,
+                     steps: int, fused_ce: dict[str, bool]) -> dict[str, float]:
+    """Median seconds per step of each model, one step of each per round after one warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(steps + 1):
+        for name, model in models.items():
+            use_fused_cross_entropy(fused_ce[name])
+            start = time.perf_counter()
+            step(model, tokens, positions)
+            if i > 0:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="small", choices=list(SHAPES))
@@ -73,22 +99,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only", choices=["fused", "unfused"])
     parser.add_argument("--untuned-malloc", action="store_true")
+    parser.add_argument("--ab-steps", type=int, default=0)
+    parser.add_argument("--ab-cross-entropy", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if not args.untuned_malloc:
         tune_host_allocator()
-    fused_kernel_for = cross_entropy.fused_kernel_for
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 50257, (shape["mb"], shape["seq"]), generator=gen)
     positions = torch.arange(shape["seq"]).expand_as(tokens)
+    if args.ab_steps:
+        every = args.ab_cross_entropy  # both sides keep the other fusions
+        models = {"fused": build(shape, True, dtype, args.attention),
+                  "unfused": build(shape, every, dtype, args.attention)}
+        result = time_alternately(models, tokens, positions, args.ab_steps,
+                                  {"fused": True, "unfused": False})
+        what = "cross entropy only" if every else "every fusion"
+        print(f"{args.shape}, {dtype}, attention {args.attention}, fused vs unfused ({what}), "
+              f"{args.ab_steps} alternating steps: fused {result['fused']:.3f} s, unfused "
+              f"{result['unfused']:.3f} s per step: {result['unfused'] / result['fused']:.3f}x")
+        return
     for fused in (True, False):
         if args.only and args.only != ("fused" if fused else "unfused"):
             continue
-        # The cross entropy has no flag (it is fused wherever the kernel is built): switch it
-        # here for the comparison.
-        cross_entropy.fused_kernel_for = fused_kernel_for if fused else (lambda logits: None)
+        use_fused_cross_entropy(fused)
         model = build(shape, fused, dtype, args.attention)
         step(model, tokens, positions)  # warm-up: allocations, TorchScript profiling runs
         with profile(activities=[ProfilerActivity.CPU]) as prof:

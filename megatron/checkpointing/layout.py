@@ -321,6 +321,10 @@ BERT_LAYOUT = GPT_LAYOUT.extended("BERT", (
     TensorRule("lm_head.{dense,layernorm}.{weight,bias}", None, "last",
                "LM head transform (dense -> GeLU -> LayerNorm)"),
     TensorRule("binary_head.{weight,bias}", None, "last", "sentence-order head"),
+    TensorRule("classification_head.{weight,bias}", None, "last",
+               "finetuning: Classification head (tasks/glue)"),
+    TensorRule("multichoice_head.{weight,bias}", None, "last",
+               "finetuning: MultipleChoice head (tasks/race)"),
 ))
 """Megatron-LM's legacy BERT: the language model's table plus the pooler and the heads."""
 

@@ -52,14 +52,14 @@ def squad_model_provider(cfg, pre_process: bool = True,
 
 
 def span_loss_func(start_positions: torch.Tensor, end_positions: torch.Tensor,
-                   logits: torch.Tensor):
+                   dp_group: ProcessGroup | None, logits: torch.Tensor):
     """``(CE(start) + CE(end)) / 2`` in fp32 over ``logits [b, s, 2]``; reported as ``lm loss``
-    (Megatron's finetuning log name), averaged over data-parallel ranks."""
+    (Megatron's finetuning log name), averaged over ``dp_group``."""
     start_logits, end_logits = logits.float().unbind(dim=-1)  # [b, s] each
     loss = (F.cross_entropy(start_logits, start_positions.long())
             + F.cross_entropy(end_logits, end_positions.long())) / 2
     reported = loss.detach().clone().view(1)
-    comm.all_reduce(reported, parallel_state.get_data_parallel_group(), op="avg")
+    comm.all_reduce(reported, dp_group, op="avg")
     return loss, {"lm loss": reported}
 
 
@@ -69,4 +69,5 @@ def span_forward_step(data_iterator: Iterator[dict], model):
     batch = batch_to_device(next(data_iterator))
     logits = model(batch["text"].long(), batch["padding_mask"].long(),
                    tokentype_ids=batch["types"].long())
-    return logits, functools.partial(span_loss_func, batch["start"], batch["end"])
+    return logits, functools.partial(span_loss_func, batch["start"], batch["end"],
+                                     parallel_state.get_data_parallel_group())

@@ -19,7 +19,10 @@ Three cases, started together so their start-ups overlap:
 * GPT, PP=2 with the distributed optimizer: the whole job (torchrun and both ranks, as a node
   dying) killed at a seeded random moment during training (``FAULT_SEED``), compared with an
   uninterrupted run;
-* BERT, one rank: killed in the middle of writing its shard (temporary file half-done).
+* BERT, one rank: killed in the middle of writing its shard (temporary file half-done);
+* finetuning (``tasks/main.py --task MNLI`` on the synthetic MNLI files of
+  ``tests/tasks/finetune``), one rank: killed inside the save of iteration 8 (the end of its
+  first epoch); the resumed run restarts mid-epoch from iteration 4.
 
 ``scripts/soak_faults.py`` repeats the random-moment kill many times (not run by CI).
 """
@@ -34,10 +37,32 @@ from pathlib import Path
 import pytest
 
 from tests.faults import harness as h
+from tests.tasks.finetune import synthetic
 
 SEED = int(os.environ.get("FAULT_SEED", "0"))
 GPT_DP2 = {"save_interval": 3, "iters": 8, "extra": ["--use-distributed-optimizer"]}
 BERT = {"save_interval": 2, "iters": 6}
+FINETUNE_ITERS = 16  # 2 epochs of 64 samples, global batch 8
+
+
+def _finetune(data: Path, save: Path) -> list[str]:
+    """tasks/main.py flags: MNLI, a 2-layer hidden-32 BERT, one rank, 2 micro-batches a step,
+    dropout on, a save every 4 iterations (and at each epoch's end)."""
+    (data / "MNLI").mkdir(parents=True, exist_ok=True)
+    synthetic.write_vocab(data / "vocab.txt")
+    train = synthetic.write_mnli(data / "MNLI" / "train.tsv", 64, seed=1)
+    dev = synthetic.write_mnli(data / "MNLI" / "dev_matched.tsv", 16, seed=2)
+    return ["--task", "MNLI", "--train-data", train, "--valid-data", dev, "--epochs", 2,
+            "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
+            "--seq-length", 32, "--max-position-embeddings", 32,
+            "--make-vocab-size-divisible-by", 128, "--micro-batch-size", 4,
+            "--global-batch-size", 8, "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "linear", "--lr-warmup-fraction", 0.1, "--weight-decay", 0.01,
+            "--clip-grad", 1.0, "--seed", 1234, "--hidden-dropout", 0.1,
+            "--attention-dropout", 0.1, "--tokenizer-type", "BertWordPieceLowerCase",
+            "--vocab-file", data / "vocab.txt", "--num-workers", 0, "--log-interval", 1,
+            "--eval-iters", 1, "--distributed-backend", "gloo", "--save", save,
+            "--save-interval", 4]
 
 
 def _gpt(save: Path, case: dict) -> list[str]:
@@ -62,20 +87,26 @@ def killed_and_resumed(shared_data, tmp_path_factory, pp2_reference):
     vocab = shared_data / "tokenizers" / "bert-base-uncased-vocab.txt"
     flags = {"gpt_dp2": _gpt(root / "gpt_dp2", GPT_DP2),
              "gpt_pp2": h.pp2_flags(root / "gpt_pp2"),
-             "bert": _bert(vocab, root / "bert")}
+             "bert": _bert(vocab, root / "bert"),
+             "finetune": _finetune(root / "mnli", root / "finetune")}
     scripts = {"gpt_pp2": "pretrain_gpt.py", "gpt_dp2": "pretrain_gpt.py",
-               "bert": "pretrain_bert.py"}
+               "bert": "pretrain_bert.py", "finetune": "tasks/main.py"}
+    nproc = {"gpt_pp2": 2, "gpt_dp2": 2, "bert": 1, "finetune": 1}
     jobs = {
         "gpt_dp2": h.launch("pretrain_gpt.py", flags["gpt_dp2"], root / "gpt_dp2.log", nproc=2,
                             hooks={"FAULT_PAUSE_IN_SAVE": "6:tracker"}),
         "gpt_pp2": h.launch("pretrain_gpt.py", flags["gpt_pp2"], root / "gpt_pp2.log", nproc=2),
         "bert": h.launch("pretrain_bert.py", flags["bert"], root / "bert.log", nproc=1,
                          hooks={"FAULT_PAUSE_IN_SAVE": "4:shard"}),
+        "finetune": h.launch("tasks/main.py", flags["finetune"], root / "finetune.log", nproc=1,
+                             hooks={"FAULT_PAUSE_IN_SAVE": "8:shard"}),
     }
     try:
         os.kill(_hook_pid(jobs["gpt_dp2"]), 9)  # one rank, paused before the tracker's rename
         _hook_pid(jobs["bert"])
         jobs["bert"].kill_all()  # mid-shard
+        _hook_pid(jobs["finetune"])
+        jobs["finetune"].kill_all()
         jobs["gpt_pp2"].wait_for(" iteration        3/")
         time.sleep(h.seeded_delay(SEED, 0.0, 0.5))
         jobs["gpt_pp2"].kill_all()
@@ -83,7 +114,7 @@ def killed_and_resumed(shared_data, tmp_path_factory, pp2_reference):
         left = {name: {"tracker": h.tracker(root / name), "temp": h.temp_files(root / name)}
                 for name in jobs}
         resumed = {name: h.launch(scripts[name], [*flags[name], "--load", root / name],
-                                  root / f"{name}_resumed.log", nproc=1 if name == "bert" else 2)
+                                  root / f"{name}_resumed.log", nproc=nproc[name])
                    for name in jobs}
         resumed_codes = {name: job.wait() for name, job in resumed.items()}
     finally:
@@ -147,3 +178,16 @@ def test_bert_killed_mid_shard_leaves_the_previous_checkpoint(killed_and_resumed
     killed = case["killed"].losses()
     assert max(killed) == 4
     h.compare_losses(killed, {i: v for i, v in case["resumed"].losses().items() if i <= 4})
+
+
+def test_finetuning_killed_in_a_save_resumes_mid_epoch_exactly(killed_and_resumed):
+    case = killed_and_resumed["finetune"]
+    assert case["code"] != 0, case["killed"].tail()
+    assert case["left"]["tracker"] == 4
+    assert len(case["left"]["temp"]) == 1, case["left"]["temp"]
+    _check_resumed(case, loaded=4, final=FINETUNE_ITERS)
+    killed = case["killed"].losses()
+    assert max(killed) == 8
+    resumed = case["resumed"].losses()
+    assert sorted(resumed) == list(range(5, FINETUNE_ITERS + 1))
+    h.compare_losses(killed, {i: v for i, v in resumed.items() if i <= 8})

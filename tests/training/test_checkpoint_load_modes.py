@@ -395,6 +395,9 @@ def test_distributed_optimizer_state_into_plain_optimizer_is_refused(single):
     assert error is not None and error.startswith("CheckpointError")
     assert "--use-distributed-optimizer" in error and "--no-load-optim" in error
     assert "model_optim_rng.pt" in error
+    # ... and names the converter that turns it into the plain optimizer's layout.
+    assert ("tools/checkpoint/convert.py --keep-optimizer-state "
+            "--no-target-use-distributed-optimizer") in error
 
 
 def test_checkpoint_without_rng_state_needs_no_load_rng(single):

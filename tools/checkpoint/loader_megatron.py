@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointError,
-                                    PipelineStages, checkpoint_version, fix_query_key_value_ordering,
-                                    flatten_model_state, load_checkpoint_file, model_keys,
-                                    parse_tracker, shard_dir_name, shard_files, tracker_path,
-                                    verify_checksum)
+                                    PipelineStages, checkpoint_version,
+                                    fix_query_key_value_ordering, flatten_model_state,
+                                    load_checkpoint_file, model_keys, parse_tracker,
+                                    shard_dir_name, shard_files, tracker_path, verify_checksum)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import ModelDescription

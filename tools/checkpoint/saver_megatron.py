@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, LAYOUTS,
-                                    CheckpointError, PipelineStages, checkpoint_name, nest_model_state,
-                                    publish_tracker, save_file, tracker_path)
+                                    CheckpointError, PipelineStages, checkpoint_name,
+                                    nest_model_state, publish_tracker, save_file, tracker_path)
 from megatron.checkpointing.names import checkpoint_dir
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
