@@ -275,9 +275,11 @@ def eval_mode(model: Sequence[torch.nn.Module]):
 
 
 # Accuracy (RACE, GLUE) -----------------------------------------------------------------------
-def count_correct(model: Sequence[torch.nn.Module], loader) -> tuple[int, int]:
+def count_correct(model: Sequence[torch.nn.Module], loader,
+                  predictions: list | None = None) -> tuple[int, int]:
     """``(correct, total)`` of ``argmax(model(text, padding_mask, types))`` against ``label``
-    over this rank's loader, summed over data-parallel ranks."""
+    over this rank's loader, summed over data-parallel ranks. With ``predictions`` (a list),
+    this rank's ``(softmax, label, uid)`` of every sample are appended to it."""
     correct = torch.zeros(2, dtype=torch.long)
     with eval_mode(model):
         for batch in loader:
@@ -285,18 +287,38 @@ def count_correct(model: Sequence[torch.nn.Module], loader) -> tuple[int, int]:
             logits = model[0](batch["text"].long(), batch["padding_mask"].long(),
                               tokentype_ids=batch["types"].long())
             predicted = logits.argmax(dim=-1).cpu()
-            correct[0] += int((predicted == batch["label"].cpu()).sum())
+            labels = batch["label"].cpu()
+            correct[0] += int((predicted == labels).sum())
             correct[1] += predicted.numel()
+            if predictions is not None:
+                probs = torch.softmax(logits.float(), dim=-1).cpu().tolist()
+                predictions.extend(zip(probs, labels.tolist(), batch["uid"].cpu().tolist()))
     correct = correct.to(device.get_device())
     comm.all_reduce(correct, parallel_state.get_data_parallel_group())
     return int(correct[0]), int(correct[1])
 
 
+def _save_predictions(path: str, named: list[tuple[str, list]]) -> None:
+    """Megatron's evaluation-only ``predictions.pt``: ``[(name, (softmaxes, labels, uids))]``
+    per data set, every data-parallel rank's samples (ordered by uid), written by rank 0."""
+    dp_group = parallel_state.get_data_parallel_group()
+    out = []
+    for name, mine in named:
+        every = sorted((p for part in comm.all_gather_object(mine, dp_group) for p in part),
+                       key=lambda p: p[2])
+        out.append((name, ([p[0] for p in every], [p[1] for p in every],
+                           [p[2] for p in every])))
+    if comm.rank(comm.world_group()) == 0:
+        torch.save(out, path)
+        log_rank_0(f" > predictions of {len(out)} data set(s) written to {path}")
+
+
 def accuracy_func_provider(named_datasets: Sequence[tuple[str, Any]], micro_batch_size: int,
-                           collate_fn=None) -> EvalCallback:
+                           collate_fn=None, predictions_path: str | None = None) -> EvalCallback:
     """Megatron's ``accuracy_func_provider``: the accuracy of every ``(name, dataset)`` and all
     of them together, logged as Megatron does (``|epoch: e| metrics for NAME: correct / total
-    = c / t = p %`` and ``|epoch: e| overall: ...``).
+    = c / t = p %`` and ``|epoch: e| overall: ...``). With ``predictions_path``, the
+    evaluation-only call (epoch -1) also writes Megatron's ``predictions.pt`` there.
 
     Returns:
         ``callback(model, epoch) -> {"accuracy": overall, "accuracy NAME": ..., ...}``
@@ -304,17 +326,29 @@ def accuracy_func_provider(named_datasets: Sequence[tuple[str, Any]], micro_batc
     """
     def callback(model, epoch: int) -> dict[str, float]:
         log_rank_last("calculating metrics ...")
-        metrics, correct, total = {}, 0, 0
+        metrics, correct, total, named = {}, 0, 0, []
         for name, dataset in named_datasets:
-            c, t = count_correct(model, evaluation_loader(dataset, micro_batch_size, collate_fn))
+            kept = [] if predictions_path is not None and epoch == -1 else None
+            c, t = count_correct(model, evaluation_loader(dataset, micro_batch_size, collate_fn),
+                                 kept)
             log_rank_last(f" > |epoch: {epoch}| metrics for {name}: correct / total = {c} / {t} "
                           f"= {100.0 * c / max(t, 1):.4f} %")
             metrics[f"accuracy {name}"] = c / max(t, 1)
             correct, total = correct + c, total + t
+            if kept is not None:
+                named.append((name, kept))
         log_rank_last(f" >> |epoch: {epoch}| overall: correct / total = {correct} / {total} = "
                       f"{100.0 * correct / max(total, 1):.4f} %")
+        if named:
+            _save_predictions(predictions_path, named)
         return {"accuracy": correct / max(total, 1), **metrics}
     return callback
+
+
+def predictions_path(cfg: MegatronConfig) -> str | None:
+    """Where Megatron's evaluation-only mode writes ``predictions.pt``: in ``--load``."""
+    load = cfg.checkpoint.load
+    return os.path.join(load, "predictions.pt") if load is not None else None
 
 
 # Flags ---------------------------------------------------------------------------------------
@@ -495,7 +529,7 @@ def _log_summary(best: Evaluation | None) -> None:
         log_rank_0("done: no evaluation ran (no --valid-data)")
         return
     name, value = next(iter(best.metrics.items()))
-    where = f"epoch {best.epoch + 1}" if best.epoch >= 0 else "evaluation only"
+    where = f"the end of epoch {best.epoch + 1}" if best.epoch >= 0 else "evaluation only"
     saved = f", checkpoint {best.checkpoint}" if best.checkpoint else ", not saved (no --save)"
     log_rank_last(f" >> best {name}: {value:.4f} at {where} (iteration {best.iteration}){saved}")
 

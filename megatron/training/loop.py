@@ -245,9 +245,10 @@ class Trainer:
         if self.cfg.checkpoint.save is None or s.last_saved_iteration == s.iteration:
             return
         self.timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(s.iteration, self.model, self.optimizer, self.scheduler, self.cfg,
-                        s.consumed_train_samples, s.consumed_valid_samples,
-                        s.floating_point_operations_so_far)
+        with fault.hang_watch(armed=False):  # writing shards: no collectives for a long while
+            save_checkpoint(s.iteration, self.model, self.optimizer, self.scheduler, self.cfg,
+                            s.consumed_train_samples, s.consumed_valid_samples,
+                            s.floating_point_operations_so_far)
         self.timers("save-checkpoint").stop(barrier=True)
         s.last_saved_iteration = s.iteration
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tasks.finetune_utils import (accuracy_func_provider, classification_model_provider,
-                                  finetune)
+                                  finetune, predictions_path)
 from tasks.flags import TaskFlags
 from tasks.glue.data import READERS, dataset_name_from_path, glue_dataset
 
@@ -45,7 +45,8 @@ class _Datasets:
         named = [(dataset_name_from_path(self.task, path), self.one(cfg, tokenizer, path))
                  for path in ex.valid_data or ()]
         return accuracy_func_provider(
-            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size)
+            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size,
+            predictions_path=predictions_path(cfg))
 
 
 def run_glue(argv: list[str], task: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tasks.finetune_utils import (accuracy_func_provider, finetune,
-                                  multiple_choice_model_provider)
+                                  multiple_choice_model_provider, predictions_path)
 from tasks.flags import TaskFlags
 from tasks.race.data import RaceDataset, dataset_name_from_path
 
@@ -43,7 +43,8 @@ class _Datasets:
         named = [(dataset_name_from_path(path), self.one(cfg, tokenizer, path))
                  for path in ex.valid_data or ()]
         return accuracy_func_provider(
-            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size)
+            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size,
+            predictions_path=predictions_path(cfg))
 
 
 def run_race(argv: list[str]):

@@ -93,11 +93,12 @@ _PARAGRAPHS_PER_CALL = 512
 
 @dataclasses.dataclass
 class _TokenizedDoc:
-    """A paragraph's sub-tokens and the maps between them and its words."""
+    """A paragraph's sub-tokens and the maps between them and its words (int32 arrays: a
+    training set's paragraphs are all held at once)."""
 
-    sub_tokens: list[int]
-    tok_to_orig_index: list[int]
-    orig_to_tok_index: list[int]
+    sub_tokens: np.ndarray
+    tok_to_orig_index: np.ndarray
+    orig_to_tok_index: np.ndarray
 
 
 def tokenize_paragraph(paragraph: Paragraph, tokenizer: AbstractTokenizer) -> _TokenizedDoc:
@@ -114,13 +115,14 @@ def tokenize_paragraphs(paragraphs: Sequence[Paragraph],
         chunk = paragraphs[first:first + _PARAGRAPHS_PER_CALL]
         pieces = iter(tokenizer.tokenize_batch([w for p in chunk for w in p.doc_tokens]))
         for paragraph in chunk:
-            doc = _TokenizedDoc([], [], [])
+            sub_tokens, tok_to_orig, orig_to_tok = [], [], []
             for i in range(len(paragraph.doc_tokens)):
                 word = next(pieces)
-                doc.orig_to_tok_index.append(len(doc.sub_tokens))
-                doc.tok_to_orig_index.extend([i] * len(word))
-                doc.sub_tokens.extend(word)
-            docs.append(doc)
+                orig_to_tok.append(len(sub_tokens))
+                tok_to_orig.extend([i] * len(word))
+                sub_tokens.extend(word)
+            docs.append(_TokenizedDoc(*(np.asarray(a, dtype=np.int32)
+                                        for a in (sub_tokens, tok_to_orig, orig_to_tok))))
     return docs
 
 
@@ -133,10 +135,12 @@ def improve_answer_span(doc_tokens: Sequence[int], start: int, end: int,
     tokens is ``1895``. Without one, the word span stays (Google's ``_improve_answer_span``).
     """
     answer = list(answer_tokens)
-    for new_start in range(start, end + 1):
-        for new_end in range(end, new_start - 1, -1):
-            if list(doc_tokens[new_start:new_end + 1]) == answer:
-                return new_start, new_end
+    doc = doc_tokens[start:end + 1]
+    doc = doc.tolist() if isinstance(doc, np.ndarray) else list(doc)
+    for new_start in range(len(doc)):
+        for new_end in range(len(doc) - 1, new_start - 1, -1):
+            if doc[new_start:new_end + 1] == answer:
+                return start + new_start, start + new_end
     return start, end
 
 
@@ -201,17 +205,17 @@ def convert_examples_to_features(examples: Sequence[SquadExample], tokenizer: Ab
     for example_index, (example, query) in enumerate(zip(examples, queries)):
         features.extend(_example_features(
             example, example_index, query[:max_query_length], docs[id(example.paragraph)],
-            tokenizer,
-            max_seq_length, doc_stride, is_training, first_unique_id=1000000000 + len(features)))
+            tokenizer, max_seq_length, doc_stride, is_training,
+            first_unique_id=1000000000 + len(features)))
     return features
 
 
 def _answer_tokens(example: SquadExample, doc: _TokenizedDoc,
                    tokenizer: AbstractTokenizer) -> tuple[int, int]:
     """The answer's first and last sub-token in the document."""
-    start = doc.orig_to_tok_index[example.start_position]
+    start = int(doc.orig_to_tok_index[example.start_position])
     if example.end_position < len(example.doc_tokens) - 1:
-        end = doc.orig_to_tok_index[example.end_position + 1] - 1
+        end = int(doc.orig_to_tok_index[example.end_position + 1]) - 1
     else:
         end = len(doc.sub_tokens) - 1
     return improve_answer_span(doc.sub_tokens, start, end,
@@ -242,8 +246,7 @@ def _example_features(example: SquadExample, example_index: int, query: list[int
         answer = _answer_tokens(example, doc, tokenizer)
     spans = doc_spans(len(doc.sub_tokens), max_seq_length - len(query) - 3, doc_stride)
     best_span = max_context_spans(spans, len(doc.sub_tokens))
-    sub_tokens = np.asarray(doc.sub_tokens, dtype=np.int32)
-    tok_to_orig = np.asarray(doc.tok_to_orig_index, dtype=np.int32)
+    sub_tokens, tok_to_orig = doc.sub_tokens, doc.tok_to_orig_index
     head = np.asarray([tokenizer.cls, *query, tokenizer.sep], dtype=np.int32)
     doc_offset = len(head)  # [CLS] query [SEP]
     out = []

@@ -138,7 +138,7 @@ def test_bert_vocab_missing_or_not_utf8_is_named(shared_data, tmp_path):
     lines = (shared_data / "tokenizers" / "bert-base-uncased-vocab.txt").read_bytes().split(b"\n")
     lines[2000] = b"caf\xe9"  # latin-1, as a mis-converted file has it
     vocab.write_bytes(b"\n".join(lines))
-    with pytest.raises(ValueError, match=rf"vocab\.txt:2001: not UTF-8 text \(byte offset \d+"):
+    with pytest.raises(ValueError, match=r"vocab\.txt:2001: not UTF-8 text \(byte offset \d+"):
         _build("BertWordPieceLowerCase", vocab_file=str(vocab))
     vocab.write_bytes(b"\n".join(lines[:2000] + lines[2001:]))  # the file itself was fine
     _build("BertWordPieceLowerCase", vocab_file=str(vocab))

@@ -20,8 +20,8 @@ TP2xPP2xDP2 rank 5 sleeps forever    the same, in a world of eight (opt-in:
 ==========  ======================  =====================================================
 
 The watchdog's own decisions (a frozen peer, a wait in the wrong collective, the set-up not
-checked) are unit-tested in tests/training/test_watchdog.py without processes. The DP=2 cases of tests/training/test_fail_fast.py (exception, exit, SIGINT, workers) are not
-repeated. The watchdog's bound is 3 s here; the collective timeout stays at Megatron's 10
+checked) are unit-tested in tests/training/test_watchdog.py without processes. The DP=2 cases
+of tests/training/test_fail_fast.py (exception, exit, SIGINT, workers) are not repeated. The watchdog's bound is 3 s here; the collective timeout stays at Megatron's 10
 minutes, so a pass cannot come from gloo's timeout.
 """
 

@@ -13,6 +13,8 @@ logged:
   SIGINT interrupts at once (exit code 130, named in the log, no hang), and the last periodic
   checkpoint is intact, complete and still the tracker's target.
 
+* SIGTERM during the final save (the end of training): the save finishes, exit 0 (regression).
+
 ``tests/training/test_resume.py`` covers SIGTERM to one rank of a TP=2 job launched without
 torchrun; ``tests/training/test_fail_fast.py`` SIGINT to a rank blocked in a collective.
 """
@@ -20,6 +22,8 @@ torchrun; ``tests/training/test_fail_fast.py`` SIGINT to a rank blocked in a col
 from __future__ import annotations
 
 import signal
+import time
+
 import pytest
 
 from megatron.checkpointing.files import verify_checksum
@@ -96,3 +100,29 @@ def test_sigint_interrupts_at_once_and_keeps_the_last_checkpoint(signalled):
     assert [p.name for p in shards] == ["distrib_optim.pt", "model_optim_rng.pt"] * 2, shards
     assert all(verify_checksum(p) for p in shards)
     assert h.temp_files(root) == []
+
+
+def test_sigterm_during_the_final_save_lets_it_finish(tmp_path):
+    """Regression: the handler was removed when the training loop returned, so a SIGTERM during
+    the final save (a preemption at the very end) killed the rank half-way through it and the
+    last iterations were lost. Megatron-LM's handler stays for the whole run; so does ours now.
+    """
+    save, go = tmp_path / "save", tmp_path / "go"
+    # Saves at 2 and 4 in the loop; the final save (iteration 5) is pretrain's own.
+    flags = h.tiny_gpt_flags(train_iters=5, extra=[
+        "--exit-signal-handler", "--save", save, "--save-interval", 2])
+    job = h.launch("pretrain_gpt.py", flags, tmp_path / "job.log", nproc=1,
+                   hooks={"FAULT_PAUSE_IN_SAVE": "5:before", "FAULT_PAUSE_UNTIL": str(go)})
+    try:
+        job.wait_for("FAULT-HOOK paused in save")
+        job.signal_group(signal.SIGTERM)
+        # A killed rank dies at once; give a handled signal time to land before the save goes on.
+        time.sleep(1.0)
+        go.touch()
+        code = job.wait()
+    finally:
+        job.reap()
+    assert "successfully saved checkpoint at iteration       5" in job.text(), job.tail()
+    assert h.tracker(save) == 5
+    assert code == 0, job.tail()
+    assert h.temp_files(save) == []

@@ -176,12 +176,14 @@ class BertModel(LanguageModule):
         rows = torch.nonzero(labels_sb >= 0).squeeze(1)  # [n]; the same on every TP rank
         selected = hidden.reshape(s * b, h).index_select(0, rows)  # [n, h]
         logits = self.lm_head(selected, self.output_weight(), parallel_output=True)  # [n, V/p]
+        loss_dtype = None
         if logits.dtype in (torch.float16, torch.bfloat16) and \
                 not self.config.fp16_lm_cross_entropy:
-            logits = logits.float()
+            loss_dtype = torch.float32  # the fused kernel reads half logits, no fp32 copy
         # The logits are a temporary nobody else reads: the loss overwrites them in place.
         picked = vocab_parallel_cross_entropy(logits, labels_sb.index_select(0, rows),
-                                              self.tp_group, inplace=True)  # [n]
+                                              self.tp_group, inplace=True,
+                                              loss_dtype=loss_dtype)  # [n]
         loss = torch.zeros(s * b, dtype=picked.dtype, device=picked.device)
         loss = loss.index_copy(0, rows, picked)  # [s b]
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]

@@ -162,6 +162,11 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
     assert best_checkpoint == str(straight / f"iter_{8 * (best_epoch + 1):07d}")
     # --epochs 0 on the last checkpoint: the straight run's final accuracy.
     assert evaluated["evaluations"] == [(-1, 16, full["evaluations"][-1][2], True)]
+    # ... and Megatron's predictions.pt in --load: (name, (softmaxes, labels, uids)) per set.
+    (name, (probs, labels, uids)), = torch.load(straight / "predictions.pt")
+    assert name == "dev-matched" and uids == list(range(48)) and len(probs[0]) == 3
+    hits = sum(max(range(3), key=p.__getitem__) == y for p, y in zip(probs, labels))
+    assert hits / 48 == evaluated["evaluations"][0][2]["accuracy"]
 
     # TP=2 and DP=2 (a world of two) finetune as one process.
     double = pooled(2, [
