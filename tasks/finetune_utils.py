@@ -66,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -91,6 +90,8 @@ from megatron.training.loop import Trainer, TrainState
 from megatron.training.pretrain import (build_microbatch_calculator, build_model,
                                         setup_model_and_optimizer)
 from megatron.training.signals import DistributedSignalHandler
+from tasks.finetune_loaders import (EpochBatchSampler, evaluation_loader,  # noqa: F401
+                                    make_loader)
 from tasks.flags import TOOL_SECTIONS, TaskFlags
 
 PROG = "tasks/main.py"
@@ -173,91 +174,6 @@ def multiple_choice_model_provider() -> Callable[..., torch.nn.Module]:
         return multiple_choice_model_stage(finetune_transformer_config(cfg),
                                            pre_process=pre_process, post_process=post_process)
     return provider
-
-
-# Data loaders ------------------------------------------------------------------------------
-class EpochBatchSampler(torch.utils.data.Sampler):
-    """This data-parallel rank's micro-batches (index lists) of one epoch.
-
-    The epoch's order is ``torch.randperm(n)`` from ``seed + epoch`` (Megatron's
-    ``DistributedSampler.set_epoch(seed + epoch)``; ``shuffle=False``: 0..n-1). Global batch
-    ``i`` is ``order[i G:(i+1) G]`` (``G = mbs x dp x micro-batches``); micro-batch ``m`` of it
-    is the next ``mbs x dp`` indices, of which DP rank ``r`` takes every ``dp``-th from ``r`` (as
-    ``DistributedSampler``). ``drop_last``: the last partial global batch is dropped; otherwise
-    (one micro-batch per step only) the order is padded by wrapping to a multiple of ``dp`` and
-    the last batch is smaller. ``start_iteration`` skips whole global batches (resume).
-    """
-
-    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
-                 num_microbatches: int = 1, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, drop_last: bool = True, start_iteration: int = 0) -> None:
-        if not drop_last and num_microbatches != 1:
-            raise ValueError("keeping the last partial batch needs one micro-batch per step")
-        self.n, self.mbs, self.rank, self.dp = num_samples, micro_batch_size, dp_rank, dp_size
-        self.nmb, self.seed, self.epoch = num_microbatches, seed, epoch
-        self.shuffle, self.drop_last, self.start = shuffle, drop_last, start_iteration
-
-    def iterations(self) -> int:
-        """Global batches (optimizer steps) in one epoch."""
-        if self.drop_last:
-            return self.n // (self.mbs * self.dp * self.nmb)
-        return math.ceil(math.ceil(self.n / self.dp) / self.mbs)
-
-    def _order(self) -> list[int]:
-        if not self.shuffle:
-            order = list(range(self.n))
-        else:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=generator).tolist()
-        if not self.drop_last:
-            pad = -len(order) % self.dp
-            order += (order * (pad // max(1, len(order)) + 1))[:pad]
-        return order
-
-    def __iter__(self):
-        order = self._order()
-        micro = self.mbs * self.dp
-        for step in range(self.start, self.iterations()):
-            batch = order[step * micro * self.nmb:(step + 1) * micro * self.nmb]
-            for m in range(self.nmb):
-                yield batch[m * micro:(m + 1) * micro][self.rank::self.dp]
-
-    def __len__(self) -> int:
-        return (self.iterations() - self.start) * self.nmb
-
-
-def _loader(dataset, batch_sampler, collate_fn, num_workers: int):
-    # A private generator: iter(loader) would otherwise draw a seed from the default generator,
-    # the dropout stream, and a resumed run would not repeat the straight run's dropout.
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-        collate_fn=collate_fn, generator=torch.Generator().manual_seed(0),
-        persistent_workers=False)
-
-
-class _EvaluationSampler(torch.utils.data.Sampler):
-    """Data-parallel rank ``r`` of ``dp`` takes samples ``r, r + dp, ...``, in order, in batches
-    of ``micro_batch_size``; nothing dropped or repeated (counts stay exact)."""
-
-    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-        self.mine = list(range(dp_rank, num_samples, dp_size))
-        self.mbs = micro_batch_size
-
-    def __iter__(self):
-        for start in range(0, len(self.mine), self.mbs):
-            yield self.mine[start:start + self.mbs]
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.mine) / self.mbs)
-
-
-def evaluation_loader(dataset, micro_batch_size: int, collate_fn=None, num_workers: int = 0):
-    """This data-parallel rank's share of ``dataset`` for evaluation (call inside the callback,
-    once process groups exist): every sample once over all DP ranks, in order."""
-    sampler = _EvaluationSampler(len(dataset), micro_batch_size,
-                                 parallel_state.get_data_parallel_rank(),
-                                 parallel_state.get_data_parallel_world_size())
-    return _loader(dataset, sampler, collate_fn, num_workers)
 
 
 @contextlib.contextmanager
@@ -398,17 +314,21 @@ def check_finetune_config(cfg: MegatronConfig) -> None:
         ValueError: ``--keep-last`` with gradient accumulation.
     """
     ex, t = cfg.section(TaskFlags), cfg.training
-    if ex.keep_last and t.global_batch_size != t.micro_batch_size * cfg.data_parallel_size:
+    if ex.keep_last and _microbatches_per_step(cfg) != 1:
         raise ValueError(
-            f"--keep-last with gradient accumulation (--global-batch-size "
-            f"{t.global_batch_size} = {t.global_batch_size // (t.micro_batch_size * cfg.data_parallel_size)}"
-            f" micro-batches of --micro-batch-size {t.micro_batch_size} x {cfg.data_parallel_size} "
-            "data-parallel ranks): the last partial batch cannot be split into whole "
-            "micro-batches; drop --keep-last or set --global-batch-size to micro-batch size x "
-            "data-parallel size")
+            f"--keep-last with gradient accumulation (--global-batch-size {t.global_batch_size}"
+            f" = {_microbatches_per_step(cfg)} micro-batches of --micro-batch-size "
+            f"{t.micro_batch_size} x {cfg.data_parallel_size} data-parallel ranks): the last "
+            "partial batch cannot be split into whole micro-batches; drop --keep-last or set "
+            "--global-batch-size to micro-batch size x data-parallel size")
     if t.rampup_batch_size is not None:
         raise ValueError("--rampup-batch-size with finetuning: every epoch uses one global "
                          "batch size; drop --rampup-batch-size")
+
+
+def _microbatches_per_step(cfg: MegatronConfig) -> int:
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * cfg.data_parallel_size)
 
 
 def _or_exit(check, *args):
@@ -488,7 +408,7 @@ def _train_sampler(cfg, num_samples: int, epoch: int, start_iteration: int, dp_s
     t = cfg.training
     return EpochBatchSampler(
         num_samples, t.micro_batch_size, dp_rank, dp_size,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * cfg.data_parallel_size),
+        num_microbatches=_microbatches_per_step(cfg),
         seed=cfg.model.seed, epoch=epoch, drop_last=not cfg.section(TaskFlags).keep_last,
         start_iteration=start_iteration)
 
@@ -625,7 +545,7 @@ class _FinetuneRun:
         sampler = _train_sampler(self.cfg, len(train_ds), epoch, start_iteration,
                                  parallel_state.get_data_parallel_world_size(),
                                  parallel_state.get_data_parallel_rank())
-        return _loader(train_ds, sampler, self.collate_fn, self.cfg.data.num_workers)
+        return make_loader(train_ds, sampler, self.collate_fn, self.cfg.data.num_workers)
 
     def _valid_iterator(self, valid_ds):
         """Megatron's validation-loss stream at --eval-interval: this rank's share of
@@ -636,10 +556,10 @@ class _FinetuneRun:
         sampler = EpochBatchSampler(
             len(valid_ds), t.micro_batch_size, parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(), shuffle=False,
-            num_microbatches=t.global_batch_size // (t.micro_batch_size * self.cfg.data_parallel_size))
+            num_microbatches=_microbatches_per_step(self.cfg))
         if sampler.iterations() == 0:
             return None
-        loader = _loader(valid_ds, sampler, self.collate_fn, 0)
+        loader = make_loader(valid_ds, sampler, self.collate_fn, 0)
 
         def cycle():
             while True:

@@ -67,11 +67,14 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     if not cfg.training.skip_train and train_it is not None and state.iteration < train_iters:
         log_rank_0(f"training for {train_iters} iterations (starting at {state.iteration})")
         if cfg.training.exit_signal_handler:
+            # The handler stays through the final save: a SIGTERM then (a preemption at the
+            # very end) must let the save finish, not kill the rank half-way through it.
             with DistributedSignalHandler() as handler:
                 exited = trainer.train(train_it, valid_it, train_iters, handler)
+                trainer.save()
         else:
             exited = trainer.train(train_it, valid_it, train_iters)
-        trainer.save()
+            trainer.save()
     if not exited and cfg.training.eval_iters > 0:
         if valid_it is not None:
             evaluate_and_print("the end of training for val data", forward_step_func, valid_it,

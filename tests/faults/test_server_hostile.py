@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -262,3 +263,17 @@ def test_a_client_that_never_reads_its_stream_is_cut_off_by_the_send_timeout():
         while server._slots._value != server.max_connections and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server._slots._value == server.max_connections
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-connections", "0", "--max-connections (0) must be >= 1"),
+    ("--client-timeout", "0", "--client-timeout (0.0) must be a finite number of seconds > 0"),
+    ("--client-timeout", "inf", "--client-timeout (inf) must be a finite number"),
+])
+def test_the_bounds_flags_are_checked(flag, value, message):
+    from megatron.config import parse_args
+    from tools import run_text_generation_server as tool
+
+    flags = parse_args([flag, value], validate_config=False, tool_sections=tool.TOOL_SECTIONS)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tool.check_server_flags(flags.section(tool.ServerFlags))

@@ -4,7 +4,7 @@ Each TP rank holds logits ``[..., V/p]``. Only three ``[...]``-sized all-reduces
 (the max, the sum of exponentials and the target logit), so the communication is
 batch x sequence, not batch x sequence x vocabulary.
 
-Two implementations, equal to ~1e-6 in fp32 (tests/core/tensor_parallel/test_fused_cross_entropy.py):
+Two implementations, equal to 1e-5 in fp32 (tests/fused_kernels/test_fused_cross_entropy.py):
 
 * fused (Megatron-core's ``fused_vocab_parallel_cross_entropy``; the C++ kernels of
   ``megatron.fused_kernels._cpu``), chosen for fp32/bf16/fp16 CPU logits when the extension is

@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training import loop
 from tasks import main as tasks_main
-from tests.tasks.finetune import synthetic
+from tasks import finetune_sample_data as synthetic
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -98,8 +98,9 @@ def argv(d: Path, task: str, train: list[str], valid: list[str], *, tp: int = 1,
     """tasks/main.py flags of a 2-layer, hidden-64 BERT (fp32) on the synthetic vocabulary;
     the padded vocabulary (128) is the same at TP 1 and 2."""
     data_flags = (["--train-data", *train] if train else []) + ["--valid-data", *valid]
-    return ["--task", task, *data_flags, "--epochs", str(epochs), "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    return ["--task", task, *data_flags, "--epochs", str(epochs), "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32",
             "--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by",
             str(128 // tp), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
             "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-decay-style", "linear",
@@ -250,11 +251,14 @@ def test_refused_before_any_process_group(data, tmp_path, monkeypatch, change, m
 
 def test_cli_smoke_race_tp2(tmp_path, shared_data):
     """The real script under torchrun, two ranks at TP 2, the real BERT vocabulary."""
-    f = _files(tmp_path)
+    synthetic.write_vocab(tmp_path / "vocab.txt")
+    train = synthetic.write_race(tmp_path / "RACE" / "train" / "middle", 16, seed=1)
+    dev = [synthetic.write_race(tmp_path / "RACE" / "dev" / name, 4, seed=2 + i)
+           for i, name in enumerate(("middle", "high"))]
     vocab = shared_data / "tokenizers" / "bert-base-uncased-vocab.txt"
-    args = argv(tmp_path, "RACE", [f["race_train"]], [f["race_middle"], f["race_high"]],
-                tp=2, mbs=16, gbs=16, epochs=1, extra=("--save", tmp_path / "ck",
-                                                        "--save-interval", "100"))
+    args = argv(tmp_path, "RACE", [str(train)], [str(d) for d in dev], tp=2, mbs=8, gbs=8,
+                epochs=1, extra=("--save", tmp_path / "ck", "--save-interval", "100",
+                                 "--log-interval", "2"))
     args[args.index("--vocab-file") + 1] = str(vocab)
     args[args.index("--make-vocab-size-divisible-by") + 1] = "64"
     from bench.launch import free_port
@@ -266,8 +270,8 @@ def test_cli_smoke_race_tp2(tmp_path, shared_data):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "iteration        4/       6 |" in out  # 96 questions, 16 per step
+    assert "iteration        4/       4 |" in out  # 32 questions, 8 per step
     assert "|epoch: 0| metrics for dev-middle: correct / total = " in out
-    assert ">> |epoch: 0| overall: correct / total = " in out and "/ 48 = " in out
-    assert f"checkpoint {tmp_path / 'ck' / 'iter_0000006'}" in out
-    assert (tmp_path / "ck" / "iter_0000006" / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    assert ">> |epoch: 0| overall: correct / total = " in out and "/ 16 = " in out
+    assert f"checkpoint {tmp_path / 'ck' / 'iter_0000004'}" in out
+    assert (tmp_path / "ck" / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt").is_file()

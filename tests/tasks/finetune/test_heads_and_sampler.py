@@ -15,7 +15,7 @@ from megatron.core.models.classification import (classification_model_stage,
                                                  multiple_choice_model_stage)
 from megatron.training.models import bert_transformer_config
 from tasks.finetune_utils import EpochBatchSampler, finetune_transformer_config
-from tests.tasks.finetune.synthetic import write_vocab
+from tasks.finetune_sample_data import write_vocab
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from megatron.tokenizer.bert import BertWordPieceTokenizer
 from tasks.data_utils import build_tokens_types_paddings_from_ids, clean_text
 from tasks.glue.data import dataset_name_from_path, glue_dataset, read_mnli, read_qqp
 from tasks.race import data as race
-from tests.tasks.finetune.synthetic import write_vocab
+from tasks.finetune_sample_data import write_vocab
 
 CLS, SEP, PAD = 101, 102, 0
 

@@ -1,10 +1,10 @@
 // Per-row CPU kernels of the fused softmax, layer norm and cross entropy, on plain pointers.
 //
-// Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch), so the
-// vectoriser's report can be read on this header alone:
-//   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd -fopt-info-vec -x c++ -c row_kernels.h
-// (after instantiating the templates, as tests/fused_kernels/test_row_kernels_vectorise does not:
-// fused_kernels_cpu.cpp instantiates them for float, bf16 and fp16).
+// Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch and
+// instantiates them for float, bf16 and fp16), so the vectoriser's report can be read on a file
+// that includes this header and instantiates the templates, without torch's headers:
+//   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd \
+//       -fopt-info-vec-optimized -c instantiate.cpp
 //
 // Speed rules the code follows (each found by measurement, bench/README.md):
 // * every inner loop works on fp32 (or on the raw 16 bits of a bf16) over contiguous memory, with
@@ -211,7 +211,9 @@ void layer_norm_backward_row(const typename C::storage* dy, const typename C::st
   const float mean_g = sum_g / static_cast<float>(h);
   const float mean_g_xhat = sum_g_xhat / static_cast<float>(h);
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) dx[i] = C::from_float(rstd * (g[i] - mean_g - xhat[i] * mean_g_xhat));
+  for (int64_t i = 0; i < h; ++i) {
+    dx[i] = C::from_float(rstd * (g[i] - mean_g - xhat[i] * mean_g_xhat));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
