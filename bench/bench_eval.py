@@ -5,19 +5,21 @@ the training forward of the same model, in the same run.
 
 One process, ``--threads`` torch threads, fp32, GPT-2-small shape (12 layers, hidden 768, 12
 heads, seq 1024, micro-batch 4, GPT-2's vocabulary padded to 50304); ``--quick``: 2 layers,
-hidden 128, seq 128 (a check that it runs, not a figure). Both sides run the same model on
-micro-batches of the same shape, one after the other:
+hidden 128, seq 128 (a check that it runs, not a figure). Two measurements:
 
-* ``train forward``: ``model.train()``, the forward with labels and the mean loss, autograd
-  recording (what a training step's forward costs; no backward).
-* ``eval``: :func:`tasks.zeroshot_gpt.evaluate.evaluate` over a WikiText-format file written
+* bare forwards, like for like: per step the same random micro-batch through the training
+  forward (``model.train()``, the forward with labels and the mean loss while autograd records;
+  no backward) and the evaluation forward (``model.eval()``, ``no_grad``), back to back so a
+  change in the machine's load touches both alike. Reported: each side's tokens/s (median
+  step) and the median per-step ratio eval / train, of wall time and of this process's CPU
+  time (the steadier one on a shared machine). The first step is a warm-up.
+* :func:`tasks.zeroshot_gpt.evaluate.evaluate` end to end over a WikiText-format file written
   from ``../shared/data/corpus`` (streamed, detokenized, tokenized with GPT-2 BPE, windows with
-  ``--overlapping-eval 32``), ``no_grad``, the data pipeline included.
+  ``--overlapping-eval 32``), after a warm-up call: forward tokens/s counting every micro-batch
+  the model actually ran (hooks count them; a padded last micro-batch counts whole), the share
+  of the time spent inside the forwards, the scored windows and targets/s.
 
-Reported: forward tokens/s (sequences x seq_length per second) on both sides, their ratio, and
-the evaluation's scored targets/s (each window after the first scores 32 new targets). The
-first micro-batch of each side is a warm-up and is not timed. Run it on an idle machine
-(the load average is printed).
+Run it on an idle machine (the load average is printed).
 """
 
 from __future__ import annotations
@@ -72,37 +74,79 @@ def wikitext_file(directory: str, tokens_needed: int) -> str:
     return path
 
 
-def train_forward_tokens_per_s(model, seq: int, mbs: int, steps: int, vocab: int) -> float:
-    model.train()
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def bare_forwards(model, seq: int, mbs: int, steps: int, vocab: int) -> dict:
+    """Per step, the same random micro-batch through the training forward (``model.train()``,
+    autograd recording, loss mean; the graph dropped as a step's backward would) and the
+    evaluation forward (``model.eval()``, ``no_grad``), back to back so both see the same load;
+    step 0 is a warm-up. Returns the wall and CPU seconds of each side per step."""
     gen = torch.Generator().manual_seed(0)
-    times = []
+    times = {"train": ([], []), "eval": ([], [])}
+    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
     for step in range(steps + 1):
         tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen)
-        position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-        start = time.perf_counter()
-        loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).mean()
-        elapsed = time.perf_counter() - start
-        del loss  # the graph: as a training step holds it until backward
-        if step:
-            times.append(elapsed)
-    return mbs * seq / statistics.median(times)
+
+        def train():
+            model.train()
+            loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).mean()
+            del loss
+
+        def evaluation():
+            model.eval()
+            with torch.no_grad():
+                model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).sum()
+
+        for name, fn in (("train", train), ("eval", evaluation)):
+            wall, cpu = _timed(fn)
+            if step:
+                times[name][0].append(wall)
+                times[name][1].append(cpu)
+    return times
 
 
-def eval_tokens_per_s(model, cfg, tokenizer, path: str, seq: int, mbs: int
-                      ) -> tuple[float, float, int]:
-    """Runs the evaluation twice (the first as a warm-up); returns forward tokens/s, scored
-    targets/s and the windows of the timed run."""
+class _ForwardCounter:
+    """Counts the model's forward calls and their seconds (hooks), so the evaluation's
+    forward tokens are those actually run, padding windows included."""
+
+    def __init__(self, model) -> None:
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_):
+        self._start = time.perf_counter()
+
+    def _post(self, *_):
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+
+def whole_evaluation(model, tokenizer, path: str, seq: int, mbs: int, counter) -> dict:
+    """:func:`evaluate` end to end (a warm-up call first): wall and CPU seconds, forwards
+    run, seconds inside them, windows scored, targets."""
     scan = datasets.scan_word_level_file(path, "wiki")
-    rates = None
+    model.eval()
+    result = {}
     for _ in range(2):
         data = LmData(path, tokenizer, scan, seq, STRIDE)
-        start = time.perf_counter()
-        sums = evaluate(data, model, "loss", seq_length=seq, micro_batch_size=mbs,
-                        dp_group=None, pp_group=None, log_interval=10**9)
-        elapsed = time.perf_counter() - start
-        windows = int(sums["sequences"])
-        rates = (windows * seq / elapsed, sums["targets"] / elapsed, windows)
-    return rates
+        counter.calls, counter.seconds = 0, 0.0
+        sums = {}
+
+        def run():
+            sums.update(evaluate(data, model, "loss", seq_length=seq, micro_batch_size=mbs,
+                                 dp_group=None, pp_group=None, log_interval=10**9))
+
+        wall, cpu = _timed(run)
+        result = {"wall": wall, "cpu": cpu, "forwards": counter.calls,
+                  "forward seconds": counter.seconds, "windows": int(sums["sequences"]),
+                  "targets": sums["targets"]}
+    return result
 
 
 def main() -> None:
@@ -119,15 +163,25 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; {args.threads} threads; layers "
           f"{cfg.model.num_layers}, hidden {cfg.model.hidden_size}, seq {seq}, micro-batch {mbs}, "
           f"vocab {cfg.padded_vocab_size}")
-    train = train_forward_tokens_per_s(model, seq, mbs, steps, tokenizer.vocab_size)
+    tokens = mbs * seq
+    bare = bare_forwards(model, seq, mbs, steps, tokenizer.vocab_size)
+    (train_wall, train_cpu), (eval_wall, eval_cpu) = bare["train"], bare["eval"]
+    print(f"train forward: {tokens / statistics.median(train_wall):,.0f} tokens/s; eval "
+          f"forward (no_grad, same batches): {tokens / statistics.median(eval_wall):,.0f} "
+          f"tokens/s; eval / train per step: wall "
+          f"{statistics.median(t / e for t, e in zip(train_wall, eval_wall)):.2f}x, CPU time "
+          f"{statistics.median(t / e for t, e in zip(train_cpu, eval_cpu)):.2f}x")
+    counter = _ForwardCounter(model)
     with tempfile.TemporaryDirectory() as tmp:
         # Windows for (steps + 1) micro-batches: T = seq + (windows - 1) * STRIDE tokens.
         path = wikitext_file(tmp, seq + (steps * mbs) * STRIDE)
-        model.eval()
-        evals, targets, windows = eval_tokens_per_s(model, cfg, tokenizer, path, seq, mbs)
-    print(f"train forward: {train:,.0f} tokens/s")
-    print(f"eval: {evals:,.0f} forward tokens/s ({windows} windows), {targets:,.0f} scored "
-          f"targets/s; eval / train forward = {evals / train:.2f}x")
+        run = whole_evaluation(model, tokenizer, path, seq, mbs, counter)
+    forward_tokens = run["forwards"] * tokens
+    print(f"evaluate() end to end: {forward_tokens / run['wall']:,.0f} forward tokens/s "
+          f"({run['forwards']} micro-batches of {mbs} x {seq} for {run['windows']} scored "
+          f"windows; {100 * run['forward seconds'] / run['wall']:.0f}% of the time in the "
+          f"forwards), {run['targets'] / run['wall']:,.0f} scored targets/s; against the train "
+          f"forward's median: {forward_tokens / run['wall'] / (tokens / statistics.median(train_wall)):.2f}x")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

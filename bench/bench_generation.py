@@ -10,7 +10,12 @@ random weights) generates greedily from prompts of 32 tokens, 64 new tokens each
 (``use_kv_cache=False``), and ``transformers.GPT2LMHeadModel.generate`` (``use_cache=True``, SDPA)
 with our weights copied in (QKV rows re-ordered from Megatron's per-head ``[np, 3, hn]`` to
 GPT-2's ``[3, np, hn]``, linear weights transposed for its Conv1D). It also checks that HF's
-greedy tokens equal ours. One warm-up run each; the figure is the median of ``--repeats`` runs.
+greedy tokens equal ours. One warm-up run each, then ``--repeats`` rounds in which ours (KV
+cache) and HF run back to back; tokens/s is the median over the rounds, and the ratio
+ours/HF is the median of the per-round ratios, of wall time and of this process's CPU time
+(the CPU-time ratio is the steadier one on a shared machine: time spent waiting for a core
+does not count; with ``--threads 1`` it has no idle-spinning threads in it either). The
+recomputing run (no cache) is timed once.
 
 ``server``: ``tools/run_text_generation_server.py --random-weights`` in its own process; 1, 4
 and 16 client threads each send ``PUT /api`` requests back to back for ``--server-seconds``;
@@ -114,14 +119,26 @@ def hf_state_dict(model: GPTModel, shape: Shape) -> dict[str, torch.Tensor]:
     return out
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _interleaved(contenders: dict, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Every contender once as a warm-up, then ``repeats`` rounds calling each in turn, so a
+    change in the machine's load touches every contender alike; per contender the wall and CPU
+    seconds of each round."""
+    for fn in contenders.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: ([], []) for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            wall, cpu = _timed(fn)
+            times[name][0].append(wall)
+            times[name][1].append(cpu)
+    return times
 
 
 def bench_generation(shape: Shape, repeats: int) -> list[dict]:
@@ -139,16 +156,28 @@ def bench_generation(shape: Shape, repeats: int) -> list[dict]:
                 sampling=SamplingOptions(top_k=1), stops=StopConditions(stop_on_eod=False),
                 use_kv_cache=cache).tokens
 
-        row = {"batch": batch, "new tokens": n}
-        for name, cache in (("ours, KV cache", True), ("ours, no cache", False)):
-            row[name] = batch * n / _median_seconds(lambda c=cache: ours(c), repeats)
+        def hf_generate():
+            with torch.no_grad():
+                return hf.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                   max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   use_cache=True, pad_token_id=0)
+
+        contenders = {"ours, KV cache": lambda: ours(True)}
         if hf is not None:
-            def hf_generate():
-                with torch.no_grad():
-                    return hf.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                       max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                       use_cache=True, pad_token_id=0)
-            row["HF generate()"] = batch * n / _median_seconds(hf_generate, repeats)
+            contenders["HF generate()"] = hf_generate
+        times = _interleaved(contenders, repeats)
+        # The recomputing reference is 4-12x slower: timed once, after the interleaved rounds.
+        no_cache = statistics.median(_interleaved({"": lambda: ours(False)}, 1)[""][0])
+        row = {"batch": batch, "new tokens": n}
+        for name, (walls, _) in times.items():
+            row[name] = batch * n / statistics.median(walls)
+        row["ours, no cache"] = batch * n / no_cache
+        if hf is not None:
+            (ours_wall, ours_cpu), (hf_wall, hf_cpu) = times["ours, KV cache"], \
+                times["HF generate()"]
+            # Per round: both sides ran back to back, under the same load.
+            row["ours/HF (wall)"] = statistics.median(h / o for o, h in zip(ours_wall, hf_wall))
+            row["ours/HF (CPU time)"] = statistics.median(h / o for o, h in zip(ours_cpu, hf_cpu))
             row["HF tokens = ours"] = hf_generate().tolist() == ours(True)
         rows.append(row)
     return rows
@@ -243,7 +272,8 @@ def _table(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
+        cells = [(f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}") if isinstance(v, float) else str(v)
+                 for v in row.values()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -253,7 +283,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, seconds: a check")
     parser.add_argument("--parts", default="gen,server")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--server-seconds", type=float, default=20.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -423,18 +423,17 @@ def _load_pretrained(model: list, weights_cfg: MegatronConfig, path: str) -> Non
 
 def _evaluate_only(cfg: MegatronConfig, weights_cfg: MegatronConfig | None, model_provider,
                    callback) -> FinetuneResult:
-    """``--epochs 0``: the callback on the ``--load`` (else ``--pretrained-checkpoint``)
-    weights, as Megatron's evaluation-only mode."""
+    """``--epochs 0``: the callback on the ``--load`` weights, or (as Megatron: when nothing
+    was loaded) the ``--pretrained-checkpoint``'s; Megatron's evaluation-only mode."""
     ex, state = cfg.section(TaskFlags), TrainState()
     model = build_model(cfg, model_provider)
-    if ex.pretrained_checkpoint is not None and cfg.checkpoint.load is None:
-        _load_pretrained(model, weights_cfg, ex.pretrained_checkpoint)
-        source = ex.pretrained_checkpoint
-    elif not cfg.checkpoint.random_weights:
+    source = None
+    if cfg.checkpoint.load is not None:
         state.iteration = load_checkpoint(model, None, None, cfg)[0]
         source = str(checkpoint_dir(cfg.checkpoint.load, state.iteration))
-    else:
-        source = None
+    if state.iteration == 0 and ex.pretrained_checkpoint is not None:
+        _load_pretrained(model, weights_cfg, ex.pretrained_checkpoint)
+        source = ex.pretrained_checkpoint
     log_rank_0("evaluation only mode, setting epoch to -1")
     evaluations = []
     if callback is not None:
@@ -446,7 +445,7 @@ def _evaluate_only(cfg: MegatronConfig, weights_cfg: MegatronConfig | None, mode
 
 def _log_summary(best: Evaluation | None) -> None:
     if best is None:
-        log_rank_0("done: no evaluation ran (no --valid-data)")
+        log_rank_0("done: no evaluation ran (no --valid-data, or nothing left to train)")
         return
     name, value = next(iter(best.metrics.items()))
     where = f"the end of epoch {best.epoch + 1}" if best.epoch >= 0 else "evaluation only"

@@ -27,10 +27,11 @@ class TaskFlags:
     keep_last: bool = False
     """Keep the last partial batch of each finetuning epoch (dropped by default)."""
     valid_data: list[str] | None = spec(None, nargs="*")
-    """Path(s) to the validation data (the zero-shot tasks take exactly one file)."""
+    """Path(s) to the validation data (the zero-shot tasks take exactly one file; finetuning
+    reports the accuracy of each)."""
     pretrained_checkpoint: str | None = None
-    """Pretrained checkpoint to start from; the zero-shot tasks evaluate it when --load is not
-    given."""
+    """Pretrained checkpoint to start from: finetuning loads its weights only (when starting at
+    iteration 0); the zero-shot tasks evaluate it when --load is not given."""
     overlapping_eval: int = 32
     """Sliding window for overlapping evaluation (WIKITEXT103): each window after the first
     scores only its last this-many targets (1 <= value <= --seq-length)."""

@@ -20,6 +20,10 @@ class InferenceParams:
     Args:
         max_batch_size: rows of the batch (beam search: the beam width).
         max_sequence_length: longest sequence the cache must hold (prompt + generated).
+        materialize_only_last_token_logits: the last pipeline stage projects only the last
+            position of each forward onto the vocabulary (Megatron-Core's flag of the same
+            name): sampling reads nothing else, and the prefill's ``[s, b, V]`` logits are
+            most of its cost. False when the log-probs of every position are wanted.
 
     Attributes:
         sequence_len_offset: positions already in the cache; the caller advances it after each
@@ -27,13 +31,15 @@ class InferenceParams:
         key_value_memory_dict: layer number -> (keys, values) ``[s_max, b_max, np, hn]``.
     """
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int) -> None:
+    def __init__(self, max_batch_size: int, max_sequence_length: int, *,
+                 materialize_only_last_token_logits: bool = False) -> None:
         if max_batch_size < 1 or max_sequence_length < 1:
             raise ValueError(f"InferenceParams({max_batch_size}, {max_sequence_length}): the "
                              "batch size and the sequence length must be >= 1")
         self.max_batch_size = max_batch_size
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
+        self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cache_for(self, layer_number: int, like: torch.Tensor

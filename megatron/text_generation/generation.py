@@ -204,7 +204,10 @@ class _Run:
         self.finished = torch.zeros(b, dtype=torch.bool)
         self.stopped = torch.zeros(b, dtype=torch.bool)
         self.lengths = self.final_lengths.clone()  # shortened where a row stops
-        self.cache = InferenceParams(b, self.max_length) if use_kv_cache else None
+        # Without log-probs only the last position's logits are read (sampling).
+        self.cache = InferenceParams(
+            b, self.max_length, materialize_only_last_token_logits=not want_logprobs) \
+            if use_kv_cache else None
         self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
         self.tp_group = model_tp_group(model)
         self.forward = StageForward(model, pp_group)
@@ -329,13 +332,14 @@ class _Run:
                                        top))
             if extra is not None:
                 stop_now |= torch.tensor(extra, dtype=torch.bool) & ~self.finished
-        shared = torch.cat([self.tokens[:, context], stop_now.long(),
-                            hit_stop.long()]).to(self.dev)  # [3b]
-        comm.broadcast(shared, self.src, self.mp_group)
-        shared = shared.cpu()
-        b = self.tokens.size(0)
-        self.tokens[:, context] = shared[:b]
-        stop_now, hit_stop = shared[b:2 * b].bool(), shared[2 * b:].bool()
+        if comm.world_size(self.mp_group) > 1:  # alone, this rank's decisions are final
+            shared = torch.cat([self.tokens[:, context], stop_now.long(),
+                                hit_stop.long()]).to(self.dev)  # [3b]
+            comm.broadcast(shared, self.src, self.mp_group)
+            shared = shared.cpu()
+            b = self.tokens.size(0)
+            self.tokens[:, context] = shared[:b]
+            stop_now, hit_stop = shared[b:2 * b].bool(), shared[2 * b:].bool()
         self.stopped |= hit_stop & ~self.finished
         self.lengths[stop_now & ~self.finished] = context + 1
         return stop_now

@@ -64,13 +64,14 @@ def sample(logits: torch.Tensor, *, greedy: bool = False, top_k: int = 0, top_p:
     """
     check_sampling_options(top_k=top_k, top_p=top_p, temperature=temperature)
     logits = logits.float()
+    if greedy or top_k == 1:
+        # Padded ids (beyond vocab_size) are never picked: argmax over the real ones, no copy.
+        return logits[..., :vocab_size].argmax(dim=-1)
     if vocab_size is not None and vocab_size < logits.size(-1):
         # A copy: .float() of fp32 logits is the caller's tensor, whose log-probs (over the
         # whole padded vocabulary, as Megatron's) are still to be read.
         logits = logits.clone()
         logits[..., vocab_size:] = float("-inf")
-    if greedy or top_k == 1:
-        return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k > 1:
         logits = _mask_top_k(logits, min(top_k, logits.size(-1)))

@@ -54,3 +54,18 @@ def test_swap_reorders_every_layer():
         keys, values = cache.key_value_memory_dict[layer]
         assert keys[0, :, 0, 0].tolist() == [2 + layer, 2 + layer, 0 + layer]
         assert torch.equal(keys, values)
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused"])
+def test_only_last_token_logits_are_those_of_the_full_forward(backend):
+    """Generation without log-probs projects only each forward's last position."""
+    model = tiny_model(attention_backend=backend)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(7).expand(2, 7)
+    full = model(ids, positions, None)  # [b, s, V]
+    cache = InferenceParams(2, 7, materialize_only_last_token_logits=True)
+    for start, end in ((0, 4), (4, 5), (5, 6), (6, 7)):  # a prefill, then one token a step
+        last = model(ids[:, start:end], positions[:, start:end], None, inference_params=cache)
+        cache.sequence_len_offset = end
+        assert last.shape == (2, 1, full.size(-1))
+        assert torch.allclose(last[:, 0], full[:, end - 1], atol=1e-12)

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.launch import free_port
@@ -180,6 +180,27 @@ class Job:
         if self.proc.poll() is None:
             self.kill_all()
             self.proc.wait()
+
+
+def act_when_logged(actions: Sequence[tuple[Job, str, Callable[[Job], object]]],
+                    timeout: float = HANG_S) -> None:
+    """For each ``(job, text, act)``: ``act(job)`` as soon as ``text`` is in the job's log,
+    watching every job at once (waiting for them one by one would let the later ones run on
+    past the moment meant for them)."""
+    pending = list(actions)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for item in list(pending):
+            job, text, act = item
+            if text in job.text():
+                act(job)
+                pending.remove(item)
+            else:
+                assert job.proc.poll() is None, \
+                    f"{job.name} exited ({job.proc.returncode}) before {text!r}\n{job.tail()}"
+        assert time.monotonic() < deadline, \
+            f"not logged within {timeout} s: {[(j.name, t) for j, t, _ in pending]}"
+        time.sleep(0.05)
 
 
 def launch(script: str, flags: Sequence[object], log: Path, *, nproc: int = 1,

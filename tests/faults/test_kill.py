@@ -21,8 +21,8 @@ Three cases, started together so their start-ups overlap:
   uninterrupted run;
 * BERT, one rank: killed in the middle of writing its shard (temporary file half-done);
 * finetuning (``tasks/main.py --task MNLI`` on the synthetic MNLI files of
-  ``tests/tasks/finetune``), one rank: killed inside the save of iteration 8 (the end of its
-  first epoch); the resumed run restarts mid-epoch from iteration 4.
+  ``tasks/finetune_sample_data.py``), one rank: killed inside the save of iteration 8 (the end
+  of its first epoch); the resumed run restarts mid-epoch from iteration 4.
 
 ``scripts/soak_faults.py`` repeats the random-moment kill many times (not run by CI).
 """
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.faults import harness as h
-from tests.tasks.finetune import synthetic
+from tasks import finetune_sample_data as synthetic
 
 SEED = int(os.environ.get("FAULT_SEED", "0"))
 GPT_DP2 = {"save_interval": 3, "iters": 8, "extra": ["--use-distributed-optimizer"]}
@@ -101,15 +102,18 @@ def killed_and_resumed(shared_data, tmp_path_factory, pp2_reference):
         "finetune": h.launch("tasks/main.py", flags["finetune"], root / "finetune.log", nproc=1,
                              hooks={"FAULT_PAUSE_IN_SAVE": "8:shard"}),
     }
+    resumed = {}
     try:
-        os.kill(_hook_pid(jobs["gpt_dp2"]), 9)  # one rank, paused before the tracker's rename
+        # The timed kill first: the paused jobs wait for theirs as long as it takes.
+        jobs["gpt_pp2"].wait_for(" iteration        3/")
+        time.sleep(h.seeded_delay(SEED, 0.0, 0.5))
+        jobs["gpt_pp2"].kill_all()
+        # One rank, paused before the tracker's rename.
+        os.kill(_hook_pid(jobs["gpt_dp2"]), signal.SIGKILL)
         _hook_pid(jobs["bert"])
         jobs["bert"].kill_all()  # mid-shard
         _hook_pid(jobs["finetune"])
         jobs["finetune"].kill_all()
-        jobs["gpt_pp2"].wait_for(" iteration        3/")
-        time.sleep(h.seeded_delay(SEED, 0.0, 0.5))
-        jobs["gpt_pp2"].kill_all()
         codes = {name: job.wait() for name, job in jobs.items()}
         left = {name: {"tracker": h.tracker(root / name), "temp": h.temp_files(root / name)}
                 for name in jobs}
@@ -118,7 +122,7 @@ def killed_and_resumed(shared_data, tmp_path_factory, pp2_reference):
                    for name in jobs}
         resumed_codes = {name: job.wait() for name, job in resumed.items()}
     finally:
-        for job in jobs.values():
+        for job in [*jobs.values(), *resumed.values()]:
             job.reap()
     return {name: {"killed": jobs[name], "code": codes[name], "left": left[name],
                    "resumed": resumed[name], "resumed_code": resumed_codes[name],

@@ -43,9 +43,8 @@ def signalled(tmp_path_factory, pp2_reference):
     jobs = {name: h.launch("pretrain_gpt.py", h.pp2_flags(root / name), root / f"{name}.log",
                            nproc=2) for name in cases}
     try:
-        for name, send in cases.items():
-            jobs[name].wait_for(" iteration        3/")
-            send(jobs[name])
+        h.act_when_logged([(jobs[name], " iteration        3/", send)
+                           for name, send in cases.items()])
         codes = {name: job.wait() for name, job in jobs.items()}
         trackers = {name: h.tracker(root / name) for name in jobs}
         resumed = {name: h.launch("pretrain_gpt.py", [*h.pp2_flags(root / name), "--load",

@@ -20,7 +20,6 @@ data-parallel all-reduce crosses the link. Promised:
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil

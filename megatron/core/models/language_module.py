@@ -155,6 +155,9 @@ class LanguageModule(torch.nn.Module):
                                      tokentype_ids, inference_params)  # [s, b, h]
         if not self.post_process:
             return hidden
+        if getattr(inference_params, "materialize_only_last_token_logits", False):
+            # Generation samples from the last position only: skip the others' vocab GEMM.
+            hidden = hidden[-1:]  # [1, b, h]
         return self.post_language_model_processing(hidden, labels)
 
     def prepare_attention_mask(self, attention_mask: torch.Tensor | None

@@ -89,7 +89,8 @@ class CoreAttention(torch.nn.Module):
         if attention_mask is not None:
             mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
             mask = mask.masked_fill(attention_mask, _MASK_VALUE)  # additive [b|1, 1, sq, sk]
-        elif self.attn_mask_type == "causal":
+        elif self.attn_mask_type == "causal" and sq > 1:
+            # One query (a generation step: the newest position) sees every key: no mask.
             is_causal = True
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are split over TP ranks, so their dropout must differ per rank: TP stream.
@@ -135,7 +136,7 @@ class CoreAttention(torch.nn.Module):
             scores = scores.float()
         if self.coeff is not None:
             scores = scores * self.coeff
-        if attention_mask is None and self.attn_mask_type == "causal":
+        if attention_mask is None and self.attn_mask_type == "causal" and scores.size(-2) > 1:
             attention_mask = causal_mask(scores.size(-1), scores.device)[..., -scores.size(-2):, :]
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, _MASK_VALUE)
@@ -208,7 +209,9 @@ class SelfAttention(torch.nn.Module):
         ``sq`` positions, so the causal mask is the bottom ``sq`` rows of the ``sk x sk`` one
         (SDPA's ``is_causal`` aligns top-left, which is wrong once ``sq < sk``)."""
         if attention_mask is not None or self.core_attention.attn_mask_type != "causal" \
-                or sq == sk:
+                or sq == sk or sq == 1:
+            # sq == 1: the newest position attends to every cached key; a mask of all False
+            # would cost five small ops a layer per generated token for nothing.
             return attention_mask
         # O(sq * sk) per step, not the sk x sk triangle: one new query is one row of False.
         query_positions = torch.arange(sk - sq, sk, device=device).view(sq, 1)

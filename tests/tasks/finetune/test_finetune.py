@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training import loop
 from tasks import main as tasks_main
+from tests.training.e2e import read_scalars
 from tasks import finetune_sample_data as synthetic
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -131,7 +132,8 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
                       mbs=8, gbs=8, epochs=2, lr=1e-3)},
         {"argv": argv(data, "MNLI", *mnli, **reference_flags)},
         {"argv": argv(data, "MNLI", *mnli, **resume_flags,
-                      extra=("--save", straight, *save, "--eval-interval", "5"))},
+                      extra=("--save", straight, *save, "--eval-interval", "5",
+                             "--tensorboard-dir", tmp_path / "tb"))},
         {"argv": argv(data, "MNLI", *mnli, **resume_flags,
                       extra=("--save", part, *save, "--exit-interval", "5"))},
         {"argv": argv(data, "MNLI", *mnli, **resume_flags,
@@ -161,6 +163,11 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
     assert resumed["evaluations"] == full["evaluations"][1:]
     best_epoch, best_checkpoint = full["best"]
     assert best_checkpoint == str(straight / f"iter_{8 * (best_epoch + 1):07d}")
+    scalars = read_scalars(tmp_path / "tb")  # the trainer's scalars and the accuracy
+    assert sorted(scalars["accuracy validation"]) == [5, 8, 10, 15, 16]
+    assert scalars["accuracy validation"][16] == \
+        pytest.approx(full["evaluations"][-1][2]["accuracy"], rel=1e-6)
+    assert len(scalars["lm loss"]) == 16
     # --epochs 0 on the last checkpoint: the straight run's final accuracy.
     assert evaluated["evaluations"] == [(-1, 16, full["evaluations"][-1][2], True)]
     # ... and Megatron's predictions.pt in --load: (name, (softmaxes, labels, uids)) per set.
@@ -209,12 +216,16 @@ def test_pretrained_checkpoint_weights_only(data, tmp_path):
     pretrained = _write_pretrained_bert(tmp_path / "bert", model_argv)
     # lr ~ 0: the trained weights stay the loaded ones (unless the optimizer copied its
     # initial fp32 weights back: the pretrained weights would be lost at the first step).
-    (run,), = pooled(1, [{"argv": model_argv + ["--pretrained-checkpoint",
-                                                 str(tmp_path / "bert")], "params": True}])
+    from_bert = ["--pretrained-checkpoint", str(tmp_path / "bert")]
+    evaluate_only = argv(data, "MNLI", [], [f["mnli_dev"]], epochs=0) + from_bert
+    (run,), (evaluated,) = pooled(1, [{"argv": model_argv + from_bert, "params": True},
+                                      {"argv": evaluate_only, "params": True}])
     assert run["iteration"] == 4  # 64 / 16, from 0: not the checkpoint's 100
-    for name, value in pretrained.items():
-        torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-6)
-    assert "classification_head.weight" in run["params"]
+    for result in (run, evaluated):
+        for name, value in pretrained.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=0, atol=1e-6)
+        assert "classification_head.weight" in result["params"]
+    assert evaluated["evaluations"][0][:2] == (-1, 0)
 
 
 @pytest.mark.parametrize("change,message", [

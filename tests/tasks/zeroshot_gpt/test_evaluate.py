@@ -298,3 +298,15 @@ def test_perplexity_and_accuracy_equal_the_reference_at_tp1_tp2_pp2(tmp_path, sh
     assert results[1]["bad_line"] == (f"tasks/main.py: error: --valid-data {tmp_path}/bad.jsonl, "
                                       "line 2: no \"text\" string (each line must be a JSON "
                                       "object like {\"text\": \"...\"})")
+
+
+def test_windows_that_score_nothing_are_not_run():
+    """Megatron's window count runs windows past the end of the text that score nothing; the
+    evaluation drops them before any forward (the sums are unchanged: they add 0)."""
+    from tasks.zeroshot_gpt import datasets
+    totals: dict = {}
+    windows = list(datasets.lm_windows([list(range(40))], 8, 2, pad=0, totals=totals))
+    kept = list(evaluate.scoring(iter(windows)))
+    assert len(windows) == 19 and len(kept) == 16   # 16 = 1 + (T - 1 - seq) / stride
+    assert all(w.mask.any() for w in kept)
+    assert sum(int(w.mask.sum()) for w in kept) == sum(int(w.mask.sum()) for w in windows) == 39
