@@ -307,6 +307,8 @@ def test_windows_that_score_nothing_are_not_run():
     totals: dict = {}
     windows = list(datasets.lm_windows([list(range(40))], 8, 2, pad=0, totals=totals))
     kept = list(evaluate.scoring(iter(windows)))
-    assert len(windows) == 19 and len(kept) == 16   # 16 = 1 + (T - 1 - seq) / stride
+    # T = 40, seq 8, stride 2: Megatron's ceil((T - 1 - 2) / 2) + 1 = 20 windows; the last
+    # scored target is token 39, in window ceil((T - 1 - seq) / stride) = 16.
+    assert len(windows) == 20 and len(kept) == 17
     assert all(w.mask.any() for w in kept)
     assert sum(int(w.mask.sum()) for w in kept) == sum(int(w.mask.sum()) for w in windows) == 39
