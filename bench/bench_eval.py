@@ -177,11 +177,12 @@ def main() -> None:
         path = wikitext_file(tmp, seq + (steps * mbs) * STRIDE)
         run = whole_evaluation(model, tokenizer, path, seq, mbs, counter)
     forward_tokens = run["forwards"] * tokens
+    train_rate = tokens / statistics.median(train_wall)
     print(f"evaluate() end to end: {forward_tokens / run['wall']:,.0f} forward tokens/s "
           f"({run['forwards']} micro-batches of {mbs} x {seq} for {run['windows']} scored "
           f"windows; {100 * run['forward seconds'] / run['wall']:.0f}% of the time in the "
           f"forwards), {run['targets'] / run['wall']:,.0f} scored targets/s; against the train "
-          f"forward's median: {forward_tokens / run['wall'] / (tokens / statistics.median(train_wall)):.2f}x")
+          f"forward's median: {forward_tokens / run['wall'] / train_rate:.2f}x")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -32,6 +32,13 @@ from tests.faults import harness as h
 ITERS = h.PP2_ITERS
 SAVE_INTERVAL = 2
 RESUMED = ("sigterm_torchrun",)  # the group case saves the same way: its checkpoint is checked
+FINAL = 5
+
+
+def _final_save_flags(save):
+    """One rank, saves at 2 and 4 in the loop; the final save (iteration 5) is pretrain's own."""
+    return h.tiny_gpt_flags(train_iters=FINAL, extra=[
+        "--exit-signal-handler", "--save", save, "--save-interval", 2])
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +49,21 @@ def signalled(tmp_path_factory, pp2_reference):
              "sigint_torchrun": lambda job: job.signal_launcher(signal.SIGINT)}
     jobs = {name: h.launch("pretrain_gpt.py", h.pp2_flags(root / name), root / f"{name}.log",
                            nproc=2) for name in cases}
+    # The final-save case starts with the others (its start-up overlaps theirs).
+    final_save, go = root / "final_save", root / "go"
+    jobs["final_save"] = h.launch(
+        "pretrain_gpt.py", _final_save_flags(final_save), root / "final_save.log", nproc=1,
+        hooks={"FAULT_PAUSE_IN_SAVE": f"{FINAL}:before", "FAULT_PAUSE_UNTIL": str(go)})
+    resumed = {}
     try:
         h.act_when_logged([(jobs[name], " iteration        3/", send)
-                           for name, send in cases.items()])
+                           for name, send in cases.items()] +
+                          [(jobs["final_save"], "FAULT-HOOK paused in save",
+                            lambda job: job.signal_group(signal.SIGTERM))])
+        # A killed rank dies at once; give a handled signal time to land before the save
+        # goes on.
+        time.sleep(1.0)
+        go.touch()
         codes = {name: job.wait() for name, job in jobs.items()}
         trackers = {name: h.tracker(root / name) for name in jobs}
         resumed = {name: h.launch("pretrain_gpt.py", [*h.pp2_flags(root / name), "--load",
@@ -52,7 +71,7 @@ def signalled(tmp_path_factory, pp2_reference):
                                   root / f"{name}_resumed.log", nproc=2) for name in RESUMED}
         resumed_codes = {name: job.wait() for name, job in resumed.items()}
     finally:
-        for job in jobs.values():
+        for job in [*jobs.values(), *resumed.values()]:
             job.reap()
     return {"jobs": jobs, "codes": codes, "trackers": trackers, "resumed": resumed,
             "resumed_codes": resumed_codes, "reference": pp2_reference, "root": root}
@@ -101,27 +120,13 @@ def test_sigint_interrupts_at_once_and_keeps_the_last_checkpoint(signalled):
     assert h.temp_files(root) == []
 
 
-def test_sigterm_during_the_final_save_lets_it_finish(tmp_path):
+def test_sigterm_during_the_final_save_lets_it_finish(signalled):
     """Regression: the handler was removed when the training loop returned, so a SIGTERM during
     the final save (a preemption at the very end) killed the rank half-way through it and the
     last iterations were lost. Megatron-LM's handler stays for the whole run; so does ours now.
     """
-    save, go = tmp_path / "save", tmp_path / "go"
-    # Saves at 2 and 4 in the loop; the final save (iteration 5) is pretrain's own.
-    flags = h.tiny_gpt_flags(train_iters=5, extra=[
-        "--exit-signal-handler", "--save", save, "--save-interval", 2])
-    job = h.launch("pretrain_gpt.py", flags, tmp_path / "job.log", nproc=1,
-                   hooks={"FAULT_PAUSE_IN_SAVE": "5:before", "FAULT_PAUSE_UNTIL": str(go)})
-    try:
-        job.wait_for("FAULT-HOOK paused in save")
-        job.signal_group(signal.SIGTERM)
-        # A killed rank dies at once; give a handled signal time to land before the save goes on.
-        time.sleep(1.0)
-        go.touch()
-        code = job.wait()
-    finally:
-        job.reap()
-    assert "successfully saved checkpoint at iteration       5" in job.text(), job.tail()
-    assert h.tracker(save) == 5
-    assert code == 0, job.tail()
-    assert h.temp_files(save) == []
+    job: h.Job = signalled["jobs"]["final_save"]
+    assert f"successfully saved checkpoint at iteration {FINAL:7d}" in job.text(), job.tail()
+    assert signalled["trackers"]["final_save"] == FINAL
+    assert signalled["codes"]["final_save"] == 0, job.tail()
+    assert h.temp_files(signalled["root"] / "final_save") == []
