@@ -40,6 +40,8 @@ class _Datasets:
 
     def metrics(self, cfg, tokenizer):
         ex = cfg.section(TaskFlags)
+        if not ex.valid_data:
+            return None  # training only: no accuracy of nothing ranks the epochs
         named = [(dataset_name_from_path(path), self.one(cfg, tokenizer, path))
                  for path in ex.valid_data or ()]
         return accuracy_func_provider(

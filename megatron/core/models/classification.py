@@ -17,7 +17,9 @@ Loading (``load_state_dict``) has two modes, as Megatron-LM's finetuning uses th
   read; the pretraining heads (``lm_head``, ``binary_head``, ``word_embeddings_for_head``) are
   dropped, and what the checkpoint lacks (the new head; the pooler and token-type embedding of
   a BERT pretrained with ``--bert-no-binary-head``) keeps its fresh initialization; each is
-  logged. Shape mismatches are errors in both modes.
+  logged. Any other body weight missing or left over (another depth) is an error, as in
+  Megatron-LM's strict body load; another task's head is ignored. Shape mismatches are errors
+  in both modes.
 
 Another span-level head (SQuAD's ``Linear(h, 2)`` over the sequence) subclasses
 :class:`BertWithHead` the same way: build the head in ``build_head``, apply it in ``head``,
@@ -48,6 +50,10 @@ NUM_CHOICES = 4
 
 _PRETRAINING_SECTIONS = ("lm_head", "binary_head", "word_embeddings_for_head")
 """Checkpoint sections of a pretrained BERT that a finetuning model has no use for."""
+
+_OPTIONAL_BODY = ("language_model.pooler.", "language_model.embedding.tokentype_embeddings.")
+"""Body parts a pretrained BERT may lack (``--bert-no-binary-head``) or a model may not use
+(a head without pooler); every other body weight must be in the checkpoint."""
 
 
 class BertWithHead(LanguageModule):
@@ -123,12 +129,34 @@ class BertWithHead(LanguageModule):
         dropped = sorted(k for k in state_dict if k in _PRETRAINING_SECTIONS)
         kept = {k: v for k, v in state_dict.items() if k not in _PRETRAINING_SECTIONS}
         flat = flatten_checkpoint_state_dict(kept)
-        fresh = sorted(k for k in self.state_dict() if k not in flat)
+        own = self.state_dict()
+        fresh = sorted(k for k in own if k not in flat)
+        _check_pretrained_body(fresh, sorted(k for k in flat if k not in own), self.head_key)
         if dropped:
             log_rank_0(f" > loading a pretrained BERT: its {', '.join(dropped)} dropped")
         if fresh:
             log_rank_0(" > not in the checkpoint, initialized afresh: " + ", ".join(fresh))
         return super().load_state_dict(kept, strict=False, assign=assign)
+
+
+def _check_pretrained_body(fresh: list[str], unused: list[str], head_key: str) -> None:
+    """Megatron-LM loads a pretrained body strictly: a missing or extra encoder weight means
+    another model shape (layers, a GPT...), which must not finetune half-initialized.
+
+    Raises:
+        ValueError: naming the body weights that are missing from, or left over in, the
+            checkpoint.
+    """
+    missing = [k for k in fresh if not k.startswith((f"{head_key}.", *_OPTIONAL_BODY))]
+    # Another task's head (a RACE model finetuned further on MNLI) is ignored, as Megatron's.
+    extra = [k for k in unused
+             if k.startswith("language_model.") and not k.startswith(_OPTIONAL_BODY)]
+    if not (missing or extra):
+        return
+    problems = ([f"missing body weights: {', '.join(missing)}"] if missing else []) + \
+        ([f"weights this model does not have: {', '.join(extra)}"] if extra else [])
+    raise ValueError("the pretrained BERT does not fit the model (another --num-layers or model "
+                     "type?): " + "; ".join(problems))
 
 
 class Classification(BertWithHead):

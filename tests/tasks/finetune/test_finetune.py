@@ -260,6 +260,26 @@ def test_refused_before_any_process_group(data, tmp_path, monkeypatch, change, m
     assert message.format(tmp=tmp_path, bad=bad) in str(exc.value), str(exc.value)
 
 
+def test_without_valid_data_no_accuracy_ranks_the_epochs(data):
+    # An accuracy over no samples (0 / 0 -> 0.0) would be named "best" in the summary.
+    from megatron.config import parse_args
+    from megatron.tokenizer.bert import BertWordPieceTokenizer
+    from tasks.flags import TOOL_SECTIONS
+    from tasks.glue.finetune import _Datasets as GlueDatasets
+    from tasks.race.finetune import _Datasets as RaceDatasets
+
+    f = _files(data)
+    tokenizer = BertWordPieceTokenizer(str(data / "vocab.txt"))
+    for task, datasets, train in (("MNLI", GlueDatasets("MNLI"), f["mnli_small"]),
+                                  ("RACE", RaceDatasets(), f["race_train"])):
+        cfg = parse_args(argv(data, task, [train], []), tool_sections=TOOL_SECTIONS)
+        assert datasets.metrics(cfg, tokenizer) is None
+        with_dev = parse_args(argv(data, task, [train], [f["mnli_dev"] if task == "MNLI"
+                                                          else f["race_middle"]]),
+                              tool_sections=TOOL_SECTIONS)
+        assert callable(datasets.metrics(with_dev, tokenizer))
+
+
 def test_cli_smoke_race_tp2(tmp_path, shared_data):
     """The real script under torchrun, two ranks at TP 2, the real BERT vocabulary."""
     synthetic.write_vocab(tmp_path / "vocab.txt")

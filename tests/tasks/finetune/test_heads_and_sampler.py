@@ -100,6 +100,30 @@ def test_bert_without_binary_head_keeps_a_fresh_pooler(cfg, caplog):
     assert torch.equal(model.language_model.pooler.dense.weight, pooler)
 
 
+def test_pretrained_bert_of_another_depth_is_refused(cfg):
+    # Megatron-LM loads the pretrained body strictly: layers missing from (or left over in)
+    # the checkpoint must not finetune half-initialized (a checkpoint without args, whose
+    # --num-layers cannot be checked).
+    shallow = parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
+                          "2", "--seq-length", "8", "--max-position-embeddings", "8",
+                          "--micro-batch-size", "2", "--tokenizer-type", "BertWordPieceLowerCase",
+                          "--vocab-file", cfg.tokenizer.vocab_file])
+    torch.manual_seed(7)
+    one_layer = bert_model_stage(bert_transformer_config(shallow), add_binary_head=True)
+    two_layers = classification_model_stage(finetune_transformer_config(cfg), 2)
+    with pytest.raises(ValueError, match="missing body weights: language_model.encoder.layers.1"):
+        two_layers.load_state_dict(one_layer.state_dict_for_save_checkpoint(), strict=False)
+    one_layer_head = multiple_choice_model_stage(finetune_transformer_config(shallow))
+    with pytest.raises(ValueError, match="does not have: language_model.encoder.layers.1"):
+        one_layer_head.load_state_dict(_pretrained_bert(cfg, True).state_dict_for_save_checkpoint(),
+                                       strict=False)
+    # A model finetuned on another task (its head ignored) still starts a new one, as Megatron.
+    race = multiple_choice_model_stage(finetune_transformer_config(cfg))
+    two_layers.load_state_dict(race.state_dict_for_save_checkpoint(), strict=False)
+    torch.testing.assert_close(two_layers.language_model.pooler.dense.weight,
+                               race.language_model.pooler.dense.weight, rtol=0, atol=0)
+
+
 def test_shape_mismatch_is_refused_even_when_not_strict(cfg):
     torch.manual_seed(1)
     three = classification_model_stage(finetune_transformer_config(cfg), 3)

@@ -3,8 +3,8 @@
 // Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch and
 // instantiates them for float, bf16 and fp16), so the vectoriser's report can be read on a file
 // that includes this header and instantiates the templates, without torch's headers:
-//   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd \
-//       -fopt-info-vec-optimized -c instantiate.cpp
+//   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd
+//       -fopt-info-vec-optimized -c instantiate.cpp   (one command line)
 //
 // Speed rules the code follows (each found by measurement, bench/README.md):
 // * every inner loop works on fp32 (or on the raw 16 bits of a bf16) over contiguous memory, with
