@@ -118,7 +118,7 @@ class Watchdog:
         waited = now - blocked.since
         if waited <= self.bound_s / 2:
             return None
-        where = f"{blocked.op} over ranks {_ranks(blocked.group)}"
+        where = f"{blocked.op} over ranks {_ranks_of(blocked)}"
         for peer, silent in self.silent_peers(now):
             if silent > self.bound_s:
                 return peer, (f"no heartbeat for {silent:.1f} s (dead or frozen; "
@@ -174,7 +174,9 @@ class Watchdog:
         return f"{names} ({last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
 
 
-def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+def _ranks_of(blocked: comm.Blocked) -> list[int]:
+    """The ranks of the group a blocked collective runs over."""
+    group = blocked.group
     if group is None:
         return [dist.get_rank()] if dist.is_initialized() else [0]
     try:

@@ -102,7 +102,7 @@ def test_comm_marks_the_wait_and_the_progress(monkeypatch):
             seen.append(comm.blocked_in())
 
     before = comm.last_activity()
-    comm.wait([Handle(), None], "gradient reduction", None)
+    comm.wait([Handle(), None], "gradient reduction", comm.world_group())
     assert [b.op for b in seen] == ["gradient reduction"]
     assert comm.blocked_in() is None and comm.last_activity() >= before
 
