@@ -42,11 +42,13 @@ Contract (types):
   ``callback(model: list[torch.nn.Module], epoch: int) -> dict[str, float]``: named metrics,
   the **first** of which (higher = better) ranks the epochs in the final summary. ``epoch`` is
   Megatron's: 0-based, the epoch just finished (or in progress, at an ``--eval-interval``
-  point); -1 with ``--epochs 0``. It runs on every rank (the model is this rank's TP shard:
-  every rank must call it, since the forward has TP collectives) and should return the same
-  metrics on every rank (reduce over ``parallel_state.get_data_parallel_group()``). Use
-  :func:`evaluation_loader` for this rank's slice of a data set, and :func:`eval_mode` around the
-  forward passes.
+  point); -1 with ``--epochs 0``. It runs on every rank (the model is this rank's TP shard and
+  pipeline stage: every rank must call it, since the forward has TP collectives and pipeline
+  sends) and should return the same metrics on every rank. Use :func:`evaluation_loader` for
+  this rank's slice of a data set and :func:`forward_outputs` to run it through the
+  forward-only schedule (the outputs exist on the last pipeline stage only), then
+  :func:`share_from_last_stage` to reduce a tensor of results over data-parallel ranks and
+  hand it to every stage.
 * ``task_collate_fn``: the loaders' ``collate_fn`` (default: torch's default collation).
 
 Both providers run *before* ``torch.distributed`` starts (every rank reads the data itself), so
@@ -59,6 +61,14 @@ last partial global batch dropped unless ``--keep-last``; ``--pretrained-checkpo
 only) when starting from iteration 0, ``--load`` resumes (mid-epoch: the loader goes on from the
 next batch, no batch re-read); the callback at every ``--eval-interval`` and each epoch end; a
 checkpoint at each epoch end (and ``--save-interval``); ``--epochs 0`` evaluates only.
+
+Pipeline parallelism (``--pipeline-model-parallel-size``, the 1F1B schedule): the BERT body is
+split over the stages as in pretraining, the pooler, the task head and the loss are on the last
+stage; the stages send each activation's shape before it (``variable_seq_lengths``), since a
+multiple-choice micro-batch is ``[s, b x choices, h]`` and evaluation batches may be partial.
+Checkpoints (``--save``, ``--load``, ``--pretrained-checkpoint``) are per stage,
+``mp_rank_TT_PPP``. The interleaved schedule (``--num-layers-per-virtual-pipeline-stage``) is
+refused, as in Megatron-LM's tasks.
 """
 
 from __future__ import annotations
@@ -80,6 +90,7 @@ from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.models.classification import (classification_model_stage,
                                                  multiple_choice_model_stage)
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 from megatron.training import log_line
 from megatron.training.checkpointing import checkpoint_dir, load_checkpoint
@@ -152,6 +163,58 @@ def cross_entropy_forward_step(data_iterator: Iterator[dict], model):
     return logits, functools.partial(cross_entropy_loss_func, batch["label"])
 
 
+def _collect_forward_step(data_iterator: Iterator[dict], model):
+    """The evaluation forward step: the model's output and, on the last stage, ``(output,
+    batch)`` collected by the schedule as non-loss data."""
+    batch = batch_to_device(next(data_iterator))
+    output = model(batch["text"].long(), batch["padding_mask"].long(),
+                   tokentype_ids=batch["types"].long())
+
+    def collect(output_tensor, non_loss_data: bool = False):
+        del non_loss_data  # only called with it: evaluation computes no loss
+        return output_tensor.detach(), batch
+
+    return output, collect
+
+
+def forward_outputs(model: Sequence[torch.nn.Module], loader,
+                    forward_step: Callable = _collect_forward_step) -> list:
+    """Every batch of ``loader`` through this rank's model chunk with the forward-only schedule
+    (no dropout, no gradients), as Megatron's evaluation does at any pipeline size.
+
+    ``forward_step(data_iterator, model) -> (output, collect)`` where ``collect(output,
+    non_loss_data=True)`` returns what to keep (default: ``(logits, batch)`` on the device).
+
+    Returns:
+        On the last pipeline stage what ``collect`` returned for each batch, in order;
+        elsewhere ``[]`` (every stage reads the same batches: each needs the padding mask).
+    """
+    num_batches = len(loader)
+    if num_batches == 0:
+        return []
+    with eval_mode(model):
+        # The shapes travel with the activations (variable_seq_lengths): a partial last batch
+        # or a multiple-choice batch [s, b x choices, h] is not [seq, micro-batch, h].
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(loader), model=list(model),
+            num_microbatches=num_batches, seq_length=1, micro_batch_size=1,
+            forward_only=True, collect_non_loss_data=True, variable_seq_lengths=True)
+
+
+def share_from_last_stage(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's results on the last pipeline stage, ignored elsewhere) summed over
+    the data-parallel ranks of the last stage, then given to every stage (Megatron reduces on
+    the last stage and prints from the last rank; here every rank also returns the metrics).
+    Returns a tensor on the compute device."""
+    values = values.to(device.get_device())
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        values = torch.zeros_like(values)
+    comm.all_reduce(values, parallel_state.get_data_parallel_group())
+    # Only the last stage holds non-zeros: the sum over the pipeline is its values.
+    comm.all_reduce(values, parallel_state.get_pipeline_model_parallel_group())
+    return values
+
+
 # Models ------------------------------------------------------------------------------------
 def finetune_transformer_config(cfg: MegatronConfig):
     """BERT's transformer config for a finetuning model: two token types (Megatron-LM's
@@ -194,29 +257,28 @@ def eval_mode(model: Sequence[torch.nn.Module]):
 def count_correct(model: Sequence[torch.nn.Module], loader,
                   predictions: list | None = None) -> tuple[int, int]:
     """``(correct, total)`` of ``argmax(model(text, padding_mask, types))`` against ``label``
-    over this rank's loader, summed over data-parallel ranks. With ``predictions`` (a list),
-    this rank's ``(softmax, label, uid)`` of every sample are appended to it."""
+    over this rank's loader, summed over data-parallel ranks (the same on every rank, whatever
+    its pipeline stage). With ``predictions`` (a list), on the last pipeline stage this rank's
+    ``(softmax, label, uid)`` of every sample are appended to it."""
     correct = torch.zeros(2, dtype=torch.long)
-    with eval_mode(model):
-        for batch in loader:
-            batch = batch_to_device(batch)
-            logits = model[0](batch["text"].long(), batch["padding_mask"].long(),
-                              tokentype_ids=batch["types"].long())
-            predicted = logits.argmax(dim=-1).cpu()
-            labels = batch["label"].cpu()
-            correct[0] += int((predicted == labels).sum())
-            correct[1] += predicted.numel()
-            if predictions is not None:
-                probs = torch.softmax(logits.float(), dim=-1).cpu().tolist()
-                predictions.extend(zip(probs, labels.tolist(), batch["uid"].cpu().tolist()))
-    correct = correct.to(device.get_device())
-    comm.all_reduce(correct, parallel_state.get_data_parallel_group())
+    for logits, batch in forward_outputs(model, loader):
+        predicted = logits.argmax(dim=-1).cpu()
+        labels = batch["label"].cpu()
+        correct[0] += int((predicted == labels).sum())
+        correct[1] += predicted.numel()
+        if predictions is not None:
+            probs = torch.softmax(logits.float(), dim=-1).cpu().tolist()
+            predictions.extend(zip(probs, labels.tolist(), batch["uid"].cpu().tolist()))
+    correct = share_from_last_stage(correct)
     return int(correct[0]), int(correct[1])
 
 
 def _save_predictions(path: str, named: list[tuple[str, list]]) -> None:
     """Megatron's evaluation-only ``predictions.pt``: ``[(name, (softmaxes, labels, uids))]``
-    per data set, every data-parallel rank's samples (ordered by uid), written by rank 0."""
+    per data set, every data-parallel rank's samples (ordered by uid), written by the last rank
+    (as Megatron's ``is_last_rank()``: the last pipeline stage, which holds the outputs)."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return  # no outputs here; the gather below runs over the last stage's DP group only
     dp_group = parallel_state.get_data_parallel_group()
     out = []
     for name, mine in named:
@@ -224,9 +286,10 @@ def _save_predictions(path: str, named: list[tuple[str, list]]) -> None:
                        key=lambda p: p[2])
         out.append((name, ([p[0] for p in every], [p[1] for p in every],
                            [p[2] for p in every])))
-    if comm.rank(comm.world_group()) == 0:
+    world = comm.world_group()
+    if comm.rank(world) == comm.world_size(world) - 1:
         torch.save(out, path)
-        log_rank_0(f" > predictions of {len(out)} data set(s) written to {path}")
+        log_rank_last(f" > predictions of {len(out)} data set(s) written to {path}")
 
 
 def accuracy_func_provider(named_datasets: Sequence[tuple[str, Any]], micro_batch_size: int,
@@ -284,11 +347,12 @@ def check_finetune_flags(flags: MegatronConfig, task: str) -> None:
         given = "--train-iters" if t.train_iters is not None else "--train-samples"
         raise ValueError(f"{given} with --task {task}: finetuning runs --epochs passes over "
                          f"--train-data (the iterations follow from its size); drop {given}")
-    if flags.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--task {task} with --pipeline-model-parallel-size "
-                         f"{flags.parallel.pipeline_model_parallel_size}: finetuning supports "
-                         "tensor and data parallelism only; convert the pretrained checkpoint to "
-                         "one pipeline stage (tools/checkpoint/convert.py)")
+    if flags.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError(f"--task {task} with --num-layers-per-virtual-pipeline-stage "
+                         f"{flags.parallel.num_layers_per_virtual_pipeline_stage}: the interleaved "
+                         "pipeline schedule is not supported for downstream tasks (as in "
+                         "Megatron-LM); drop it: the plain 1F1B schedule runs at any "
+                         "--pipeline-model-parallel-size")
     if ex.eval_micro_batch_size is not None and ex.eval_micro_batch_size < 1:
         raise ValueError(f"--eval-micro-batch-size must be >= 1, got {ex.eval_micro_batch_size}")
     if ex.epochs > 0 and not ex.train_data:
@@ -486,8 +550,12 @@ class _FinetuneRun:
             _load_pretrained(self.model, weights_cfg, ex.pretrained_checkpoint)
             # The optimizer's fp32 main params still hold the initial weights.
             self.optimizer.reload_model_params()
+        # Pipelined: the stages send each activation's shape first (multiple-choice batches are
+        # [s, b x choices, h]; --keep-last's last batch is smaller).
         trainer = _EpochTrainer(cfg, self.forward_step, self.model, self.optimizer, self.scheduler,
-                          build_microbatch_calculator(cfg), self.timers, s, writer=self.writer)
+                                build_microbatch_calculator(cfg), self.timers, s,
+                                writer=self.writer,
+                                variable_seq_lengths=cfg.parallel.pipeline_model_parallel_size > 1)
         trainer.total_iters = self.epochs * self.per_epoch
         valid_it = self._valid_iterator(valid_ds)
         log_rank_0(f"finetuning for {self.epochs} epochs of {self.per_epoch} iterations "

@@ -149,8 +149,12 @@ def check_finite(losses: dict[str, float], recorder: _LossRecorder, model: list,
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
                scheduler, cfg, microbatches: NumMicroBatchesCalculator, timers: Timers, *,
-               iteration: int) -> tuple[dict[str, float], bool, float | None, int | None]:
-    """One optimizer step over a global batch (``iteration``: its number, for error messages).
+               iteration: int, variable_seq_lengths: bool = False
+               ) -> tuple[dict[str, float], bool, float | None, int | None]:
+    """One optimizer step over a global batch (``iteration``: its number, for error messages;
+    ``variable_seq_lengths``: pipeline stages send each activation's shape before it, for
+    micro-batches whose shape is not ``[seq-length, micro-batch-size, h]``, e.g. finetuning's
+    multiple-choice batches and kept last partial batch).
 
     Returns:
         (mean loss dict over micro-batches, skipped, grad norm, number of zeros in grad)
@@ -169,7 +173,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=microbatches.get(), seq_length=cfg.data.seq_length,
         micro_batch_size=cfg.training.micro_batch_size, forward_only=False,
-        grad_scale_func=optimizer.scale_loss, timers=timers)
+        grad_scale_func=optimizer.scale_loss, timers=timers,
+        variable_seq_lengths=variable_seq_lengths)
     timers("forward-backward").stop()
     # Megatron-LM names the DP reduction after its collective.
     reduce_timer = "grads-reduce-scatter" if cfg.parallel.use_distributed_optimizer \
@@ -192,8 +197,10 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, cfg,
-             microbatches: NumMicroBatchesCalculator, eval_iters: int) -> dict[str, float]:
-    """Mean loss over ``eval_iters`` global batches, without gradients."""
+             microbatches: NumMicroBatchesCalculator, eval_iters: int,
+             variable_seq_lengths: bool = False) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` global batches, without gradients (``variable_seq_lengths``:
+    as :func:`train_step`)."""
     for chunk in model:
         chunk.eval()
     totals: dict[str, float] = {}
@@ -201,7 +208,8 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, 
         reduced = get_forward_backward_func()(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=microbatches.get(), seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
+            micro_batch_size=cfg.training.micro_batch_size, forward_only=True,
+            variable_seq_lengths=variable_seq_lengths)
         for key, value in _average_reduced_losses(reduced).items():
             totals[key] = totals.get(key, 0.0) + value
     for chunk in model:
@@ -210,8 +218,10 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, 
 
 
 def evaluate_and_print(prefix: str, forward_step_func, data_iterator, model, cfg, microbatches,
-                       writer, state: TrainState, eval_iters: int) -> dict[str, float]:
-    losses = evaluate(forward_step_func, data_iterator, model, cfg, microbatches, eval_iters)
+                       writer, state: TrainState, eval_iters: int,
+                       variable_seq_lengths: bool = False) -> dict[str, float]:
+    losses = evaluate(forward_step_func, data_iterator, model, cfg, microbatches, eval_iters,
+                      variable_seq_lengths)
     log_line.log_validation(prefix, losses, writer, state.iteration, state.consumed_train_samples,
                             cfg.logging.log_validation_ppl_to_tensorboard)
     return losses
@@ -223,10 +233,11 @@ class Trainer:
     def __init__(self, cfg, forward_step_func: Callable, model: list, optimizer, scheduler,
                  microbatches: NumMicroBatchesCalculator, timers: Timers, state: TrainState,
                  flops_per_sample: Callable[[int], float] | None = None, writer=None,
-                 start_time: float | None = None) -> None:
+                 start_time: float | None = None, variable_seq_lengths: bool = False) -> None:
         """``start_time`` (``time.time()``) starts the ``--exit-duration-in-mins`` clock:
         pretrain() passes the time it was called, so set-up counts as Megatron's
-        ``_TRAIN_START_TIME`` does; None means now."""
+        ``_TRAIN_START_TIME`` does; None means now. ``variable_seq_lengths``: see
+        :func:`train_step` (finetuning's pipelined runs)."""
         self.cfg = cfg
         self.forward_step_func = forward_step_func
         self.model = model
@@ -239,6 +250,7 @@ class Trainer:
         self.writer = writer
         self.acc = _LogAccumulator()
         self.start_time = time.time() if start_time is None else start_time
+        self.variable_seq_lengths = variable_seq_lengths
 
     def save(self) -> None:
         s = self.state
@@ -273,7 +285,8 @@ class Trainer:
             self.microbatches.update(s.consumed_train_samples)
             losses, skipped, grad_norm, num_zeros = train_step(
                 self.forward_step_func, train_iterator, self.model, self.optimizer,
-                self.scheduler, cfg, self.microbatches, self.timers, iteration=s.iteration + 1)
+                self.scheduler, cfg, self.microbatches, self.timers, iteration=s.iteration + 1,
+                variable_seq_lengths=self.variable_seq_lengths)
             s.iteration += 1
             batch = self.microbatches.get() * cfg.training.micro_batch_size * cfg.data_parallel_size
             s.consumed_train_samples += batch
@@ -286,7 +299,8 @@ class Trainer:
                 with self._interval_timer_paused():
                     evaluate_and_print(f"iteration {s.iteration}", self.forward_step_func,
                                        valid_iterator, self.model, cfg, self.microbatches,
-                                       self.writer, s, cfg.training.eval_iters)
+                                       self.writer, s, cfg.training.eval_iters,
+                                       self.variable_seq_lengths)
                 s.consumed_valid_samples += cfg.training.eval_iters * batch
             if self._should_exit(signal_handler):
                 return True

@@ -9,8 +9,9 @@ file at each epoch end, and ``predictions.json`` (+ ``null_odds.json`` for 2.0).
 
 Every rank reads and featurizes the files itself, before process groups start (a malformed
 file ends the run with one line naming it). Evaluation: each data-parallel rank runs its share
-of the dev features, the logits are summed over the data-parallel group into one
-``[features, s, 2]`` array, and every rank postprocesses them (so every rank returns the same
+of the dev features (through the forward-only schedule: at any pipeline size), the last
+stage's logits are summed over the data-parallel group into one ``[features, s, 2]`` array and
+handed to every stage, and every rank postprocesses them (so every rank returns the same
 metrics); the last rank logs and writes the files.
 """
 
@@ -23,9 +24,10 @@ import numpy as np
 import torch
 
 from megatron.config import parse_args
-from megatron.core import comm, device, parallel_state
+from megatron.core import comm
 from megatron.core.log import log_rank_0, log_rank_last
-from tasks.finetune_utils import (PROG, batch_to_device, eval_mode, evaluation_loader, finetune)
+from tasks.finetune_utils import (PROG, evaluation_loader, finetune, forward_outputs,
+                                  share_from_last_stage)
 from tasks.flags import TOOL_SECTIONS, TaskFlags
 from tasks.squad import metric
 from tasks.squad.features import SquadFeature, convert_examples_to_features
@@ -113,19 +115,14 @@ def read_eval_set(path: str, cfg, tokenizer) -> EvalSet:
 def predict_logits(model: list[torch.nn.Module], dataset: SquadFeatureDataset,
                    micro_batch_size: int) -> np.ndarray:
     """``[features, s, 2]`` start/end logits of every feature, on every rank: each
-    data-parallel rank runs its share, the shares are summed over the data-parallel group
-    (each feature is some rank's only)."""
+    data-parallel rank runs its share through the forward-only schedule, the last pipeline
+    stage's shares are summed over its data-parallel group (each feature is some rank's only)
+    and handed to every stage."""
     seq = dataset.text.shape[1]
     logits = torch.zeros(len(dataset), seq, 2, dtype=torch.float32)
-    with eval_mode(model):
-        for batch in evaluation_loader(dataset, micro_batch_size):
-            index = batch["index"]
-            batch = batch_to_device(batch)
-            out = model[0](batch["text"], batch["padding_mask"], tokentype_ids=batch["types"])
-            logits[index] = out.float().cpu()
-    logits = logits.to(device.get_device())
-    comm.all_reduce(logits, parallel_state.get_data_parallel_group())
-    return logits.cpu().numpy()
+    for out, batch in forward_outputs(model, evaluation_loader(dataset, micro_batch_size)):
+        logits[batch["index"].cpu()] = out.float().cpu()
+    return share_from_last_stage(logits).cpu().numpy()
 
 
 def _is_last_rank() -> bool:

@@ -1,6 +1,7 @@
 """The finetuning loop end to end through ``tasks/main.py``'s ``run`` on pooled gloo worlds:
-a tiny BERT learns a synthetic task in each format (RACE, MNLI, QQP); TP=2 and DP=2 equal one
-process; a run resumed mid-epoch repeats the straight run's losses; --epochs 0; a pretrained
+a tiny BERT learns a synthetic task in each format (RACE, MNLI, QQP); TP=2, DP=2 and PP=2
+(MNLI and RACE) equal one process; a run resumed mid-epoch repeats the straight run's losses;
+--epochs 0 (also of a PP=2 checkpoint, by --load and --pretrained-checkpoint); a pretrained
 BERT checkpoint loads (heads dropped) before training; flags and data refused before any
 process group; one torchrun smoke run of the real script."""
 
@@ -17,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training import loop
 from tasks import main as tasks_main
+from tests.training import e2e
 from tests.training.e2e import read_scalars
 from tasks import finetune_sample_data as synthetic
 
@@ -24,26 +26,59 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 # Pooled-world runner ---------------------------------------------------------------------------
+def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
+    """Overwrite a pipeline stage's weights with the one-process run's initial ones (stage k
+    draws from ``seed + 100 k``, as Megatron's): the whole model built from ``--seed``."""
+    from megatron.core.models.classification import Classification
+
+    kwargs = {"num_classes": module.num_classes} if isinstance(module, Classification) else {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.model.seed)
+        whole = type(module)(module.config, parallel_state.get_tensor_model_parallel_group(),
+                             **kwargs)
+    reference = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(reference[e2e._global_name(module, name)])
+
+
+def _single_process_init(build_model):
+    """``pretrain.build_model`` whose stages start from the one-process model's weights."""
+    def build(cfg, model_provider):
+        def provider(cfg, pre_process=True, post_process=True):
+            module = model_provider(cfg, pre_process, post_process)
+            _copy_single_process_init(module, cfg)
+            return module
+        return build_model(cfg, provider)
+    return build
+
+
 def run_finetunes(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
-    """Each run's ``tasks/main.py`` argv on this rank: the lm loss of every iteration, the
-    evaluations, and (``"params"``) the final language-model weights (module level: pooled)."""
+    """Each run's ``tasks/main.py`` argv on this rank: the lm loss of every iteration (None
+    where this rank is not the last pipeline stage), the evaluations, and (``"params"``) the
+    final language-model weights; ``"single_process_init"``: the stages start from the
+    one-process weights (module level: pooled)."""
+    from megatron.training import pretrain
+
     del rank, world_size
     out = []
     for run in runs:
         parallel_state.destroy_model_parallel()
-        losses: list[float] = []
-        real_step = loop.train_step
+        losses: list[float | None] = []
+        real_step, real_build = loop.train_step, pretrain.build_model
 
         def recording_step(*args, **kwargs):
             result = real_step(*args, **kwargs)
-            losses.append(result[0]["lm loss"])
+            losses.append(result[0].get("lm loss"))
             return result
 
         loop.train_step = recording_step
+        if run.get("single_process_init"):
+            pretrain.build_model = _single_process_init(real_build)
         try:
             result = tasks_main.run(run["argv"])
         finally:
-            loop.train_step = real_step
+            loop.train_step, pretrain.build_model = real_step, real_build
         params = None
         if run.get("params"):
             inner = result.model[0]
@@ -176,15 +211,41 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
     hits = sum(max(range(3), key=p.__getitem__) == y for p, y in zip(probs, labels))
     assert hits / 48 == evaluated["evaluations"][0][2]["accuracy"]
 
-    # TP=2 and DP=2 (a world of two) finetune as one process.
-    double = pooled(2, [
+    # TP=2, DP=2 and PP=2 (a world of two) finetune as one process; PP=2 also for RACE (its
+    # [s, b x 4, h] activations), its checkpoint evaluated by --load and as a pretrained one.
+    pp2, pp_save = ("--pipeline-model-parallel-size", "2"), tmp_path / "pp2"
+    tp2, dp2, pp2_mnli, pp2_race, pp2_load, pp2_pretrained = pooled(2, [
         {"argv": argv(data, "MNLI", *mnli, tp=2, **reference_flags)},
         {"argv": argv(data, "MNLI", *mnli, **{**reference_flags, "mbs": 2})},
+        {"argv": argv(data, "MNLI", *mnli, **reference_flags,
+                      extra=(*pp2, "--save", pp_save, *save)), "single_process_init": True},
+        {"argv": argv(data, "RACE", [f["race_train"]], [f["race_middle"], f["race_high"]],
+                      mbs=8, gbs=8, epochs=2, lr=1e-3, extra=pp2), "single_process_init": True},
+        {"argv": argv(data, "MNLI", [], mnli[1], epochs=0, extra=(*pp2, "--load", pp_save))},
+        {"argv": argv(data, "MNLI", [], mnli[1], epochs=0,
+                      extra=(*pp2, "--pretrained-checkpoint", pp_save))},
     ])
-    for runs in double:
+    for runs in (tp2, dp2):
         for rank_result in runs:
             assert rank_result["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0)
             assert rank_result["evaluations"][-1][2] == reference["evaluations"][-1][2]
+    for runs, one in ((pp2_mnli, reference), (pp2_race, race_run)):
+        first, last = runs
+        assert first["losses"] == [None] * len(one["losses"])  # the loss is the last stage's
+        assert last["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)
+        for rank_result in runs:  # the accuracies reach every stage
+            assert rank_result["evaluations"] == one["evaluations"]
+    final = reference["evaluations"][-1][2]
+    for rank_result in pp2_load:
+        assert rank_result["evaluations"] == [(-1, 8, final, True)]
+    for rank_result in pp2_pretrained:  # weights only, per stage: iteration 0
+        assert rank_result["evaluations"] == [(-1, 0, final, True)]
+    assert sorted(p.name for p in (pp_save / "iter_0000008").glob("mp_rank_*")) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]  # a shard per stage
+    (name, (probs, labels, uids)), = torch.load(pp_save / "predictions.pt")  # the last rank's
+    assert name == "dev-matched" and uids == list(range(48))
+    hits = sum(max(range(3), key=p.__getitem__) == y for p, y in zip(probs, labels))
+    assert hits / 48 == final["accuracy"]
 
 
 def _write_pretrained_bert(root: Path, model_argv: list[str]) -> dict[str, torch.Tensor]:
@@ -231,7 +292,8 @@ def test_pretrained_checkpoint_weights_only(data, tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"--epochs": None}, "--task MNLI needs --epochs"),
     ({"--train-iters": "5"}, "--train-iters with --task MNLI: finetuning runs --epochs passes"),
-    ({"--pipeline-model-parallel-size": "2"}, "finetuning supports tensor and data parallelism"),
+    ({"--pipeline-model-parallel-size": "2", "--num-layers-per-virtual-pipeline-stage": "1"},
+     "--num-layers-per-virtual-pipeline-stage 1: the interleaved pipeline schedule is not"),
     ({"--keep-last": True, "--micro-batch-size": "4"}, "--keep-last with gradient accumulation"),
     ({"--train-data": "{tmp}/none.tsv"}, "--train-data {tmp}/none.tsv: no such file"),
     ({"--pretrained-checkpoint": "{tmp}"}, "--pretrained-checkpoint {tmp} holds no checkpoint"),
