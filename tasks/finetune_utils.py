@@ -330,6 +330,47 @@ def predictions_path(cfg: MegatronConfig) -> str | None:
     return os.path.join(load, "predictions.pt") if load is not None else None
 
 
+class LabelledDatasets:
+    """A labelled task's datasets for :func:`finetune`: the training set, and each
+    ``--valid-data`` path read once, for both the validation loss and the accuracy.
+
+    Args:
+        build: ``build(name, paths, tokenizer, seq_length)`` -> the dataset of ``paths``.
+        name_of: a ``--valid-data`` path -> its name in the results lines.
+    """
+
+    def __init__(self, build: Callable[[str, list[str], Any, int], Any],
+                 name_of: Callable[[str], str]) -> None:
+        self.build, self.name_of = build, name_of
+        self.cache: dict[str, Any] = {}
+
+    def one(self, cfg: MegatronConfig, tokenizer, path: str):
+        if path not in self.cache:
+            self.cache[path] = self.build(self.name_of(path), [path], tokenizer,
+                                          cfg.data.seq_length)
+        return self.cache[path]
+
+    def train_valid(self, cfg: MegatronConfig, tokenizer):
+        """``finetune``'s ``train_valid_datasets_provider``."""
+        ex = cfg.section(TaskFlags)
+        train = self.build("training", ex.train_data, tokenizer, cfg.data.seq_length)
+        valid = None
+        if ex.valid_data:
+            valid = torch.utils.data.ConcatDataset(
+                [self.one(cfg, tokenizer, path) for path in ex.valid_data])
+        return train, valid
+
+    def metrics(self, cfg: MegatronConfig, tokenizer):
+        """``finetune``'s ``end_of_epoch_callback_provider``: accuracy per ``--valid-data``."""
+        ex = cfg.section(TaskFlags)
+        if not ex.valid_data:
+            return None  # training only: no accuracy of nothing ranks the epochs
+        named = [(self.name_of(path), self.one(cfg, tokenizer, path)) for path in ex.valid_data]
+        return accuracy_func_provider(
+            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size,
+            predictions_path=predictions_path(cfg))
+
+
 # Flags ---------------------------------------------------------------------------------------
 def check_finetune_flags(flags: MegatronConfig, task: str) -> None:
     """The finetuning flags as given, before validation and before any process group.

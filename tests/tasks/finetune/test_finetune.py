@@ -327,13 +327,13 @@ def test_without_valid_data_no_accuracy_ranks_the_epochs(data):
     from megatron.config import parse_args
     from megatron.tokenizer.bert import BertWordPieceTokenizer
     from tasks.flags import TOOL_SECTIONS
-    from tasks.glue.finetune import _Datasets as GlueDatasets
-    from tasks.race.finetune import _Datasets as RaceDatasets
+    from tasks.glue.finetune import glue_datasets
+    from tasks.race.finetune import race_datasets
 
     f = _files(data)
     tokenizer = BertWordPieceTokenizer(str(data / "vocab.txt"))
-    for task, datasets, train in (("MNLI", GlueDatasets("MNLI"), f["mnli_small"]),
-                                  ("RACE", RaceDatasets(), f["race_train"])):
+    for task, datasets, train in (("MNLI", glue_datasets("MNLI"), f["mnli_small"]),
+                                  ("RACE", race_datasets(), f["race_train"])):
         cfg = parse_args(argv(data, task, [train], []), tool_sections=TOOL_SECTIONS)
         assert datasets.metrics(cfg, tokenizer) is None
         with_dev = parse_args(argv(data, task, [train], [f["mnli_dev"] if task == "MNLI"
