@@ -32,15 +32,13 @@ import argparse
 import dataclasses
 import gc
 import os
-import re
-import statistics
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
+import launch  # noqa: E402
 import plain_gpt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +107,6 @@ def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float:
     return sec
 
 
-_ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-
-
 def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]) -> list[str]:
     args = ["pretrain_bert.py", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
             "--num-attention-heads", str(HEADS), "--seq-length", str(shape.seq),
@@ -123,23 +118,14 @@ def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]
             "--make-vocab-size-divisible-by", str(128 // tp), "--clip-grad", "1.0"]
     if bf16:
         args.append("--bf16")
-    if tp == 1:
-        return [sys.executable, *args, *extra]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--nproc-per-node", str(tp), *args, *extra]
+    return launch.entry_point_command([*args, *extra], tp)
 
 
 def bench_ours(shape: Shape, bf16: bool, tp: int, warmup: int, steps: int,
                extra: list[str]) -> float:
     """Median seconds per iteration of pretrain_bert.py after ``warmup`` iterations."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // tp), PYTHONPATH=ROOT)
     cmd = ours_command(shape, bf16, tp, warmup + steps, extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    times = [float(m) / 1000.0 for m in _ITER_MS.findall(proc.stdout + proc.stderr)]
-    if proc.returncode != 0 or len(times) < warmup + steps:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n"
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return statistics.median(times[warmup:])
+    return launch.median_iteration_seconds(cmd, ROOT, tp, warmup, steps)
 
 
 def main() -> None:

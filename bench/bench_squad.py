@@ -32,8 +32,6 @@ import gc
 import json
 import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -42,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_bert  # noqa: E402
 import bench_train  # noqa: E402
+import launch  # noqa: E402
 import plain_gpt  # noqa: E402
 
 ROOT = bench_bert.ROOT
@@ -121,24 +120,15 @@ def ours_command(data: str, mb: int, bf16: bool, tp: int, extra: list[str]) -> l
             "--num-workers", "0"]
     if bf16:
         args.append("--bf16")
-    if tp == 1:
-        return [sys.executable, *args, *extra]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--nproc-per-node", str(tp), *args, *extra]
+    return launch.entry_point_command([*args, *extra], tp)
 
 
 def bench_ours(data: str, mb: int, bf16: bool, tp: int, warmup: int, steps: int,
                extra: list[str]) -> float:
     """Median seconds per iteration of tasks/main.py --task SQUAD after ``warmup`` iterations
     (the data file holds exactly ``(warmup + steps) x mb`` questions: one epoch)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // tp), PYTHONPATH=ROOT)
     cmd = ours_command(data, mb, bf16, tp, extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    times = [float(m) / 1000.0 for m in bench_bert._ITER_MS.findall(out)]
-    if proc.returncode != 0 or len(times) < warmup + steps:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n{out[-3000:]}")
-    return statistics.median(times[warmup:])
+    return launch.median_iteration_seconds(cmd, ROOT, tp, warmup, steps)
 
 
 def main() -> None:

@@ -27,15 +27,14 @@ import argparse
 import dataclasses
 import gc
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch  # noqa: E402
 import plain_gpt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,9 +142,6 @@ def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float | None:
     return sec
 
 
-_ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-
-
 def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]) -> list[str]:
     args = ["pretrain_gpt.py", "--num-layers", str(shape.layers),
             "--hidden-size", str(shape.hidden), "--num-attention-heads", str(shape.heads),
@@ -157,23 +153,14 @@ def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]
             "--tensor-model-parallel-size", str(tp)]
     if bf16:
         args.append("--bf16")
-    if tp == 1:
-        return [sys.executable, *args, *extra]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--nproc-per-node", str(tp), *args, *extra]
+    return launch.entry_point_command([*args, *extra], tp)
 
 
 def bench_ours(shape: Shape, bf16: bool, tp: int, warmup: int, steps: int,
                extra: list[str]) -> float:
     """Median seconds per iteration of pretrain_gpt.py after ``warmup`` iterations."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // tp), PYTHONPATH=ROOT)
     cmd = ours_command(shape, bf16, tp, warmup + steps, extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    times = [float(m) / 1000.0 for m in _ITER_MS.findall(proc.stdout + proc.stderr)]
-    if proc.returncode != 0 or len(times) < warmup + steps:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n"
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return statistics.median(times[warmup:])
+    return launch.median_iteration_seconds(cmd, ROOT, tp, warmup, steps)
 
 
 def load() -> str:

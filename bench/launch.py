@@ -15,7 +15,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
+import statistics
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -114,3 +118,32 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 900.0)
             report.append(f"--- ranks {silent} died or did not return within {timeout:g} s")
         raise RuntimeError("\n".join(report))
     return [values[r] for r in range(world_size)]
+
+
+_ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def entry_point_command(args: list[str], tp: int) -> list[str]:
+    """One of our entry points (``args[0]`` a script) as one process at TP=1, else under
+    torchrun with one process per tensor-parallel rank."""
+    if tp == 1:
+        return [sys.executable, *args]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--nproc-per-node", str(tp), *args]
+
+
+def median_iteration_seconds(cmd: list[str], root: str, tp: int, warmup: int,
+                             steps: int) -> float:
+    """Run ``cmd`` in ``root`` (2 threads over its ``tp`` processes) and return the median of
+    its logged "elapsed time per iteration" after ``warmup`` iterations.
+
+    Raises:
+        RuntimeError: a failed run, or fewer than ``warmup + steps`` logged iterations.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(2 // tp), PYTHONPATH=root)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    times = [float(m) / 1000.0 for m in _ITER_MS.findall(out)]
+    if proc.returncode != 0 or len(times) < warmup + steps:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n{out[-3000:]}")
+    return statistics.median(times[warmup:])

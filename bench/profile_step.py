@@ -27,7 +27,6 @@ cross entropy, embedding). Shapes as ``bench/bench_train.py``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
