@@ -558,16 +558,6 @@ def _log_summary(best: Evaluation | None) -> None:
     log_rank_last(f" >> best {name}: {value:.4f} at {where} (iteration {best.iteration}){saved}")
 
 
-class _EpochTrainer(Trainer):
-    """The pretraining Trainer, run in stretches (to the next --eval-interval point or epoch
-    end): its log line still names the run's total iterations, as Megatron's."""
-
-    total_iters = 0
-
-    def _maybe_log(self, losses, grad_norm, num_zeros, batch, train_iters) -> None:
-        super()._maybe_log(losses, grad_norm, num_zeros, batch, self.total_iters)
-
-
 class _FinetuneRun:
     """The epochs of one finetuning run over the pretraining Trainer (step, log line,
     TensorBoard, --save-interval, exit conditions)."""
@@ -593,11 +583,9 @@ class _FinetuneRun:
             self.optimizer.reload_model_params()
         # Pipelined: the stages send each activation's shape first (multiple-choice batches are
         # [s, b x choices, h]; --keep-last's last batch is smaller).
-        trainer = _EpochTrainer(cfg, self.forward_step, self.model, self.optimizer, self.scheduler,
-                                build_microbatch_calculator(cfg), self.timers, s,
-                                writer=self.writer,
-                                variable_seq_lengths=cfg.parallel.pipeline_model_parallel_size > 1)
-        trainer.total_iters = self.epochs * self.per_epoch
+        trainer = Trainer(cfg, self.forward_step, self.model, self.optimizer, self.scheduler,
+                          build_microbatch_calculator(cfg), self.timers, s, writer=self.writer,
+                          variable_seq_lengths=cfg.parallel.pipeline_model_parallel_size > 1)
         valid_it = self._valid_iterator(valid_ds)
         log_rank_0(f"finetuning for {self.epochs} epochs of {self.per_epoch} iterations "
                    f"(starting at iteration {s.iteration})")
@@ -628,7 +616,8 @@ class _FinetuneRun:
                 stop = epoch_end
                 if eval_interval:
                     stop = min(epoch_end, (s.iteration // eval_interval + 1) * eval_interval)
-                if trainer.train(train_it, valid_it, stop, handler):
+                if trainer.train(train_it, valid_it, self.epochs * self.per_epoch, handler,
+                                 stop_at=stop):
                     return True
                 if stop < epoch_end:
                     self._evaluate(epoch, at_epoch_end=False)

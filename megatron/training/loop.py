@@ -264,24 +264,27 @@ class Trainer:
         self.timers("save-checkpoint").stop(barrier=True)
         s.last_saved_iteration = s.iteration
 
-    def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None) -> bool:
-        """Train until ``train_iters``; returns True if an exit condition stopped it early."""
+    def train(self, train_iterator, valid_iterator, train_iters: int, signal_handler=None,
+              stop_at: int | None = None) -> bool:
+        """Train until ``train_iters`` (or until ``stop_at``, for a run trained in stretches
+        such as finetuning's epochs: the log line still counts to ``train_iters``); returns True
+        if an exit condition stopped it early."""
         for chunk in self.model:
             chunk.train()
         self.timers("interval-time", log_level=0).start(barrier=True)
         try:
             with fault.hang_watch():  # --watchdog-timeout-seconds: stuck outside collectives
                 return self._train_loop(train_iterator, valid_iterator, train_iters,
-                                        signal_handler)
+                                        signal_handler, stop_at or train_iters)
         finally:
             interval = self.timers("interval-time")
             if interval.started:
                 interval.stop()
 
     def _train_loop(self, train_iterator, valid_iterator, train_iters: int,
-                    signal_handler) -> bool:
+                    signal_handler, stop_at: int) -> bool:
         cfg, s = self.cfg, self.state
-        while s.iteration < train_iters:
+        while s.iteration < stop_at:
             self.microbatches.update(s.consumed_train_samples)
             losses, skipped, grad_norm, num_zeros = train_step(
                 self.forward_step_func, train_iterator, self.model, self.optimizer,
