@@ -2,7 +2,7 @@
 transformers' ``BertForQuestionAnswering`` of the same shape, in the same run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_squad.py [--quick] [--precisions fp32,bf16]
-        [--micro-batch 4] [--tp 1] [--no-hf] [--force-bf16] [--untuned-baseline-malloc]
+        [--micro-batch 4] [--tp 1] [--rounds 3] [--no-hf] [--force-bf16] [--untuned-baseline-malloc]
 
 Shape: BERT-base (12 layers, hidden 768, 12 heads, FFN 3072), vocabulary 30592
 (bert-base-uncased + [BOS]/[EOS], padded to 128), seq 384 (the recipe's max_seq_length),
@@ -19,6 +19,10 @@ gives exactly one feature of 384 tokens on both sides.
   ``OMP_NUM_THREADS=2`` (TP=1), or torchrun with TP=2 at one thread per rank; bf16 = ``--bf16``.
   The figure is the median of the logged "elapsed time per iteration" after the warm-up steps.
 
+``--rounds`` (3) rounds alternate HF's steps and a run of ours, so that a change in the machine's
+load (20-25% between runs here) touches both alike; the table gives the medians over the rounds
+and the median of the per-round ratios.
+
 bf16: on a CPU without native bf16 GEMMs (AVX2 only: no AVX-512 bf16 / AMX) torch emulates
 them, ~100x slower than fp32; such a figure says nothing about the models, so bf16 is skipped
 there unless ``--force-bf16``. Run it on an idle machine (``uptime`` first; the load average is
@@ -32,6 +36,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 
@@ -78,8 +83,9 @@ def hf_model():
     return transformers.BertForQuestionAnswering(config)
 
 
-def bench_hf(mb: int, bf16: bool, warmup: int, steps: int) -> float:
-    """Median seconds per training step of HF's BertForQuestionAnswering."""
+def hf_stepper(mb: int, bf16: bool):
+    """One training step of HF's BertForQuestionAnswering per call (model and AdamW built once,
+    so that later rounds reuse them)."""
     torch.manual_seed(0)
     model = hf_model()
     model.train()
@@ -100,10 +106,7 @@ def bench_hf(mb: int, bf16: bool, warmup: int, steps: int) -> float:
         opt.zero_grad(set_to_none=True)
         loss.item()
 
-    sec = bench_train._timed(step, warmup, steps)
-    del model, opt
-    gc.collect()
-    return sec
+    return step
 
 
 def ours_command(data: str, mb: int, bf16: bool, tp: int, extra: list[str]) -> list[str]:
@@ -138,6 +141,8 @@ def main() -> None:
     parser.add_argument("--tp", default="1", help="TP sizes of our runs")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of HF and ours (medians over them)")
     parser.add_argument("--quick", action="store_true",
                         help="1 warm-up and 1 timed step of micro-batch 1, fp32 only unless "
                              "--precisions is given (a smoke run, not a measurement)")
@@ -155,7 +160,7 @@ def main() -> None:
     precisions = args.precisions.split(",")
     mb, warmup, steps = args.micro_batch, args.warmup, args.steps
     if args.quick:
-        mb, warmup, steps = 1, 1, 1
+        mb, warmup, steps, args.rounds = 1, 1, 1, 1
         if args.precisions == "fp32,bf16":
             precisions = ["fp32"]
     tps = [int(t) for t in args.tp.split(",")]
@@ -176,16 +181,36 @@ def main() -> None:
         write_full_length_squad(data, (warmup + steps) * mb)
         for prec in precisions:
             bf16 = prec == "bf16"
-            hf = None if args.no_hf else mb / bench_hf(mb, bf16, warmup, steps)
+            hf_step = None if args.no_hf else hf_stepper(mb, bf16)
             for tp in tps:
-                ours = mb / bench_ours(data, mb, bf16, tp, warmup, steps, args.ours_args.split())
-                rows.append((SEQ, mb, prec, tp, ours, hf, ours / hf if hf else None))
+                rows.append(_alternate(hf_step, data, mb, bf16, tp, warmup, steps, args))
                 print(_fmt(rows[-1]), flush=True)
+            del hf_step
+            gc.collect()
     print(f"# load at end: {bench_train.load()}")
     print("\n| seq | mb | precision | TP | ours examples/s | HF examples/s | ours/HF |\n"
           "|---|---|---|---|---|---|---|")
     for row in rows:
         print(_fmt(row))
+
+
+def _alternate(hf_step, data: str, mb: int, bf16: bool, tp: int, warmup: int, steps: int,
+               args) -> tuple:
+    """``--rounds`` rounds of HF's steps (in this process) then ours (a fresh run of
+    tasks/main.py), back to back, so that a change in the machine's load touches both alike:
+    the examples/s are medians over the rounds and the ratio is the median per-round ratio."""
+    ours, hf, ratios = [], [], []
+    for i in range(args.rounds):
+        if hf_step is not None:  # HF warms up in the first round only: its model is reused
+            hf.append(mb / bench_train._timed(hf_step, warmup if i == 0 else 0, steps))
+        ours.append(mb / bench_ours(data, mb, bf16, tp, warmup, steps, args.ours_args.split()))
+        if hf_step is not None:
+            ratios.append(ours[-1] / hf[-1])
+            print(f"# round {i + 1}: ours {ours[-1]:.3f}, HF {hf[-1]:.3f} examples/s "
+                  f"({ratios[-1]:.3f}x)", flush=True)
+    median = statistics.median
+    return (SEQ, mb, "bf16" if bf16 else "fp32", tp, median(ours),
+            median(hf) if hf else None, median(ratios) if ratios else None)
 
 
 def _fmt(row) -> str:
