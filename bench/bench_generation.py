@@ -119,6 +119,21 @@ def hf_state_dict(model: GPTModel, shape: Shape) -> dict[str, torch.Tensor]:
     return out
 
 
+def decode_weight_bytes(model: GPTModel) -> int:
+    """Bytes of weights one decode step reads: every parameter but the position embeddings
+    (one row each; the word embeddings are read whole as the output layer)."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if "position_embeddings" not in name)
+
+
+def read_bandwidth_gbs(mib: int = 512) -> float:
+    """This machine's memory read bandwidth (GB/s) with torch's threads: ``sum`` over a
+    buffer far larger than the caches (a read-only stream, as a GEMV's weights are), best of 5."""
+    data = torch.ones(mib * 2**20 // 4)
+    best = min(_timed(data.sum)[0] for _ in range(5))
+    return data.numel() * 4 / best / 1e9
+
+
 def _timed(fn) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one call."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -144,6 +159,7 @@ def _interleaved(contenders: dict, repeats: int) -> dict[str, tuple[list[float],
 def bench_generation(shape: Shape, repeats: int) -> list[dict]:
     model = build_model(shape)
     hf = to_hf(model, shape)
+    weight_bytes = decode_weight_bytes(model)
     rows = []
     for batch in (1, 8):
         gen = torch.Generator().manual_seed(batch)
@@ -171,6 +187,9 @@ def bench_generation(shape: Shape, repeats: int) -> list[dict]:
         row = {"batch": batch, "new tokens": n}
         for name, (walls, _) in times.items():
             row[name] = batch * n / statistics.median(walls)
+        if batch == 1:  # each decoded token reads every weight once: a memory-bound GEMV chain
+            for name, (walls, _) in times.items():
+                row[f"{name}: weights GB/s"] = weight_bytes * n / statistics.median(walls) / 1e9
         row["ours, no cache"] = batch * n / no_cache
         if hf is not None:
             (ours_wall, ours_cpu), (hf_wall, hf_cpu) = times["ours, KV cache"], \
@@ -269,11 +288,12 @@ def _load(url: str, body: dict, clients: int, seconds: float, pid: int) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(key for row in rows for key in row))  # every row's, in order
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
+        values = [row.get(key, "-") for key in keys]
         cells = [(f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}") if isinstance(v, float) else str(v)
-                 for v in row.values()]
+                 for v in values]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -292,6 +312,9 @@ def main() -> None:
           f"shape: {shape}")
     parts = args.parts.split(",")
     if "gen" in parts:
+        print(f"\nmemory read bandwidth (sum over 512 MiB): {read_bandwidth_gbs():.1f} GB/s; "
+              "batch 1 decoding reads every weight once per token, so its tokens/s is bounded "
+              "by that bandwidth / the weights' bytes")
         print("\ngeneration tokens/s (greedy, fp32):")
         print(_table(bench_generation(shape, 1 if args.quick else args.repeats)))
     if "server" in parts:
