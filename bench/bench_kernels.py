@@ -1,21 +1,25 @@
 """CPU fused kernels against PyTorch eager and torch.compile of the same eager code, same run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_kernels.py [--seqs 512,1024] [--dtypes fp32,bf16]
-        [--threads 2] [--reps 10] [--no-compile] [--kernels softmax,layer_norm,cross_entropy]
+        [--threads 2] [--reps 10] [--no-compile]
+        [--kernels softmax,layer_norm,cross_entropy,bias_gelu]
         [--untuned-malloc] [--ce-seqs 512]
 
 GPT-2-small shapes: batch 4, 12 heads, sequence 512 and 1024 (scores ``[4, 12, s, s]``); layer
 norm over 768 on ``[s, 4, 768]``; cross entropy over the 50304-word vocabulary on ``[s, 4]``
-tokens. Each row times forward + backward of the variants below, interleaved (one call of each
-per round, ``--reps`` rounds after two warm-up rounds, the median per variant), so that a load
-change on the machine hits every variant alike. glibc's allocator gets the tuning
+tokens; bias + tanh GeLU on the MLP's ``[s, 4, 3072]`` with a ``[3072]`` bias. Each row times
+forward + backward of the variants below, interleaved (one call of each per round, ``--reps``
+rounds after two warm-up rounds, the median per variant), so that a load change on the machine
+hits every variant alike. glibc's allocator gets the tuning
 ``pretrain_gpt.py`` applies on CPU (``--untuned-malloc`` leaves it), so that neither side pays
 page faults for its fresh outputs every call, as in training:
 
 * ``fused``: ``megatron.core.fusions`` (the C++ extension ``megatron.fused_kernels._cpu``);
 * ``eager``: the PyTorch path the model runs without the fusion (causal: ``masked_fill`` with the
   materialised ``[s, s]`` mask, then ``softmax``; masked: the same with a ``[4, 1, s, s]`` padding
-  mask; plain: ``softmax(x * scale)``; layer norm: ``F.layer_norm``); half precision upcasts to
+  mask; plain: ``softmax(x * scale)``; layer norm: ``F.layer_norm``; bias-GeLU:
+  ``F.gelu(y + b, approximate="tanh")``, what the TorchScript fallback of ``--bias-gelu-fusion``
+  also runs on CPU); half precision upcasts to
   fp32 for the softmax as ``--attention-softmax-in-fp32`` does, so both sides compute in fp32;
 * ``compile``: ``torch.compile`` of the eager function (inductor's generated C++; skipped with
   ``--no-compile`` or when it fails here).
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 
 from megatron.core.device import tune_host_allocator
 from megatron.core.fusions import fused_softmax, kernels
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
 from megatron.core.fusions.fused_layer_norm import fused_layer_norm
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -130,6 +135,36 @@ def cross_entropy_case(s: int, dtype: torch.dtype, vocab: int = 50304):
     return (f"cross_entropy (V {vocab})", [x], fused, eager)
 
 
+def bias_gelu_cases(s: int, dtype: torch.dtype):
+    """The MLP's bias + GeLU; a second row sums the bias gradient with autograd's ``.sum``
+    after the kernel instead of inside it (the choice fused_bias_gelu.py made, measured)."""
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(s, 4, 3072, generator=gen).to(dtype).requires_grad_(True)
+    b = torch.randn(3072, generator=gen).to(dtype).requires_grad_(True)
+
+    def eager(y_, b_):
+        return F.gelu(y_ + b_, approximate="tanh")
+
+    return [("bias_gelu (f 3072)", [y, b], bias_gelu, eager),
+            ("bias_gelu, grad_bias by .sum", [y, b], _BiasGeLUSumAfter.apply, eager)]
+
+
+class _BiasGeLUSumAfter(torch.autograd.Function):
+    """The kernel without its in-loop bias-gradient sum; autograd reduces grad_y afterwards."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, b)
+        return kernels.extension("cpu").bias_gelu_forward(y, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, b = ctx.saved_tensors
+        grad_y, _ = kernels.extension("cpu").bias_gelu_backward(grad.contiguous(), y, b,
+                                                                sum_bias=False)
+        return grad_y, grad_y.sum(tuple(range(grad_y.dim() - 1)))
+
+
 def bench_case(name, inputs, fused, eager, reps, use_compile, label) -> list[str]:
     grad = torch.randn_like(fused(*inputs))
     fns = {"fused": fused, "eager": eager}
@@ -160,7 +195,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--kernels", default="softmax,layer_norm,cross_entropy")
+    parser.add_argument("--kernels", default="softmax,layer_norm,cross_entropy,bias_gelu")
     # The loss at GPT-2-small's training shape (mb 4 x seq 512 = 2048 tokens) only by default:
     # at s = 1024 the fp32 logits and their gradients alone take 3.3 GB on each side.
     parser.add_argument("--ce-seqs", default="512")
@@ -184,7 +219,8 @@ def main() -> None:
             cases = (softmax_cases(s, dtype) if "softmax" in wanted else []) + \
                 ([layer_norm_case(s, dtype)] if "layer_norm" in wanted else []) + \
                 ([cross_entropy_case(s, dtype)] if "cross_entropy" in wanted and
-                 str(s) in args.ce_seqs.split(",") else [])
+                 str(s) in args.ce_seqs.split(",") else []) + \
+                (bias_gelu_cases(s, dtype) if "bias_gelu" in wanted else [])
             for name, inputs, fused, eager in cases:
                 label = f"s={s}, {dname}"
                 for line in bench_case(name, inputs, fused, eager, args.reps,

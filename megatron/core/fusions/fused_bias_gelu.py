@@ -1,27 +1,43 @@
 """Megatron-LM's fused bias + GeLU (``--bias-gelu-fusion``, on by default).
 
-The tanh-approximated GeLU of ``y + bias``, as Megatron's ``bias_gelu_impl``: TorchScript
-functions inside an autograd Function, so that TorchScript's fuser can merge the add with the
-GeLU (forward) and the GeLU gradient with its input (backward) where it fuses (CUDA). Torch
-keeps its CPU fuser off, so on CPU the same aten ops run one after the other.
+The tanh-approximated GeLU of ``y + bias`` and its gradient, as Megatron's ``bias_gelu_impl``,
+by one of two implementations of the same autograd contract:
 
-Megatron's Function saves ``y`` and the bias and recomputes the sum in the backward; here the
-sum is saved instead (what eager autograd saves for ``gelu`` anyway, same memory), because
-on CPU, with nothing fused, the recomputation would be one more pass over ``[s, b, f]``.
+* CPU tensors, with the C++ extension built (``megatron.fused_kernels._cpu``, loaded through
+  :mod:`megatron.core.fusions.kernels`): one pass over ``y`` computes ``y + bias`` and the GeLU
+  in fp32 (fp32, bf16 or fp16 storage); as Megatron's Function it saves ``y`` and the bias, and
+  the backward recomputes the sum in the same pass that computes ``grad_y`` and sums it over the
+  rows into the bias gradient (fp32 partial sums per fixed chunk of rows, added in a fixed
+  order: the same bits run to run and for any thread count).
+* Otherwise (CUDA, where TorchScript's fuser merges the ops; or a CPU without the extension):
+  TorchScript functions inside an autograd Function. On CPU, where torch keeps that fuser off,
+  the same aten ops then run one after the other, and the sum is saved instead of ``y`` (what
+  eager autograd saves for ``gelu``, same memory) so that the backward does not add a pass.
 
-Numerics: exactly ``F.gelu(y + bias, approximate="tanh")`` and its autograd gradient (the same
-aten ops), i.e. what the unfused path computes when the tanh form is selected
-(``TransformerConfig.gelu_tanh_approximation``), so switching the fusion off with
-``--openai-gelu`` kept gives the same values; ``--no-bias-gelu-fusion`` alone selects the exact
-erf GeLU, as in Megatron-LM 23.06.
+Numerics: the TorchScript path is exactly ``F.gelu(y + bias, approximate="tanh")`` and its
+autograd gradient. The C++ kernel computes the same function as ``x * sigmoid(2u)``
+(``= 0.5 x (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``) with a polynomial exp: within
+~1e-6 (relative, or absolute near 0) of ATen's fp32 values, about as close to the float64
+function as they are (closer for the gradient, which avoids ``1 - tanh^2``), not bitwise equal.
+Below x = -9.7 it gives -0 and a zero gradient, as ATen does (whose fp32 ``tanh(u)`` is already
+-1 from x = -5.1, where the true values are below 2e-7); infinities and NaN give what ATen gives. In
+bf16/fp16 the sum ``y + bias`` is not rounded to the storage dtype before the GeLU (eager rounds
+it), so results may differ from eager by an ulp. The unfused path (``--openai-gelu`` kept, or
+``TransformerConfig.gelu_tanh_approximation``) computes ATen's values; ``--no-bias-gelu-fusion``
+alone selects the exact erf GeLU, as in Megatron-LM 23.06.
 """
 
 from __future__ import annotations
 
 import warnings
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from megatron.core.fusions import kernels
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # torch 2.13 deprecates torch.jit.script in favour of torch.compile, which would compile C++
@@ -40,6 +56,7 @@ with warnings.catch_warnings():
 
 
 class _BiasGeLU(torch.autograd.Function):
+    """The TorchScript implementation (CUDA, or CPU without the extension)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -55,6 +72,36 @@ class _BiasGeLU(torch.autograd.Function):
         return grad_y, grad_y
 
 
+class _BiasGeLUKernel(torch.autograd.Function):
+    """The C++ kernel: saves ``y`` and the bias, returns the bias gradient already summed."""
+
+    @staticmethod
+    def forward(ctx, ext: ModuleType, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        y = y.contiguous()
+        ctx.ext = ext
+        ctx.save_for_backward(y, bias)
+        return ext.bias_gelu_forward(y, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, bias = ctx.saved_tensors
+        grad_y, grad_bias = ctx.ext.bias_gelu_backward(grad.contiguous(), y, bias)
+        return None, grad_y, grad_bias
+
+
+def _cpu_kernel(y: torch.Tensor, bias: torch.Tensor) -> ModuleType | None:
+    """The CPU extension when it covers these inputs, else ``None``."""
+    if (y.device.type != "cpu" or y.dtype not in _KERNEL_DTYPES or bias.dtype != y.dtype
+            or bias.dim() != 1 or y.dim() < 1 or bias.shape[0] != y.shape[-1]):
+        return None
+    ext = kernels.extension("cpu")
+    # An extension built before this kernel existed still serves the other fusions.
+    return ext if ext is not None and hasattr(ext, "bias_gelu_forward") else None
+
+
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(y + bias)`` with ``bias`` ``[f]`` broadcast over ``y`` ``[..., f]``."""
+    ext = _cpu_kernel(y, bias)
+    if ext is not None:
+        return _BiasGeLUKernel.apply(ext, y, bias)
     return _BiasGeLU.apply(y, bias)

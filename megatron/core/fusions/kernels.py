@@ -38,7 +38,8 @@ def _import(device_type: str) -> ModuleType | None:
         module = importlib.import_module(name)
     except ImportError as exc:  # not built (isolated build, no toolchain) or a broken binary
         log_rank_0(f"> fused kernels: {name} unavailable ({type(exc).__name__}: {exc}); using "
-                   "the PyTorch implementations of the masked softmax and layer norm. Build it "
+                   "the PyTorch implementations of the masked softmax, layer norm, cross entropy and "
+                   "bias-GeLU. Build it "
                    "with `pip install --no-build-isolation -e .` (scripts/bootstrap.sh does).")
         return None
     log_rank_0(f"> fused kernels: using {name}")

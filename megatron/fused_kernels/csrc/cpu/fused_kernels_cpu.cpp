@@ -1,5 +1,6 @@
-// CPU implementations of Megatron-LM's fused kernels, bound to Python with pybind11 through
-// torch's extension API (module megatron.fused_kernels._cpu).
+// CPU implementations of Megatron-LM's fused kernels (and of the bias + GeLU it fuses with
+// TorchScript), bound to Python with pybind11 through torch's extension API (module
+// megatron.fused_kernels._cpu).
 //
 // Every kernel reads fp32/fp16/bf16, computes and accumulates in fp32, and writes the input's
 // dtype. Rows are spread over torch's intra-op thread pool (OpenMP in the CPU wheels) with
@@ -355,6 +356,83 @@ at::Tensor cross_entropy_backward(at::Tensor logits, const at::Tensor& max_,
   return grad;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Bias + tanh GeLU (Megatron's bias_gelu; the CUDA side keeps TorchScript, which fuses there)
+// ---------------------------------------------------------------------------------------------
+
+// Rows of y's [rows, f] view that one bias-gradient partial sum covers at most: the partials are
+// kept per chunk of rows and added in chunk order, and the chunking depends on the shape only,
+// so grad_bias is the same bits run to run and for any number of threads.
+constexpr int64_t kBiasGradChunks = 64;
+
+// y [..., f] (fp32/fp16/bf16, made contiguous) and bias [f] (y's dtype); returns y's rows count.
+int64_t check_bias_gelu_input(const at::Tensor& y, const at::Tensor& bias, const char* name) {
+  TORCH_CHECK(y.device().is_cpu() && bias.device().is_cpu(), name, ": expected CPU tensors");
+  TORCH_CHECK(y.dim() >= 1 && bias.dim() == 1 && bias.size(0) == y.size(-1), name,
+              ": expected y [..., f] and bias [f], got ", y.sizes(), " and ", bias.sizes());
+  TORCH_CHECK(bias.scalar_type() == y.scalar_type(), name, ": y and bias must share one dtype");
+  return y.numel() / std::max<int64_t>(y.size(-1), 1);
+}
+
+// gelu_tanh(y + bias), y's dtype; nothing is saved (the backward recomputes y + bias).
+at::Tensor bias_gelu_forward(const at::Tensor& y_, const at::Tensor& bias) {
+  const int64_t rows = check_bias_gelu_input(y_, bias, "bias_gelu_forward");
+  const at::Tensor y = y_.contiguous();
+  const int64_t f = y.size(-1);
+  at::Tensor out = at::empty_like(y);
+  const std::vector<float> b = to_float_vector(bias);
+  dispatch_codec(y.scalar_type(), "bias_gelu_forward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* in = data<C>(y);
+    auto* o = data<C>(out);
+    at::parallel_for(0, rows, grain_for(f), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        megatron_cpu::bias_gelu_forward_row<C>(in + r * f, b.data(), f, o + r * f);
+      }
+    });
+  });
+  return out;
+}
+
+// (grad_y, grad_bias): grad * gelu_tanh'(y + bias), and its sum over the rows (fp32 partial sums
+// per chunk of rows, added in chunk order, rounded once to the bias's dtype). With `sum_bias`
+// false grad_bias is an undefined tensor (bench/bench_kernels.py compares the two ways).
+std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Tensor& y_,
+                                           const at::Tensor& bias, bool sum_bias) {
+  const int64_t rows = check_bias_gelu_input(y_, bias, "bias_gelu_backward");
+  TORCH_CHECK(grad_.sizes() == y_.sizes() && grad_.scalar_type() == y_.scalar_type(),
+              "bias_gelu_backward: grad must have y's shape and dtype");
+  const at::Tensor grad = grad_.contiguous(), y = y_.contiguous();
+  const int64_t f = y.size(-1);
+  const int64_t chunks = std::max<int64_t>(1, std::min(rows, kBiasGradChunks));
+  at::Tensor grad_y = at::empty_like(y);
+  at::Tensor partial = at::zeros({sum_bias ? chunks : 0, f}, y.options().dtype(at::kFloat));
+  float* partial_data = partial.data_ptr<float>();
+  const std::vector<float> b = to_float_vector(bias);
+  dispatch_codec(y.scalar_type(), "bias_gelu_backward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* dy = data<C>(grad);
+    const auto* in = data<C>(y);
+    auto* dx = data<C>(grad_y);
+    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+        const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
+        for (int64_t r = row_begin; r < row_end; ++r) {
+          if (sum_bias) {
+            megatron_cpu::bias_gelu_backward_row<C, true>(dy + r * f, in + r * f, b.data(), f,
+                                                          dx + r * f, partial_data + c * f);
+          } else {
+            megatron_cpu::bias_gelu_backward_row<C, false>(dy + r * f, in + r * f, b.data(), f,
+                                                           dx + r * f, nullptr);
+          }
+        }
+      }
+    });
+  });
+  if (!sum_bias) return {grad_y, at::Tensor()};
+  return {grad_y, partial.sum(0).to(bias.scalar_type())};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -375,4 +453,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per row of logits [..., V/p]: (max, sum exp(l - max), sum l), one read");
   m.def("cross_entropy_backward", &cross_entropy_backward,
         "(softmax - on_target * onehot - uniform) * grad_loss from the row statistics");
+  m.def("bias_gelu_forward", &bias_gelu_forward,
+        "gelu_tanh(y + bias), y [..., f], bias [f]; nothing saved (backward recomputes y + bias)");
+  m.def("bias_gelu_backward", &bias_gelu_backward, "bias + tanh-GeLU backward -> (grad_y, "
+        "grad_bias summed over the rows in a fixed order, or undefined without sum_bias)",
+        py::arg("grad"), py::arg("y"), py::arg("bias"), py::arg("sum_bias") = true);
 }

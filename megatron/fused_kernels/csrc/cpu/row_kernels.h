@@ -1,4 +1,5 @@
-// Per-row CPU kernels of the fused softmax, layer norm and cross entropy, on plain pointers.
+// Per-row CPU kernels of the fused softmax, layer norm, cross entropy and bias + GeLU, on plain
+// pointers.
 //
 // Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch and
 // instantiates them for float, bf16 and fp16), so the vectoriser's report can be read on a file
@@ -262,6 +263,60 @@ void cross_entropy_row_grad(const typename C::storage* logits, int64_t n, float 
   for (int64_t i = 0; i < n; ++i) {
     const float p = fast_exp(C::to_float(logits[i]) - max_value) * inv_sum_exp;
     out[i] = C::from_float((p - uniform) * g);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias + tanh GeLU (Megatron's bias_gelu)
+// ---------------------------------------------------------------------------------------------
+
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi), Megatron's 0.79788456
+constexpr float kGeluKappa = 0.044715f;
+// Where exp(-2u) > e^80 the gate is below 2e-35: it is flushed to 0, as ATen's tanh(u) is
+// exactly -1 there, so that x * gate stays clear of subnormals (slow) and large negative x give
+// -0 and a zero gradient, x = -inf NaN, as ATen does.
+constexpr float kGeluFlushExponent = 80.0f;
+
+// The tanh GeLU is 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = beta (x + kappa x^3): one fast_exp
+// and one division instead of a libm tanh (a call, which would keep the loops scalar).
+// `minus_two_u` = -2u, `e` = exp(-2u); x^3 overflowing to +-inf gives gate 1 or 0, the limits.
+inline float gelu_tanh_gate(float minus_two_u, float e) {
+  const float gate = 1.0f / (1.0f + e);
+  return minus_two_u < kGeluFlushExponent ? gate : 0.0f;  // NaN compares false: x carries it
+}
+
+// out = gelu_tanh(y + bias) over one row of n; `bias`: n fp32 values.
+template <typename C>
+void bias_gelu_forward_row(const typename C::storage* y, const float* bias, int64_t n,
+                           typename C::storage* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = C::to_float(y[i]) + bias[i];
+    const float minus_two_u = -2.0f * kGeluBeta * (x + kGeluKappa * x * x * x);
+    out[i] = C::from_float(x * gelu_tanh_gate(minus_two_u, fast_exp(minus_two_u)));
+  }
+}
+
+// grad_y = grad * gelu_tanh'(y + bias) over one row, the sum y + bias recomputed (Megatron saves y
+// and the bias, not the sum); grad_bias[i] += grad_y[i] in fp32 (before rounding to storage).
+// d/dx x s(2u) = s + x s (1 - s) 2 beta (1 + 3 kappa x^2), with s (1 - s) = e s^2 (e = exp(-2u)):
+// 1 - s would cancel digits where s is near 1. Where s is exactly 0 or 1 (e finite: fast_exp
+// clamps) the second term is 0 for finite x^2, and NaN where x^2 overflows, as in ATen.
+template <typename C, bool kSumBias = true>
+void bias_gelu_backward_row(const typename C::storage* grad, const typename C::storage* y,
+                            const float* bias, int64_t n, typename C::storage* grad_y,
+                            float* grad_bias) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = C::to_float(y[i]) + bias[i];
+    const float x_sq = x * x;
+    const float minus_two_u = -2.0f * kGeluBeta * (x + kGeluKappa * x_sq * x);
+    const float e = fast_exp(minus_two_u);
+    const float s = gelu_tanh_gate(minus_two_u, e);
+    const float slope = 2.0f * kGeluBeta * (1.0f + 3.0f * kGeluKappa * x_sq);
+    const float g = C::to_float(grad[i]) * (s + x * (e * s * s) * slope);
+    grad_y[i] = C::from_float(g);
+    if (kSumBias) grad_bias[i] += g;
   }
 }
 

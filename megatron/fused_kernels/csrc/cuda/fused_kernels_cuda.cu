@@ -1,5 +1,6 @@
 // Torch bindings of the CUDA kernels in fused_kernels.cuh (module megatron.fused_kernels._cuda).
-// Same functions, arguments and results as the CPU module (csrc/cpu/fused_kernels_cpu.cpp).
+// The softmax and layer-norm functions of the CPU module (csrc/cpu/fused_kernels_cpu.cpp), with the
+// same arguments and results; the cross entropy and bias-GeLU run as PyTorch / TorchScript ops on CUDA.
 
 #include <torch/extension.h>
 
