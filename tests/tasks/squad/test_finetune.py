@@ -1,5 +1,5 @@
 """--task SQUAD through tasks.finetune_utils.finetune on pooled gloo worlds: a tiny BERT learns
-a synthetic SQuAD 2.0 task far above chance; TP=2 gives the TP=1 losses; the saved checkpoint,
+a synthetic SQuAD 2.0 task far above chance; TP=2 and PP=2 give the TP=1 losses; the saved checkpoint,
 evaluated with --epochs 0, gives the same scores; predictions.json / null_odds.json written."""
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ def squad_argv(train: str, dev: str, vocab: str, *, tp: int = 1, epochs: int = 1
 
 
 def _finetune_runs(rank: int, world_size: int, runs: list[list[str]]) -> list[dict]:
-    """Every run in order on this rank: its per-iteration losses and evaluations."""
+    """Every run in order on this rank: its per-iteration losses (None on a pipeline stage
+    without the loss) and evaluations. A run whose argv has ``--pipeline-model-parallel-size``
+    starts its stages from the one-process model's weights (stage k draws from seed + 100 k)."""
     from megatron.core import parallel_state
-    from megatron.training import loop
+    from megatron.training import loop, pretrain
     from tasks.squad.finetune import run_squad
+    from tests.tasks.finetune.test_finetune import _single_process_init
     from tests.training.e2e import _StepRecorder
 
     del rank, world_size
@@ -42,18 +45,21 @@ def _finetune_runs(rank: int, world_size: int, runs: list[list[str]]) -> list[di
     for argv in runs:
         parallel_state.destroy_model_parallel()  # each run builds its own TP/DP groups
         history: list[dict] = []
-        original = loop.train_step
+        original, real_build = loop.train_step, pretrain.build_model
         loop.train_step = _StepRecorder(original, history)
+        if "--pipeline-model-parallel-size" in argv:
+            pretrain.build_model = _single_process_init(real_build)
         try:
             result = run_squad(argv)
         finally:
-            loop.train_step = original
-        out.append({"losses": [float(h["lm loss"]) for h in history],
+            loop.train_step, pretrain.build_model = original, real_build
+        out.append({"losses": [None if h.get("lm loss") is None else float(h["lm loss"])
+                               for h in history],
                     "metrics": [e.metrics for e in result.evaluations]})
     return out
 
 
-def test_tiny_bert_learns_squad_2_and_tp2_equals_tp1(tmp_path, shared_data):
+def test_tiny_bert_learns_squad_2_and_tp2_pp2_equal_tp1(tmp_path, shared_data):
     from tests.multiprocess import run_distributed
 
     vocab = str(shared_data / "tokenizers" / "bert-base-uncased-vocab.txt")
@@ -63,9 +69,11 @@ def test_tiny_bert_learns_squad_2_and_tp2_equals_tp1(tmp_path, shared_data):
     save = str(tmp_path / "ckpt")
     runs = [squad_argv(train, dev, vocab, extra=("--save", save, "--save-interval", "1000")),
             squad_argv(train, dev, vocab, tp=2),
-            squad_argv(train, dev, vocab, epochs=0, extra=("--load", save))]
-    dp2, tp2, evaluate_only = [per_rank[0] for per_rank in zip(*run_distributed(
-        2, _finetune_runs, runs, timeout=600))]
+            squad_argv(train, dev, vocab, epochs=0, extra=("--load", save)),
+            squad_argv(train, dev, vocab, extra=("--pipeline-model-parallel-size", "2"))]
+    per_rank = run_distributed(2, _finetune_runs, runs, timeout=600)
+    dp2, tp2, evaluate_only, _ = per_rank[0]
+    pp2_first, pp2_last = per_rank[0][3], per_rank[1][3]
     # The parallel layouts agree (fp32; dropout off).
     assert len(dp2["losses"]) == len(tp2["losses"]) == 20
     assert tp2["losses"] == pytest.approx(dp2["losses"], rel=1e-5, abs=1e-6)
@@ -74,6 +82,12 @@ def test_tiny_bert_learns_squad_2_and_tp2_equals_tp1(tmp_path, shared_data):
     assert scores["f1"] >= 75.0 and scores["dev HasAns_exact"] >= 70.0, scores
     assert dp2["losses"][-1] < 0.5 * dp2["losses"][0]
     assert tp2["metrics"][-1]["f1"] == pytest.approx(scores["f1"], abs=1e-6)
+    # PP=2 (one layer per stage): the last stage's losses are the one-process run's; the
+    # first stage has none; the scores reach both stages.
+    assert pp2_first["losses"] == [None] * 20
+    assert pp2_last["losses"] == pytest.approx(dp2["losses"], rel=1e-5, abs=1e-6)
+    for stage in (pp2_first, pp2_last):
+        assert stage["metrics"][-1] == pytest.approx(scores, abs=1e-6)
     # --epochs 0 on the saved checkpoint scores the same weights the same way.
     assert evaluate_only["metrics"] == [pytest.approx(scores)]
     written = tmp_path / "ckpt" / "squad_predictions" / "dev" / "epoch_1"
