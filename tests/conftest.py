@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,20 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("MEGATRON_SHARED", REPO.parent / "shared"))
 SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", SHARED / "data"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_take_sigint():
+    """Processes the tests start get SIGINT's default action even when the suite itself runs
+    as a background job of a non-interactive shell (``pytest ... &``, nohup), which starts it
+    with SIGINT ignored: an ignored signal stays ignored across exec, so the SIGINT tests'
+    trainers would keep running. A handled one is reset to the default at exec."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")
