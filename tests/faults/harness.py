@@ -156,6 +156,12 @@ class Job:
             except ProcessLookupError:
                 pass
 
+    def signal_rank_group(self, index: int, sig: int) -> None:
+        """``sig`` to one rank's process group (the rank and its loader workers) alone."""
+        pids = self.rank_pids()
+        assert pids, f"{self.name}: no rank processes\n{self.tail()}"
+        os.killpg(pids[index], sig)
+
     # Ending ------------------------------------------------------------------------------
     def wait(self, timeout: float = HANG_S) -> int:
         """The exit code; a job still running after ``timeout`` is killed (tree and all) and

@@ -4,19 +4,22 @@ Real ``torchrun`` jobs with ``--exit-signal-handler``; the signal arrives once i
 logged:
 
 * SIGTERM to torchrun (it forwards the signal to every rank's process group, as it does when a
-  scheduler stops it), and SIGTERM to the ranks' process groups directly (what ``scancel`` or a
-  preemption does to the job's processes): the ranks finish the iteration, save a checkpoint at
-  the iteration they reached, log ``exiting program after receiving SIGTERM`` and exit 0; the
-  tracker names that checkpoint, and a run resumed from it logs the same losses as the run that
-  never stopped.
+  scheduler stops it), and SIGTERM to one rank's process group directly, with 2 loader workers
+  (what a preemption of one node does: the workers get the signal too and must not take the
+  rank down before it saves; the other rank learns of it collectively): the ranks finish the
+  iteration, save a checkpoint at the iteration they reached, log ``exiting program after
+  receiving SIGTERM`` and exit 0; the tracker names that checkpoint, and a run resumed from it
+  logs the same losses as the run that never stopped.
 * SIGINT (Ctrl-C) to torchrun: as Megatron-LM, ``--exit-signal-handler`` acts on SIGTERM only;
   SIGINT interrupts at once (exit code 130, named in the log, no hang), and the last periodic
   checkpoint is intact, complete and still the tracker's target.
 
 * SIGTERM during the final save (the end of training): the save finishes, exit 0 (regression).
 
-``tests/training/test_resume.py`` covers SIGTERM to one rank of a TP=2 job launched without
-torchrun; ``tests/training/test_fail_fast.py`` SIGINT to a rank blocked in a collective.
+* ``pretrain_gpt.py`` under torchrun at PP=2 (the uninterrupted reference run): the iteration
+  lines (with the loss) come from the last stage only, once per iteration, and the run exits 0.
+
+``tests/training/test_fail_fast.py`` covers SIGINT to a rank blocked in a collective.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ ITERS = h.PP2_ITERS
 SAVE_INTERVAL = 2
 RESUMED = ("sigterm_torchrun",)  # the group case saves the same way: its checkpoint is checked
 FINAL = 5
+# Loader workers on: torchrun and SLURM signal a rank's whole process group, workers included,
+# and a killed worker must not take the rank down before it saves (a blocker once).
+LOADER_WORKERS = ("--num-workers", 2)
 
 
 def _final_save_flags(save):
@@ -45,10 +51,13 @@ def _final_save_flags(save):
 def signalled(tmp_path_factory, pp2_reference):
     root = tmp_path_factory.mktemp("signals")
     cases = {"sigterm_torchrun": lambda job: job.signal_launcher(signal.SIGTERM),
-             "sigterm_group": lambda job: job.signal_group(signal.SIGTERM),
+             # The last rank's group only (it logs the iteration lines): rank 0 learns it from
+             # the collective check of the signal.
+             "sigterm_group": lambda job: job.signal_rank_group(-1, signal.SIGTERM),
              "sigint_torchrun": lambda job: job.signal_launcher(signal.SIGINT)}
-    jobs = {name: h.launch("pretrain_gpt.py", h.pp2_flags(root / name), root / f"{name}.log",
-                           nproc=2) for name in cases}
+    extra = {"sigterm_group": LOADER_WORKERS}
+    jobs = {name: h.launch("pretrain_gpt.py", h.pp2_flags(root / name, *extra.get(name, ())),
+                           root / f"{name}.log", nproc=2) for name in cases}
     # The final-save case starts with the others (its start-up overlaps theirs).
     final_save, go = root / "final_save", root / "go"
     jobs["final_save"] = h.launch(
@@ -130,3 +139,13 @@ def test_sigterm_during_the_final_save_lets_it_finish(signalled):
     assert signalled["trackers"]["final_save"] == FINAL
     assert signalled["codes"]["final_save"] == 0, job.tail()
     assert h.temp_files(signalled["root"] / "final_save") == []
+
+
+def test_pretrain_gpt_under_torchrun_at_pp2_logs_from_the_last_stage(pp2_reference):
+    """``torchrun --nproc-per-node 2 pretrain_gpt.py ... --pipeline-model-parallel-size 2``
+    (the suite's uninterrupted reference job): exits 0, says its pipeline size, and logs each
+    iteration's line with the loss once, from the last stage."""
+    losses = pp2_reference.losses()  # asserts exit 0 and iterations 1..PP2_ITERS
+    text = pp2_reference.job.text()
+    assert "pipeline model parallel with size 2" in text, pp2_reference.job.tail()
+    assert text.count("lm loss:") == ITERS == len(losses), pp2_reference.job.tail()

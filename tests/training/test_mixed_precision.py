@@ -62,19 +62,20 @@ def test_training_continues_after_the_overflow(fp16_run):
     assert e2e.losses(ranks[1]) == losses  # the logged loss is the data-parallel mean
 
 
-BF16_ITERS = 30
+BF16_ITERS = 15
 
 
 def test_bf16_reaches_the_fp32_loss(gpt2_corpus):
-    """30 iterations (bf16 GEMMs are slow on CPUs without AVX512-BF16/AMX, hence the short
-    sequences), loss 10.8 -> ~8: bf16 tracks fp32 to 0.5% at every iteration and the end losses
-    agree to 0.05 (measured: 0.014% and 0.0003; fp32 main params and grads keep them close)."""
+    """15 iterations (bf16 GEMMs are slow on CPUs without AVX512-BF16/AMX, hence the short
+    sequences), loss 10.8 -> ~9.7: bf16 tracks fp32 to 0.5% at every iteration and the end
+    losses agree to 0.05 (measured: 0.012% and 0.0002; fp32 main params and grads keep them
+    close)."""
     shape = dict(iters=BF16_ITERS, seq=16, mbs=4, gbs=4, lr=3e-3)
     fp32, bf16 = (r[0] for r in e2e.pooled(1, [
         {"argv": e2e.gpt_argv(gpt2_corpus, **shape)},
         {"argv": e2e.gpt_argv(gpt2_corpus, **shape, extra=["--bf16"])}]))
     a, b = e2e.losses(fp32), e2e.losses(bf16)
-    assert a[-1] < a[0] - 1.0, f"fp32 did not train: {a}"
+    assert a[-1] < a[0] - 0.5, f"fp32 did not train: {a}"  # measured: 1.09 lower
     end_a, end_b = sum(a[-5:]) / 5, sum(b[-5:]) / 5  # single batches are noisy: last 5 mean
     assert abs(end_a - end_b) < 0.05, f"bf16 ends at {end_b:.4f}, fp32 at {end_a:.4f}"
     worst = max(abs(x - y) / x for x, y in zip(a, b))
