@@ -320,4 +320,43 @@ void bias_gelu_backward_row(const typename C::storage* grad, const typename C::s
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// One-row linear layer (batch-1 decoding): y = W x + b, W row-major [out, in]
+// ---------------------------------------------------------------------------------------------
+
+// y[r] = dot(W[r, :], x) + bias[r] for the rows [begin, end): a chain of such products reads
+// every weight once per token, so the loop is a pure stream over W. Four rows at a time keep
+// four independent sums in flight and let each load of x serve four rows. `bias` may be null.
+template <typename C>
+void linear_one_row_rows(const typename C::storage* w, const float* x, int64_t in,
+                         int64_t begin, int64_t end, const float* bias, float* y) {
+  int64_t r = begin;
+  for (; r + 4 <= end; r += 4) {
+    const typename C::storage* w0 = w + r * in;
+    const typename C::storage* w1 = w0 + in;
+    const typename C::storage* w2 = w1 + in;
+    const typename C::storage* w3 = w2 + in;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < in; ++i) {
+      const float xi = x[i];
+      a0 += C::to_float(w0[i]) * xi;
+      a1 += C::to_float(w1[i]) * xi;
+      a2 += C::to_float(w2[i]) * xi;
+      a3 += C::to_float(w3[i]) * xi;
+    }
+    y[r] = a0 + (bias ? bias[r] : 0.0f);
+    y[r + 1] = a1 + (bias ? bias[r + 1] : 0.0f);
+    y[r + 2] = a2 + (bias ? bias[r + 2] : 0.0f);
+    y[r + 3] = a3 + (bias ? bias[r + 3] : 0.0f);
+  }
+  for (; r < end; ++r) {
+    const typename C::storage* wr = w + r * in;
+    float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t i = 0; i < in; ++i) a += C::to_float(wr[i]) * x[i];
+    y[r] = a + (bias ? bias[r] : 0.0f);
+  }
+}
+
 }  // namespace megatron_cpu
