@@ -7,7 +7,6 @@ shapes decoding passes ([1, 1, in], [1, in], [in]); and the cases that must stay
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import pytest
@@ -23,13 +22,7 @@ EXTENSION = kernels.EXTENSIONS["cpu"]
 SIZES = [(8, 1), (16, 3), (33, 5), (64, 67), (29, 130), (768, 2304)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def extension_built():
-    try:
-        importlib.import_module(EXTENSION)
-    except ImportError as exc:  # the install step builds it: a missing one is a broken install
-        pytest.fail(f"{EXTENSION} is not built ({exc}); run scripts/bootstrap.sh")
-    kernels.reset()
+pytestmark = pytest.mark.usefixtures("cpu_extension_built")
 
 
 def _operands(in_features, out_features, dtype, seed=0):
