@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_train.py [--quick] [--shapes small|gpt2|all]
         [--precisions fp32,bf16] [--tp 1,2] [--no-hf] [--ours-args "--num-workers 0"]
-        [--tune-baseline-malloc]
+        [--tune-baseline-malloc] [--rounds 1]
 
 For every shape x precision it measures, one after the other in this process's run:
 
@@ -16,7 +16,10 @@ For every shape x precision it measures, one after the other in this process's r
 
 Same shapes everywhere (vocab 50304: ``--vocab-size 50303`` + the NullTokenizer's EOD pads to
 exactly 50304), dropout 0, AdamW (wd 0.01 on matrices), clip 1.0, one micro-batch per step.
-Warm-up steps are dropped; the figure is the median of the timed steps. MFU = 6 N tokens/s over the
+Warm-up steps are dropped; the figure is the median of the timed steps. ``--rounds R`` measures
+every side R times, one round after another (plain, HF, ours), and reports the medians and the
+median of the per-round ratios: on a machine whose speed drifts 20-25% between runs, sides
+measured minutes apart can differ by more than what is compared. MFU = 6 N tokens/s over the
 ``torch.mm`` peak measured here at 2 threads (fp32 peak for fp32, bf16 peak for bf16), N = the
 parameters without the position embeddings.
 """
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--tp", default="1,2", help="TP sizes of our runs")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed steps")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternating rounds of every side (medians, per-round ratios)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' GPT-2")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain baseline")
     parser.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
@@ -212,41 +217,64 @@ def main() -> None:
             # Fewer timed steps only: the second step still pays one-time costs (the optimizer
             # state allocated in step 1 grows the heap), so warm-up is never cut below 2.
             steps = max(2, steps - 2)
-        tokens = shape.mb * shape.seq
         for prec in precisions:
             bf16 = prec == "bf16"
-            n_params = None
-            plain = hf = None
-            if not args.no_plain:
-                sec, n_params = bench_plain(shape, bf16, warmup, steps)
-                plain = tokens / sec
-            if not args.no_hf:
-                sec = bench_hf(shape, bf16, warmup, steps)
-                hf = tokens / sec if sec else None
-            if n_params is None:
-                model = plain_gpt.GPT(plain_gpt.GPTConfig(shape.layers, shape.hidden,
-                                                          shape.heads, shape.seq, VOCAB))
-                n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+            model = plain_gpt.GPT(plain_gpt.GPTConfig(shape.layers, shape.hidden, shape.heads,
+                                                      shape.seq, VOCAB))
+            n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+            del model
+            measured = _alternate(shape, bf16, tps, warmup, steps, extra, args)
             for tp in tps:
-                ours = tokens / bench_ours(shape, bf16, tp, warmup, steps, extra)
-                mfu = 6 * n_params * ours / (peak[prec] * 1e9)
-                row = (shape.name, prec, tp, ours, plain, hf,
-                       ours / plain if plain else None, mfu,
-                       6 * n_params * plain / (peak[prec] * 1e9) if plain else None)
+                ours, plain, hf = (measured[k] for k in (("ours", tp), "plain", "hf"))
+                row = (shape.name, prec, tp, _median(ours), _median(plain), _median(hf),
+                       _median_ratio(ours, plain), _median_ratio(ours, hf),
+                       6 * n_params * _median(ours) / (peak[prec] * 1e9),
+                       6 * n_params * _median(plain) / (peak[prec] * 1e9) if plain else None)
                 rows.append(row)
                 print(_fmt(row), flush=True)
     print(f"# load at end: {load()}")
     print("\n| shape | precision | TP | ours tok/s | plain tok/s | HF tok/s | ours/plain | "
-          "MFU ours | MFU plain |\n|---|---|---|---|---|---|---|---|---|")
+          "ours/HF | MFU ours | MFU plain |\n|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_fmt(row))
 
 
+def _alternate(shape: Shape, bf16: bool, tps: list[int], warmup: int, steps: int,
+               extra: list[str], args) -> dict:
+    """Tokens/s of each side in each of ``--rounds`` rounds (plain, HF, ours at each TP, back
+    to back), so that a drift of the machine's speed touches every side alike."""
+    tokens = shape.mb * shape.seq
+    out: dict = {"plain": [], "hf": [], **{("ours", tp): [] for tp in tps}}
+    for i in range(args.rounds):
+        if not args.no_plain:
+            out["plain"].append(tokens / bench_plain(shape, bf16, warmup, steps)[0])
+        if not args.no_hf:
+            sec = bench_hf(shape, bf16, warmup, steps)
+            if sec:
+                out["hf"].append(tokens / sec)
+        for tp in tps:
+            out[("ours", tp)].append(tokens / bench_ours(shape, bf16, tp, warmup, steps, extra))
+        print(f"# round {i + 1}: " + ", ".join(
+            f"{k if isinstance(k, str) else f'ours TP={k[1]}'} {v[-1]:,.0f}"
+            for k, v in out.items() if v), flush=True)
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _median_ratio(ours: list[float], theirs: list[float]) -> float | None:
+    """The median of the per-round ratios (both measured in the same round)."""
+    return statistics.median(o / t for o, t in zip(ours, theirs)) if theirs else None
+
+
 def _fmt(row) -> str:
-    name, prec, tp, ours, plain, hf, ratio, mfu, mfu_plain = row
+    name, prec, tp, ours, plain, hf, ratio, ratio_hf, mfu, mfu_plain = row
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     return (f"| {name} | {prec} | {tp} | {ours:,.0f} | {f(plain, ',.0f')} | {f(hf, ',.0f')} | "
-            f"{f(ratio, '.2f')}x | {mfu:.0%} | {f(mfu_plain, '.0%')} |")
+            f"{f(ratio, '.2f')}{'x' if ratio else ''} | {f(ratio_hf, '.2f')}"
+            f"{'x' if ratio_hf else ''} | {mfu:.0%} | {f(mfu_plain, '.0%')} |")
 
 
 if __name__ == "__main__":
