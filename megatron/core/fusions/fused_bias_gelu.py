@@ -37,9 +37,6 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import kernels
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 # torch 2.13 deprecates torch.jit.script in favour of torch.compile, which would compile C++
 # at launch on CPU (what these kernels avoid); the scripted functions still work.
 with warnings.catch_warnings():
@@ -91,12 +88,9 @@ class _BiasGeLUKernel(torch.autograd.Function):
 
 def _cpu_kernel(y: torch.Tensor, bias: torch.Tensor) -> ModuleType | None:
     """The CPU extension when it covers these inputs, else ``None``."""
-    if (y.device.type != "cpu" or y.dtype not in _KERNEL_DTYPES or bias.dtype != y.dtype
-            or bias.dim() != 1 or y.dim() < 1 or bias.shape[0] != y.shape[-1]):
+    if bias.dim() != 1 or y.dim() < 1 or bias.shape[0] != y.shape[-1]:
         return None
-    ext = kernels.extension("cpu")
-    # An extension built before this kernel existed still serves the other fusions.
-    return ext if ext is not None and hasattr(ext, "bias_gelu_forward") else None
+    return kernels.cpu_kernel("bias_gelu_forward", y, bias)
 
 
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,10 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import kernels
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    if (torch.is_grad_enabled() or x.device.type != "cpu" or x.numel() != x.size(-1)
-            or weight.dim() != 2 or x.dtype not in _KERNEL_DTYPES or weight.dtype != x.dtype
-            or (bias is not None and bias.dtype != x.dtype)):
+    if torch.is_grad_enabled() or x.numel() != x.size(-1) or weight.dim() != 2:
         return None
-    ext = kernels.extension("cpu")
-    return ext if ext is not None and hasattr(ext, "linear_one_row") else None
+    return kernels.cpu_kernel("linear_one_row", x, weight, *(() if bias is None else (bias,)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -14,9 +14,13 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
+
 from megatron.core.log import log_rank_0
 
 EXTENSIONS = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernels._cuda"}
+# The storage dtypes every CPU kernel takes (computing in fp32).
+CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -26,6 +30,18 @@ def extension(device_type: str) -> ModuleType | None:
     if device_type not in _loaded:
         _loaded[device_type] = _import(device_type)
     return _loaded[device_type]
+
+
+def cpu_kernel(name: str, *tensors: torch.Tensor) -> ModuleType | None:
+    """The CPU extension when it exports ``name`` and every tensor is a CPU tensor of one dtype
+    of :data:`CPU_KERNEL_DTYPES`, else ``None``. An extension built before a kernel existed
+    still serves the others."""
+    dtypes = {t.dtype for t in tensors}
+    if (len(dtypes) != 1 or not dtypes <= set(CPU_KERNEL_DTYPES)
+            or any(t.device.type != "cpu" for t in tensors)):
+        return None
+    ext = extension("cpu")
+    return ext if ext is not None and hasattr(ext, name) else None
 
 
 def _import(device_type: str) -> ModuleType | None:

@@ -148,12 +148,10 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
 def fused_kernel_for(logits: torch.Tensor):
     """The extension whose cross-entropy kernels cover ``logits``, or ``None``."""
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.dim() < 1:
+    if logits.dim() < 1:
         return None
-    if logits.device.type != "cpu":  # the CUDA extension has no cross-entropy kernel
-        return None
-    ext = kernels.extension("cpu")
-    return ext if ext is not None and hasattr(ext, "cross_entropy_stats") else None
+    # CPU only: the CUDA extension has no cross-entropy kernel.
+    return kernels.cpu_kernel("cross_entropy_stats", logits)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
