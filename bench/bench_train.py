@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -62,7 +63,7 @@ SHAPES = {"small": Shape("small", 4, 256, 8, 256, 8, warmup=3, steps=5),
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
     """GFLOP/s of ``torch.mm`` on n x n matrices (best of ``reps``)."""
-    if dtype == torch.bfloat16 and not _native_bf16():
+    if dtype == torch.bfloat16 and not native_bf16():
         n, reps = 256, 2  # emulated bf16 is ~100x slower: measure a small one
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     for _ in range(2):
@@ -75,7 +76,7 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def _native_bf16() -> bool:
+def native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -95,8 +96,8 @@ def _timed(step, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def bench_plain(shape: Shape, bf16: bool, warmup: int, steps: int) -> tuple[float, int]:
-    """(seconds per step, N) of the plain GPT."""
+def plain_step(shape: Shape, bf16: bool) -> tuple[Callable[[], None], int]:
+    """(one training step of the plain GPT on fresh random tokens, N parameters)."""
     torch.manual_seed(0)
     cfg = plain_gpt.GPTConfig(shape.layers, shape.hidden, shape.heads, shape.seq, VOCAB)
     model = plain_gpt.GPT(cfg)
@@ -107,14 +108,11 @@ def bench_plain(shape: Shape, bf16: bool, warmup: int, steps: int) -> tuple[floa
         data = torch.randint(0, VOCAB, (shape.mb, shape.seq + 1))
         plain_gpt.train_step(model, opt, data[:, :-1], data[:, 1:], bf16)
 
-    sec = _timed(step, warmup, steps)
-    del model, opt
-    gc.collect()
-    return sec, n_params
+    return step, n_params
 
 
-def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float | None:
-    """Seconds per step of transformers' GPT2LMHeadModel, or None if not installed."""
+def hf_step(shape: Shape, bf16: bool) -> Callable[[], None] | None:
+    """One training step of transformers' GPT2LMHeadModel, or None if not installed."""
     try:
         import transformers
     except ImportError:
@@ -139,14 +137,32 @@ def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float | None:
         opt.zero_grad(set_to_none=True)
         loss.item()
 
+    return step
+
+
+def bench_plain(shape: Shape, bf16: bool, warmup: int, steps: int) -> tuple[float, int]:
+    """(seconds per step, N) of the plain GPT."""
+    step, n_params = plain_step(shape, bf16)
     sec = _timed(step, warmup, steps)
-    del model, opt
+    del step
+    gc.collect()
+    return sec, n_params
+
+
+def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float | None:
+    """Seconds per step of transformers' GPT2LMHeadModel, or None if not installed."""
+    step = hf_step(shape, bf16)
+    if step is None:
+        return None
+    sec = _timed(step, warmup, steps)
+    del step
     gc.collect()
     return sec
 
 
-def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]) -> list[str]:
-    args = ["pretrain_gpt.py", "--num-layers", str(shape.layers),
+def ours_flags(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]) -> list[str]:
+    """pretrain_gpt.py's flags for ``shape`` (mock data, the baselines' settings)."""
+    args = ["--num-layers", str(shape.layers),
             "--hidden-size", str(shape.hidden), "--num-attention-heads", str(shape.heads),
             "--seq-length", str(shape.seq), "--max-position-embeddings", str(shape.seq),
             "--micro-batch-size", str(shape.mb), "--global-batch-size", str(shape.mb),
@@ -156,7 +172,12 @@ def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]
             "--tensor-model-parallel-size", str(tp)]
     if bf16:
         args.append("--bf16")
-    return launch.entry_point_command([*args, *extra], tp)
+    return [*args, *extra]
+
+
+def ours_command(shape: Shape, bf16: bool, tp: int, iters: int, extra: list[str]) -> list[str]:
+    return launch.entry_point_command(
+        ["pretrain_gpt.py", *ours_flags(shape, bf16, tp, iters, extra)], tp)
 
 
 def bench_ours(shape: Shape, bf16: bool, tp: int, warmup: int, steps: int,
@@ -199,7 +220,7 @@ def main() -> None:
 
     print(f"# load at start (1/5/15 min): {load()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {_native_bf16()}",
+          f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16()}",
           flush=True)
     peak = {"fp32": gemm_peak(torch.float32), "bf16": gemm_peak(torch.bfloat16)}
     print(f"# torch.mm peak, 2 threads: fp32 {peak['fp32']:.0f} GFLOP/s, "

@@ -175,6 +175,26 @@ def test_layer_norm(ext, shape, dtype):
                                atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 1031], ids=lambda r: f"rows{r}")
+def test_layer_norm_backward_is_the_same_bits_for_any_thread_count(ext, rows):
+    """The weight and bias gradients are sums over rows: their chunking follows the row count
+    only, so 1, 2 and 3 threads give the same bits (and so do two runs)."""
+    gen = torch.Generator().manual_seed(rows)
+    x, grad = torch.randn(rows, 97, generator=gen), torch.randn(rows, 97, generator=gen)
+    w, b = 1 + 0.1 * torch.randn(97, generator=gen), torch.zeros(97)
+    _, mean, invvar = ext.layer_norm_forward(x, w, b, 1e-5)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 2):
+            torch.set_num_threads(threads)
+            results.append(ext.layer_norm_backward(grad, x, mean, invvar, w))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, o) for a, o in zip(results[0], other))
+
+
 def test_kernels_run_on_several_threads(ext):
     """Rows are split over torch's thread pool; the result must not depend on the split."""
     x = torch.randn(8, 4, 64, 64)

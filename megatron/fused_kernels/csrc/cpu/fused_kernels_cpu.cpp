@@ -58,6 +58,27 @@ int64_t grain_for(int64_t row_length) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_length, 1));
 }
 
+// Sums over rows (layer norm's weight and bias gradients, bias-GeLU's bias gradient) keep fp32
+// partial sums per chunk of rows and add them in chunk order. The chunking depends on the row
+// count only, never on the thread count, so the sums are the same bits run to run and for any
+// number of threads.
+constexpr int64_t kMaxRowChunks = 64;
+
+int64_t row_chunks(int64_t rows) {
+  return std::max<int64_t>(1, std::min(rows, kMaxRowChunks));
+}
+
+// fn(chunk, row_begin, row_end) for each of `chunks` consecutive row ranges, the chunks spread
+// over torch's threads.
+template <typename Fn>
+void for_each_row_chunk(int64_t rows, int64_t chunks, const Fn& fn) {
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      fn(c, rows * c / chunks, rows * (c + 1) / chunks);
+    }
+  });
+}
+
 std::vector<float> to_float_vector(const at::Tensor& t) {
   const at::Tensor f = t.to(at::kFloat).contiguous();
   return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
@@ -232,8 +253,8 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& input_, const at::T
   return {output, mean, invvar};
 }
 
-// Input, weight and bias gradients. Weight/bias partial sums are kept per chunk of rows in fp32
-// and added in chunk order, so the result does not depend on thread timing.
+// Input, weight and bias gradients; the weight and bias gradients are summed over row chunks
+// (row_chunks: the same bits for any thread count).
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
                                             const at::Tensor& input_, const at::Tensor& mean_,
                                             const at::Tensor& invvar_, const at::Tensor& weight) {
@@ -243,7 +264,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
   TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(),
               "layer_norm_backward: dtype mismatch");
   const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * at::get_num_threads()));
+  const int64_t chunks = row_chunks(rows);
   at::Tensor grad_input = at::empty_like(input);
   at::Tensor partial = at::zeros({2, chunks, h}, input.options().dtype(at::kFloat));
   const std::vector<float> w = to_float_vector(weight);
@@ -256,15 +277,12 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
     const auto* dy = data<C>(grad_output);
     const auto* x = data<C>(input);
     auto* dx = data<C>(grad_input);
-    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for_each_row_chunk(rows, chunks, [&](int64_t c, int64_t row_begin, int64_t row_end) {
       std::vector<float> xhat(h), g(h);
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
-        for (int64_t r = row_begin; r < row_end; ++r) {
-          megatron_cpu::layer_norm_backward_row<C>(dy + r * h, x + r * h, mu[r], rstd[r],
-                                                   w.data(), h, dx + r * h, dw_partial + c * h,
-                                                   db_partial + c * h, xhat.data(), g.data());
-        }
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        megatron_cpu::layer_norm_backward_row<C>(dy + r * h, x + r * h, mu[r], rstd[r], w.data(),
+                                                 h, dx + r * h, dw_partial + c * h,
+                                                 db_partial + c * h, xhat.data(), g.data());
       }
     });
   });
@@ -360,11 +378,6 @@ at::Tensor cross_entropy_backward(at::Tensor logits, const at::Tensor& max_,
 // Bias + tanh GeLU (Megatron's bias_gelu; the CUDA side keeps TorchScript, which fuses there)
 // ---------------------------------------------------------------------------------------------
 
-// Rows of y's [rows, f] view that one bias-gradient partial sum covers at most: the partials are
-// kept per chunk of rows and added in chunk order, and the chunking depends on the shape only,
-// so grad_bias is the same bits run to run and for any number of threads.
-constexpr int64_t kBiasGradChunks = 64;
-
 // y [..., f] (fp32/fp16/bf16, made contiguous) and bias [f] (y's dtype); returns y's rows count.
 int64_t check_bias_gelu_input(const at::Tensor& y, const at::Tensor& bias, const char* name) {
   TORCH_CHECK(y.device().is_cpu() && bias.device().is_cpu(), name, ": expected CPU tensors");
@@ -395,7 +408,7 @@ at::Tensor bias_gelu_forward(const at::Tensor& y_, const at::Tensor& bias) {
 }
 
 // (grad_y, grad_bias): grad * gelu_tanh'(y + bias), and its sum over the rows (fp32 partial sums
-// per chunk of rows, added in chunk order, rounded once to the bias's dtype). With `sum_bias`
+// per chunk of rows (row_chunks), added in chunk order, rounded once to the bias's dtype). With `sum_bias`
 // false grad_bias is an undefined tensor (bench/bench_kernels.py compares the two ways).
 std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Tensor& y_,
                                            const at::Tensor& bias, bool sum_bias) {
@@ -404,7 +417,7 @@ std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Te
               "bias_gelu_backward: grad must have y's shape and dtype");
   const at::Tensor grad = grad_.contiguous(), y = y_.contiguous();
   const int64_t f = y.size(-1);
-  const int64_t chunks = std::max<int64_t>(1, std::min(rows, kBiasGradChunks));
+  const int64_t chunks = row_chunks(rows);
   at::Tensor grad_y = at::empty_like(y);
   at::Tensor partial = at::zeros({sum_bias ? chunks : 0, f}, y.options().dtype(at::kFloat));
   float* partial_data = partial.data_ptr<float>();
@@ -414,17 +427,14 @@ std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Te
     const auto* dy = data<C>(grad);
     const auto* in = data<C>(y);
     auto* dx = data<C>(grad_y);
-    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        const int64_t row_begin = rows * c / chunks, row_end = rows * (c + 1) / chunks;
-        for (int64_t r = row_begin; r < row_end; ++r) {
-          if (sum_bias) {
-            megatron_cpu::bias_gelu_backward_row<C, true>(dy + r * f, in + r * f, b.data(), f,
-                                                          dx + r * f, partial_data + c * f);
-          } else {
-            megatron_cpu::bias_gelu_backward_row<C, false>(dy + r * f, in + r * f, b.data(), f,
-                                                           dx + r * f, nullptr);
-          }
+    for_each_row_chunk(rows, chunks, [&](int64_t c, int64_t row_begin, int64_t row_end) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        if (sum_bias) {
+          megatron_cpu::bias_gelu_backward_row<C, true>(dy + r * f, in + r * f, b.data(), f,
+                                                        dx + r * f, partial_data + c * f);
+        } else {
+          megatron_cpu::bias_gelu_backward_row<C, false>(dy + r * f, in + r * f, b.data(), f,
+                                                         dx + r * f, nullptr);
         }
       }
     });
