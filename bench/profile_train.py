@@ -218,11 +218,11 @@ def main() -> None:
     if args.bf16 and not bench_train.native_bf16() and not args.force_bf16:
         parser.error("--bf16: this CPU has no native bf16 GEMMs (torch emulates them ~100x "
                      "slower than fp32, so nothing would be learnt); --force-bf16 runs anyway")
+    if args.plot and args.no_profile:
+        parser.error("--plot draws the profile's split: drop --no-profile")
     precision = "bf16" if args.bf16 else "fp32"
     if args.unfused:
         sys.modules[EXTENSION] = None  # import raises ImportError: the PyTorch paths run
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.set_num_threads(args.threads)
     shape = bench_train.SHAPES[args.shape]
     print(f"# load at start (1/5/15 min): {bench_train.load()}; torch {torch.__version__}, "
@@ -248,6 +248,8 @@ def main() -> None:
         for other in args.plot_also:
             with open(other) as f:
                 earlier = json.load(f)
+            if not any("gemm" in row for row in earlier["rows"]):
+                sys.exit(f"--plot-also {other}: a --no-profile run has no split to draw")
             runs.append((run_title(earlier["shape"], earlier["unfused"],
                                    earlier.get("precision", "fp32")), earlier["rows"]))
         plot([*runs, (run_title(args.shape, args.unfused, precision), rows)], args.plot)
