@@ -408,8 +408,8 @@ at::Tensor bias_gelu_forward(const at::Tensor& y_, const at::Tensor& bias) {
 }
 
 // (grad_y, grad_bias): grad * gelu_tanh'(y + bias), and its sum over the rows (fp32 partial sums
-// per chunk of rows (row_chunks), added in chunk order, rounded once to the bias's dtype). With `sum_bias`
-// false grad_bias is an undefined tensor (bench/bench_kernels.py compares the two ways).
+// per chunk of rows (row_chunks), added in chunk order, rounded once to the bias's dtype). With
+// `sum_bias` false grad_bias is an undefined tensor (bench/bench_kernels.py compares the two).
 std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Tensor& y_,
                                            const at::Tensor& bias, bool sum_bias) {
   const int64_t rows = check_bias_gelu_input(y_, bias, "bias_gelu_backward");
