@@ -3,7 +3,7 @@ of the same shape, in the same run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_bert.py [--quick] [--seqs 128,512]
         [--precisions fp32,bf16] [--tp 1] [--no-hf] [--ours-args "..."]
-        [--untuned-baseline-malloc]
+        [--untuned-baseline-malloc] [--rounds 1]
 
 Shape: BERT-base (12 layers, hidden 768, 12 heads, FFN 3072), vocabulary 30592 (bert-base-uncased
 + Megatron's [BOS]/[EOS], padded to 128, on both sides), seq 128 with micro-batch 8 and seq 512
@@ -21,7 +21,10 @@ micro-batch per step.
 Both count tokens as micro-batch x seq (padding included: attention runs over it either way).
 The heads differ in one way that is the point of ours: the LM head runs on the predicted
 positions only (``BertModel.masked_lm_loss``), while HF's projects every position onto the
-vocabulary. Warm-up steps are dropped; the figure is the median of the timed steps. MFU = 6 N
+vocabulary. Warm-up steps are dropped; the figure is the median of the timed steps; with
+``--rounds R`` both sides are measured R times, back to back in each round, and the table has
+the medians and the median of the per-round ratios (this machine drifts 20-45% between
+minutes: sides measured minutes apart can differ by more than what is compared). MFU = 6 N
 tokens/s over the ``torch.mm`` peak measured here (N = parameters without position embeddings).
 Run it on an idle machine (``uptime`` first; the load average is printed).
 """
@@ -76,8 +79,8 @@ def non_embedding_params(model) -> int:
     return sum(p.numel() for p in model.parameters()) - pos
 
 
-def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float:
-    """Median seconds per training step of HF's BertForPreTraining."""
+def hf_step(shape: Shape, bf16: bool):
+    """One training step of HF's BertForPreTraining on fresh random sentence pairs."""
     torch.manual_seed(0)
     model = hf_model()
     model.train()
@@ -101,8 +104,14 @@ def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float:
         opt.zero_grad(set_to_none=True)
         loss.item()
 
+    return step
+
+
+def bench_hf(shape: Shape, bf16: bool, warmup: int, steps: int) -> float:
+    """Median seconds per training step of HF's BertForPreTraining."""
+    step = hf_step(shape, bf16)
     sec = bench_train._timed(step, warmup, steps)
-    del model, opt
+    del step  # the model and optimizer live in its closure
     gc.collect()
     return sec
 
@@ -135,6 +144,8 @@ def main() -> None:
     parser.add_argument("--tp", default="1", help="TP sizes of our runs")
     parser.add_argument("--quick", action="store_true",
                         help="2 warm-up and 2 timed steps, seq 128 fp32 only unless given")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternating rounds of HF and ours (medians, per-round ratios)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' BERT")
     parser.add_argument("--ours-args", default="", help="extra flags for pretrain_bert.py")
     parser.add_argument("--force-bf16", action="store_true",
@@ -170,13 +181,14 @@ def main() -> None:
     for seq in seqs:
         shape = SHAPES[seq]
         warmup, steps = (2, 2) if args.quick else (shape.warmup, shape.steps)
-        tokens = shape.mb * shape.seq
         for prec in precisions:
             bf16 = prec == "bf16"
-            hf = None if args.no_hf else tokens / bench_hf(shape, bf16, warmup, steps)
+            measured = _alternate(shape, bf16, tps, warmup, steps, extra, args)
+            hf = bench_train._median(measured["hf"])
             for tp in tps:
-                ours = tokens / bench_ours(shape, bf16, tp, warmup, steps, extra)
-                row = (seq, shape.mb, prec, tp, ours, hf, ours / hf if hf else None,
+                ours = bench_train._median(measured[tp])
+                row = (seq, shape.mb, prec, tp, ours, hf,
+                       bench_train._median_ratio(measured[tp], measured["hf"]),
                        6 * n_params * ours / (peak[prec] * 1e9))
                 rows.append(row)
                 print(_fmt(row), flush=True)
@@ -187,11 +199,28 @@ def main() -> None:
         print(_fmt(row))
 
 
+def _alternate(shape: Shape, bf16: bool, tps: list[int], warmup: int, steps: int,
+               extra: list[str], args) -> dict:
+    """Tokens/s of HF and of ours at each TP in each of ``--rounds`` rounds (back to back in a
+    round), so that a drift of the machine's speed touches both sides alike."""
+    tokens = shape.mb * shape.seq
+    out: dict = {"hf": [], **{tp: [] for tp in tps}}
+    for i in range(args.rounds):
+        if not args.no_hf:
+            out["hf"].append(tokens / bench_hf(shape, bf16, warmup, steps))
+        for tp in tps:
+            out[tp].append(tokens / bench_ours(shape, bf16, tp, warmup, steps, extra))
+        print(f"# round {i + 1}: " + ", ".join(
+            f"{'HF' if k == 'hf' else f'ours TP={k}'} {v[-1]:,.0f}" for k, v in out.items() if v),
+            flush=True)
+    return out
+
+
 def _fmt(row) -> str:
     seq, mb, prec, tp, ours, hf, ratio, mfu = row
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     return (f"| {seq} | {mb} | {prec} | {tp} | {ours:,.0f} | {f(hf, ',.0f')} | "
-            f"{f(ratio, '.2f')}x | {mfu:.0%} |")
+            f"{f(ratio, '.2f')}{'x' if ratio else ''} | {mfu:.0%} |")
 
 
 if __name__ == "__main__":
