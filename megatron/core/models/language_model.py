@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import device as device_mod
-from megatron.core.fusions import fused_linear_one_row
+from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.models.embedding import Embedding
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
@@ -30,7 +30,7 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
     BERT's LM head) -> ``[s, b, V/p]`` (or gathered ``[s, b, V]``); a column-parallel linear
     whose weight is the (tied) word embedding."""
     hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-    logits = fused_linear_one_row.linear(hidden, weight, bias)  # [s, b, V/p]
+    logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]

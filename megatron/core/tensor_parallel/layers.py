@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device as device_mod
-from megatron.core.fusions import fused_linear_one_row
+from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
@@ -123,7 +123,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             gradient_accumulation_fusion: bool) -> torch.Tensor:
     if gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled():
         return _LinearWithGradAccumulationFusion.apply(x, weight, bias)
-    return fused_linear_one_row.linear(x, weight, bias)
+    return fused_linear_few_rows.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(torch.nn.Module):

@@ -445,32 +445,43 @@ std::vector<at::Tensor> bias_gelu_backward(const at::Tensor& grad_, const at::Te
 
 }  // namespace
 
-// F.linear of a single row x [..., in] (numel == in) by weight [out, in] (+ bias [out]), in x's
-// dtype with fp32 sums: batch-1 decoding's matrix-vector products as one stream over the weight,
-// the output rows split over torch's threads.
-at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight_,
-                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight_.device().is_cpu(), "linear_one_row: CPU tensors");
+// Rows of x that linear_few_rows takes: decoding a batch of up to this many sequences.
+constexpr int64_t kMaxFewRows = 8;
+
+// F.linear of x [..., in] holding 1 to kMaxFewRows rows by weight [out, in] (+ bias [out]), in
+// x's dtype with fp32 sums: decoding's matrix-vector (and few-row) products as one stream over
+// the weight, the output rows split over torch's threads.
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight_,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight_.device().is_cpu(), "linear_few_rows: CPU tensors");
   TORCH_CHECK(weight_.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight_.size(1) &&
-                  x.numel() == x.size(-1),
-              "linear_one_row: x must be one row [..., in] of weight [out, in]");
-  TORCH_CHECK(x.scalar_type() == weight_.scalar_type(), "linear_one_row: x and weight dtypes");
+                  x.size(-1) > 0 && x.numel() / x.size(-1) >= 1 &&
+                  x.numel() / x.size(-1) <= kMaxFewRows,
+              "linear_few_rows: x must be 1 to ", kMaxFewRows,
+              " rows [..., in] of weight [out, in]");
+  TORCH_CHECK(x.scalar_type() == weight_.scalar_type(), "linear_few_rows: x and weight dtypes");
   const at::Tensor weight = weight_.contiguous();
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t nrows = x.numel() / in_features;
   const std::vector<float> xv = to_float_vector(x);
   std::vector<float> bv;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "linear_one_row: bias must be [out]");
+    TORCH_CHECK(bias->numel() == out_features, "linear_few_rows: bias must be [out]");
     bv = to_float_vector(*bias);
   }
-  at::Tensor y = at::empty({out_features}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({nrows, out_features}, x.options().dtype(at::kFloat));
   float* yd = y.data_ptr<float>();
   const float* bd = bv.empty() ? nullptr : bv.data();
-  dispatch_codec(weight.scalar_type(), "linear_one_row", [&](auto codec) {
+  dispatch_codec(weight.scalar_type(), "linear_few_rows", [&](auto codec) {
     using C = decltype(codec);
     const auto* w = data<C>(weight);
     at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-      megatron_cpu::linear_one_row_rows<C>(w, xv.data(), in_features, begin, end, bd, yd);
+      if (nrows == 1) {
+        megatron_cpu::linear_one_row_rows<C>(w, xv.data(), in_features, begin, end, bd, yd);
+      } else {
+        megatron_cpu::linear_few_rows_rows<C>(w, xv.data(), nrows, in_features, out_features,
+                                              begin, end, bd, yd);
+      }
     });
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -496,8 +507,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per row of logits [..., V/p]: (max, sum exp(l - max), sum l), one read");
   m.def("cross_entropy_backward", &cross_entropy_backward,
         "(softmax - on_target * onehot - uniform) * grad_loss from the row statistics");
-  m.def("linear_one_row", &linear_one_row,
-        "F.linear of one row x [..., in] by weight [out, in] (+ bias): batch-1 decoding's GEMV",
+  m.def("linear_few_rows", &linear_few_rows,
+        "F.linear of 1 to 8 rows x [..., in] by weight [out, in] (+ bias): decoding's GEMV",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("bias_gelu_forward", &bias_gelu_forward,
         "gelu_tanh(y + bias), y [..., f], bias [f]; nothing saved (backward recomputes y + bias)");

@@ -359,4 +359,49 @@ void linear_one_row_rows(const typename C::storage* w, const float* x, int64_t i
   }
 }
 
+// The same for a few rows of x at once (x: `nrows` rows of `in` floats; y: `nrows` rows of
+// `out`): each block of four weight rows is read from memory once and reused from L1/L2 for
+// every row of x, two rows of x per pass (eight sums: within AVX2's sixteen registers).
+template <typename C>
+void linear_few_rows_rows(const typename C::storage* w, const float* x, int64_t nrows,
+                          int64_t in, int64_t out, int64_t begin, int64_t end, const float* bias,
+                          float* y) {
+  int64_t r = begin;
+  for (; r + 4 <= end; r += 4) {
+    const typename C::storage* w0 = w + r * in;
+    const typename C::storage* w1 = w0 + in;
+    const typename C::storage* w2 = w1 + in;
+    const typename C::storage* w3 = w2 + in;
+    int64_t m = 0;
+    for (; m + 2 <= nrows; m += 2) {
+      const float* xa = x + m * in;
+      const float* xb = xa + in;
+      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+      float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+      for (int64_t i = 0; i < in; ++i) {
+        const float v0 = C::to_float(w0[i]), v1 = C::to_float(w1[i]);
+        const float v2 = C::to_float(w2[i]), v3 = C::to_float(w3[i]);
+        a0 += v0 * xa[i];
+        a1 += v1 * xa[i];
+        a2 += v2 * xa[i];
+        a3 += v3 * xa[i];
+        b0 += v0 * xb[i];
+        b1 += v1 * xb[i];
+        b2 += v2 * xb[i];
+        b3 += v3 * xb[i];
+      }
+      const float sums[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
+      for (int64_t k = 0; k < 8; ++k) {
+        const int64_t row = r + k % 4;
+        y[(m + k / 4) * out + row] = sums[k] + (bias ? bias[row] : 0.0f);
+      }
+    }
+    if (m < nrows) linear_one_row_rows<C>(w, x + m * in, in, r, r + 4, bias, y + m * out);
+  }
+  for (int64_t m = 0; m < nrows; ++m) {
+    linear_one_row_rows<C>(w, x + m * in, in, r, end, bias, y + m * out);
+  }
+}
+
 }  // namespace megatron_cpu
