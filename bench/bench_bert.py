@@ -184,11 +184,12 @@ def main() -> None:
         for prec in precisions:
             bf16 = prec == "bf16"
             measured = _alternate(shape, bf16, tps, warmup, steps, extra, args)
-            hf = bench_train._median(measured["hf"])
+            hf = bench_train.median(measured.get("hf", []))
             for tp in tps:
-                ours = bench_train._median(measured[tp])
+                ours = bench_train.median(measured[f"ours TP={tp}"])
                 row = (seq, shape.mb, prec, tp, ours, hf,
-                       bench_train._median_ratio(measured[tp], measured["hf"]),
+                       bench_train.median_ratio(measured[f"ours TP={tp}"],
+                                                measured.get("hf", [])),
                        6 * n_params * ours / (peak[prec] * 1e9))
                 rows.append(row)
                 print(_fmt(row), flush=True)
@@ -200,20 +201,15 @@ def main() -> None:
 
 
 def _alternate(shape: Shape, bf16: bool, tps: list[int], warmup: int, steps: int,
-               extra: list[str], args) -> dict:
-    """Tokens/s of HF and of ours at each TP in each of ``--rounds`` rounds (back to back in a
-    round), so that a drift of the machine's speed touches both sides alike."""
+               extra: list[str], args) -> dict[str, list[float]]:
+    """Tokens/s of HF ("hf") and of ours at each TP ("ours TP=n") in each of ``--rounds``
+    rounds (bench_train.alternate_rounds)."""
     tokens = shape.mb * shape.seq
-    out: dict = {"hf": [], **{tp: [] for tp in tps}}
-    for i in range(args.rounds):
-        if not args.no_hf:
-            out["hf"].append(tokens / bench_hf(shape, bf16, warmup, steps))
-        for tp in tps:
-            out[tp].append(tokens / bench_ours(shape, bf16, tp, warmup, steps, extra))
-        print(f"# round {i + 1}: " + ", ".join(
-            f"{'HF' if k == 'hf' else f'ours TP={k}'} {v[-1]:,.0f}" for k, v in out.items() if v),
-            flush=True)
-    return out
+    sides = {} if args.no_hf else {"hf": lambda: tokens / bench_hf(shape, bf16, warmup, steps)}
+    for tp in tps:
+        sides[f"ours TP={tp}"] = lambda tp=tp: tokens / bench_ours(shape, bf16, tp, warmup,
+                                                                  steps, extra)
+    return bench_train.alternate_rounds(sides, args.rounds)
 
 
 def _fmt(row) -> str:

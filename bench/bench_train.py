@@ -246,11 +246,11 @@ def main() -> None:
             del model
             measured = _alternate(shape, bf16, tps, warmup, steps, extra, args)
             for tp in tps:
-                ours, plain, hf = (measured[k] for k in (("ours", tp), "plain", "hf"))
-                row = (shape.name, prec, tp, _median(ours), _median(plain), _median(hf),
-                       _median_ratio(ours, plain), _median_ratio(ours, hf),
-                       6 * n_params * _median(ours) / (peak[prec] * 1e9),
-                       6 * n_params * _median(plain) / (peak[prec] * 1e9) if plain else None)
+                ours, plain, hf = (measured.get(k, []) for k in (f"ours TP={tp}", "plain", "hf"))
+                row = (shape.name, prec, tp, median(ours), median(plain), median(hf),
+                       median_ratio(ours, plain), median_ratio(ours, hf),
+                       6 * n_params * median(ours) / (peak[prec] * 1e9),
+                       6 * n_params * median(plain) / (peak[prec] * 1e9) if plain else None)
                 rows.append(row)
                 print(_fmt(row), flush=True)
     print(f"# load at end: {load()}")
@@ -261,31 +261,46 @@ def main() -> None:
 
 
 def _alternate(shape: Shape, bf16: bool, tps: list[int], warmup: int, steps: int,
-               extra: list[str], args) -> dict:
-    """Tokens/s of each side in each of ``--rounds`` rounds (plain, HF, ours at each TP, back
-    to back), so that a drift of the machine's speed touches every side alike."""
+               extra: list[str], args) -> dict[str, list[float]]:
+    """Tokens/s of each side ("plain", "hf", "ours TP=n") in each of ``--rounds`` rounds."""
     tokens = shape.mb * shape.seq
-    out: dict = {"plain": [], "hf": [], **{("ours", tp): [] for tp in tps}}
-    for i in range(args.rounds):
-        if not args.no_plain:
-            out["plain"].append(tokens / bench_plain(shape, bf16, warmup, steps)[0])
-        if not args.no_hf:
-            sec = bench_hf(shape, bf16, warmup, steps)
-            if sec:
-                out["hf"].append(tokens / sec)
-        for tp in tps:
-            out[("ours", tp)].append(tokens / bench_ours(shape, bf16, tp, warmup, steps, extra))
+
+    def hf() -> float | None:
+        sec = bench_hf(shape, bf16, warmup, steps)
+        return tokens / sec if sec else None
+
+    sides: dict[str, Callable[[], float | None]] = {}
+    if not args.no_plain:
+        sides["plain"] = lambda: tokens / bench_plain(shape, bf16, warmup, steps)[0]
+    if not args.no_hf:
+        sides["hf"] = hf
+    for tp in tps:
+        sides[f"ours TP={tp}"] = lambda tp=tp: tokens / bench_ours(shape, bf16, tp, warmup,
+                                                                  steps, extra)
+    return alternate_rounds(sides, args.rounds)
+
+
+def alternate_rounds(sides: dict[str, Callable[[], float | None]], rounds: int
+                     ) -> dict[str, list[float]]:
+    """Each side's figure (its callable's value; None: the side is unavailable) in each of
+    ``rounds`` rounds, the sides back to back within a round, so that a drift of the machine's
+    speed touches every side alike. Prints each round's figures."""
+    out: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(rounds):
+        for name, measure in sides.items():
+            value = measure()
+            if value is not None:
+                out[name].append(value)
         print(f"# round {i + 1}: " + ", ".join(
-            f"{k if isinstance(k, str) else f'ours TP={k[1]}'} {v[-1]:,.0f}"
-            for k, v in out.items() if v), flush=True)
+            f"{name} {v[-1]:,.0f}" for name, v in out.items() if v), flush=True)
     return out
 
 
-def _median(values: list[float]) -> float | None:
+def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _median_ratio(ours: list[float], theirs: list[float]) -> float | None:
+def median_ratio(ours: list[float], theirs: list[float]) -> float | None:
     """The median of the per-round ratios (both measured in the same round)."""
     return statistics.median(o / t for o, t in zip(ours, theirs)) if theirs else None
 

@@ -140,7 +140,7 @@ def summary(times: dict[str, list[float]], splits: dict[str, list]) -> list[dict
     for name, values in times.items():
         row = {"side": name, "step_s": statistics.median(values), "rounds_s": values}
         if name != "ours":
-            row["ours_lead"] = statistics.median(t / o for t, o in zip(values, times["ours"]))
+            row["ours_lead"] = bench_train.median_ratio(values, times["ours"])
             if ours:
                 row["ceiling"] = statistics.median(
                     t / (o["gemm"] + o["attention"]) for t, o in zip(values, ours))

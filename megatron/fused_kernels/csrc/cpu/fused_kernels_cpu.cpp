@@ -476,12 +476,8 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight_,
     using C = decltype(codec);
     const auto* w = data<C>(weight);
     at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-      if (nrows == 1) {
-        megatron_cpu::linear_one_row_rows<C>(w, xv.data(), in_features, begin, end, bd, yd);
-      } else {
-        megatron_cpu::linear_few_rows_rows<C>(w, xv.data(), nrows, in_features, out_features,
-                                              begin, end, bd, yd);
-      }
+      megatron_cpu::linear_few_rows_rows<C>(w, xv.data(), nrows, in_features, out_features,
+                                            begin, end, bd, yd);
     });
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -361,11 +361,16 @@ void linear_one_row_rows(const typename C::storage* w, const float* x, int64_t i
 
 // The same for a few rows of x at once (x: `nrows` rows of `in` floats; y: `nrows` rows of
 // `out`): each block of four weight rows is read from memory once and reused from L1/L2 for
-// every row of x, two rows of x per pass (eight sums: within AVX2's sixteen registers).
+// every row of x, two rows of x per pass (eight sums: within AVX2's sixteen registers). One row
+// is linear_one_row_rows.
 template <typename C>
 void linear_few_rows_rows(const typename C::storage* w, const float* x, int64_t nrows,
                           int64_t in, int64_t out, int64_t begin, int64_t end, const float* bias,
                           float* y) {
+  if (nrows == 1) {
+    linear_one_row_rows<C>(w, x, in, begin, end, bias, y);
+    return;
+  }
   int64_t r = begin;
   for (; r + 4 <= end; r += 4) {
     const typename C::storage* w0 = w + r * in;
