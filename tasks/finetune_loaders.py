@@ -43,7 +43,7 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             order = list(range(self.n))
         else:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=generator).tolist()
+            order = torch.randperm(self.n, generator=generator, device="cpu").tolist()
         if not self.drop_last:
             pad = -len(order) % self.dp
             order += (order * (pad // max(1, len(order)) + 1))[:pad]

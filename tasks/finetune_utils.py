@@ -141,7 +141,7 @@ class FinetuneResult:
 def batch_to_device(batch: dict) -> dict[str, torch.Tensor]:
     """A collated batch on the compute device; ``padding_mask`` as long (1 = real token)."""
     dev = device.get_device()
-    return {key: torch.as_tensor(value).to(dev, non_blocking=True)
+    return {key: torch.as_tensor(value, device="cpu").to(dev, non_blocking=True)
             for key, value in batch.items()}
 
 
@@ -260,7 +260,7 @@ def count_correct(model: Sequence[torch.nn.Module], loader,
     over this rank's loader, summed over data-parallel ranks (the same on every rank, whatever
     its pipeline stage). With ``predictions`` (a list), on the last pipeline stage this rank's
     ``(softmax, label, uid)`` of every sample are appended to it."""
-    correct = torch.zeros(2, dtype=torch.long)
+    correct = torch.zeros(2, dtype=torch.long, device="cpu")  # summed here, shared on device
     for logits, batch in forward_outputs(model, loader):
         predicted = logits.argmax(dim=-1).cpu()
         labels = batch["label"].cpu()

@@ -121,10 +121,9 @@ class Timers:
         # One MAX reduction gives both: [values, -values], missing timers as -inf.
         mine = [self._timers[n].elapsed(reset) * 1000.0 / normalizer if n in self._timers
                 else None for n in names]
-        values = torch.tensor([-math.inf if v is None else v for v in mine], dtype=torch.float64)
-        negated = torch.tensor([-math.inf if v is None else -v for v in mine],
-                               dtype=torch.float64)
-        both = torch.cat([values, negated])
+        both = torch.tensor([-math.inf if v is None else v for v in mine]
+                            + [-math.inf if v is None else -v for v in mine],
+                            dtype=torch.float64, device=device.get_device())
         comm.all_reduce(both, comm.world_group(), "max")
         high, low = both[:len(names)], -both[len(names):]
         return {n: (float(low[i]), float(high[i])) for i, n in enumerate(names)

@@ -207,19 +207,19 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_positi
     """
     s = tokens.numel()
     is_eod = tokens == eod
-    loss_mask = torch.ones(s, dtype=torch.float)
+    loss_mask = torch.ones(s, dtype=torch.float, device="cpu")
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     # [s] document number of each position: EODs strictly before it.
     segment = torch.cumsum(is_eod.long(), 0) - is_eod.long()
-    position_ids = torch.arange(s, dtype=torch.long)
+    position_ids = torch.arange(s, dtype=torch.long, device="cpu")
     if reset_position_ids:
-        starts = torch.zeros(s, dtype=torch.long)
+        starts = torch.zeros(s, dtype=torch.long, device="cpu")
         starts[1:] = torch.where(is_eod[:-1], position_ids[1:], torch.zeros_like(position_ids[1:]))
         position_ids = position_ids - torch.cummax(starts, 0).values
     attention_mask = None
     if create_attention_mask:
-        allowed = torch.ones(s, s, dtype=torch.bool).tril_()  # [s_q, s_k]
+        allowed = torch.ones(s, s, dtype=torch.bool, device="cpu").tril_()  # [s_q, s_k]
         if reset_attention_mask:
             allowed &= segment[:, None] == segment[None, :]
         attention_mask = (~allowed).unsqueeze(0)  # [1, s, s]

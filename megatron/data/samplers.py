@@ -110,10 +110,10 @@ class MegatronPretrainingRandomSampler:
         if self.data_sharding:
             bucket = (self.total_samples // self.global_micro_batch) * self.micro_batch_size
             start = self.data_parallel_rank * bucket
-            perm = torch.randperm(bucket, generator=g).tolist()
+            perm = torch.randperm(bucket, generator=g, device="cpu").tolist()
             return [start + x for x in perm[epoch_consumed // self.data_parallel_size :]]
         full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-        perm = torch.randperm(full, generator=g).tolist()[epoch_consumed:]
+        perm = torch.randperm(full, generator=g, device="cpu").tolist()[epoch_consumed:]
         return perm[self.data_parallel_rank :: self.data_parallel_size]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -103,10 +103,10 @@ class _Search:
         self.beam_width = beam_width
         self.prompt_length = len(prompt)
         self.final_length = len(prompt) + tokens_to_generate
-        self.tokens = torch.tensor([prompt], dtype=torch.long).repeat(beam_width, 1)  # [b, s]
+        self.tokens = torch.tensor([prompt], dtype=torch.long, device="cpu").repeat(beam_width, 1)  # [b, s]
         self.tokens = torch.cat([self.tokens, torch.zeros(beam_width, tokens_to_generate,
-                                                          dtype=torch.long)], dim=1)
-        self.scores = torch.zeros(beam_width, 1, dtype=torch.float64)  # [b, 1]
+                                                          dtype=torch.long, device="cpu")], dim=1)
+        self.scores = torch.zeros(beam_width, 1, dtype=torch.float64, device="cpu")  # [b, 1]
         self.hyps = BeamHypotheses(beam_width, length_penalty)
         self.cache = InferenceParams(beam_width, self.final_length) if use_kv_cache else None
         self.tp_group = model_tp_group(model)
@@ -137,7 +137,7 @@ class _Search:
         prev = 0
         for context in range(self.prompt_length, self.final_length):
             logits = self.log_probs(prev, context)
-            kept = torch.zeros(self.beam_width, 3, dtype=torch.float64)
+            kept = torch.zeros(self.beam_width, 3, dtype=torch.float64, device="cpu")
             if logits is not None:
                 kept, done = self.rank_candidates(logits, context, stop_token, colon, eol)
             done = self.agree(kept, context, done)
@@ -185,12 +185,12 @@ class _Search:
                 kept.append((beam, word, score))
             if len(kept) == self.beam_width:
                 break
-        return torch.tensor(kept, dtype=torch.float64)
+        return torch.tensor(kept, dtype=torch.float64, device="cpu")
 
     def agree(self, kept: torch.Tensor, context: int, done: bool) -> bool:
         """Every rank takes the last stage's beams (over the pipeline), then ``src``'s (over
         every rank), and reorders its tokens and cache."""
-        shared = torch.cat([kept.view(-1), torch.tensor([float(done)], dtype=torch.float64)])
+        shared = torch.cat([kept.view(-1), torch.tensor([float(done)], dtype=torch.float64, device="cpu")])
         shared = shared.to(self.dev)
         if comm.world_size(self.pp_group) > 1:
             comm.broadcast(shared, last_stage_rank(self.pp_group), self.pp_group)

@@ -187,22 +187,22 @@ class _Run:
         self.vocab_size, self.mp_group, self.src = vocab_size, mp_group, src
         self.want_logprobs, self.top_k_logprobs = want_logprobs, top_logprobs
         self.dev = device.get_device()
-        self.prompt_lengths = torch.tensor([len(p) for p in prompts])
+        self.prompt_lengths = torch.tensor([len(p) for p in prompts], device="cpu")
         # Each row's end: its own prompt plus tokens_to_generate (shortened by a stop).
         self.final_lengths = self.prompt_lengths + tokens_to_generate
         self.max_length = int(self.final_lengths.max())
         b = len(prompts)
         pad = stops.eod if stops.eod is not None else 0
-        self.tokens = torch.full((b, self.max_length), pad, dtype=torch.long)  # [b, s]
+        self.tokens = torch.full((b, self.max_length), pad, dtype=torch.long, device="cpu")  # [b, s]
         for i, p in enumerate(prompts):
-            self.tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        self.logprobs = torch.zeros(b, max(self.max_length - 1, 0), dtype=torch.float64)
+            self.tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long, device="cpu")
+        self.logprobs = torch.zeros(b, max(self.max_length - 1, 0), dtype=torch.float64, device="cpu")
         self.top_ids = torch.zeros(b, max(self.max_length - 1, 0), top_logprobs,
-                                   dtype=torch.long)
+                                   dtype=torch.long, device="cpu")
         self.top_values = torch.zeros(b, max(self.max_length - 1, 0), top_logprobs,
-                                      dtype=torch.float64)
-        self.finished = torch.zeros(b, dtype=torch.bool)
-        self.stopped = torch.zeros(b, dtype=torch.bool)
+                                      dtype=torch.float64, device="cpu")
+        self.finished = torch.zeros(b, dtype=torch.bool, device="cpu")
+        self.stopped = torch.zeros(b, dtype=torch.bool, device="cpu")
         self.lengths = self.final_lengths.clone()  # shortened where a row stops
         # Without log-probs only the last position's logits are read (sampling).
         self.cache = InferenceParams(
@@ -239,7 +239,7 @@ class _Run:
         if not self.want_logprobs:
             return
         b, s, k = self.tokens.size(0), end - start, self.top_k_logprobs
-        packed = torch.zeros(b, s, 1 + 2 * k, dtype=torch.float64)  # [b, s, 1 + 2k]
+        packed = torch.zeros(b, s, 1 + 2 * k, dtype=torch.float64, device="cpu")  # [b, s, 1 + 2k]
         if logits is not None:
             log_probs = F.log_softmax(logits, dim=-1)  # [b, s, V]
             targets = self.tokens[:, start + 1:end + 1].unsqueeze(-1)  # [b, s, 1]
@@ -277,7 +277,7 @@ class _Run:
         for context in range(start, self.max_length):
             prev = context - 1 if context > start else 0
             logits = self.logits(prev, context)  # [b, s, V] on the last stage, else None
-            new = torch.zeros(self.tokens.size(0), dtype=torch.long)
+            new = torch.zeros(self.tokens.size(0), dtype=torch.long, device="cpu")
             if logits is not None:
                 self.block_newline_after_colon(logits, context)
                 new = sample(logits[:, -1, :], top_k=self.sampling.top_k, top_p=top_p,
@@ -331,7 +331,7 @@ class _Run:
             extra = on_step(StepReport(rows, [int(self.tokens[i, context]) for i in rows], lps,
                                        top))
             if extra is not None:
-                stop_now |= torch.tensor(extra, dtype=torch.bool) & ~self.finished
+                stop_now |= torch.tensor(extra, dtype=torch.bool, device="cpu") & ~self.finished
         if comm.world_size(self.mp_group) > 1:  # alone, this rank's decisions are final
             shared = torch.cat([self.tokens[:, context], stop_now.long(),
                                 hit_stop.long()]).to(self.dev)  # [3b]

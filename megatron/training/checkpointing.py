@@ -86,7 +86,7 @@ def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
     tracker = get_checkpoint_tracker_filename(root)
     local = parse_tracker(tracker)
     iteration, release = local if local is not None else (-1, False)
-    value = torch.tensor([iteration], dtype=torch.long)
+    value = torch.tensor([iteration], dtype=torch.long, device=device.get_device())
     comm.all_reduce(value, comm.world_group(), op="max")
     if int(value) < 0:
         return None
@@ -272,7 +272,8 @@ def check_fresh_start(cfg, load_dir: str | os.PathLike | None = None) -> None:
         tracked = parse_tracker(tracker)
     except CheckpointError:
         tracked = (0, False)  # unreadable, but a checkpoint was saved there
-    latest = torch.tensor([-1 if tracked is None else tracked[0]], dtype=torch.long)
+    latest = torch.tensor([-1 if tracked is None else tracked[0]], dtype=torch.long,
+                          device=device.get_device())
     comm.all_reduce(latest, comm.world_group(), op="max")  # every rank refuses, or none
     if int(latest) < 0:
         return

@@ -333,7 +333,8 @@ class Trainer:
         if signal_handler is not None and signal_handler.signals_received():
             reason = "exiting program after receiving SIGTERM"
         if reason is None and cfg.training.exit_duration_in_mins:
-            minutes = torch.tensor([(time.time() - self.start_time) / 60.0])
+            minutes = torch.tensor([(time.time() - self.start_time) / 60.0],
+                                   device=device.get_device())
             comm.all_reduce(minutes, comm.world_group(), op="max")
             if minutes.item() > cfg.training.exit_duration_in_mins:
                 reason = f"exiting program after {minutes.item():.1f} minutes"
@@ -399,7 +400,7 @@ def _params_norm(model: list) -> float:
     """L2 norm of the parameters over the model-parallel group, each counted once: a replicated
     one on TP rank 0 only, and the last stage's copy of a tied word embedding (``shared``) not
     at all (stage 0 counts the embedding), as Megatron's ``calc_params_l2_norm``."""
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=device.get_device())
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for chunk in model:
         for param in chunk.parameters():

@@ -6,7 +6,7 @@ import signal
 
 import torch
 
-from megatron.core import comm
+from megatron.core import comm, device
 
 
 class DistributedSignalHandler:
@@ -33,6 +33,6 @@ class DistributedSignalHandler:
 
     def signals_received(self) -> bool:
         """Collective: True on every rank if any rank received the signal."""
-        flag = torch.tensor([int(self._received)])
+        flag = torch.tensor([int(self._received)], device=device.get_device())
         comm.all_reduce(flag, comm.world_group(), op="max")
         return bool(flag.item())

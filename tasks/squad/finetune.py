@@ -119,7 +119,7 @@ def predict_logits(model: list[torch.nn.Module], dataset: SquadFeatureDataset,
     stage's shares are summed over its data-parallel group (each feature is some rank's only)
     and handed to every stage."""
     seq = dataset.text.shape[1]
-    logits = torch.zeros(len(dataset), seq, 2, dtype=torch.float32)
+    logits = torch.zeros(len(dataset), seq, 2, dtype=torch.float32, device="cpu")  # host
     for out, batch in forward_outputs(model, evaluation_loader(dataset, micro_batch_size)):
         logits[batch["index"].cpu()] = out.float().cpu()
     return share_from_last_stage(logits).cpu().numpy()

@@ -107,7 +107,7 @@ def repad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
         return tensor
     if have > rows:
         return tensor[:rows].clone()
-    pad = torch.zeros((rows - have, *tensor.shape[1:]), dtype=tensor.dtype)
+    pad = torch.zeros((rows - have, *tensor.shape[1:]), dtype=tensor.dtype, device="cpu")
     return torch.cat([tensor, pad], dim=0)
 
 

@@ -196,7 +196,7 @@ def _read_plain(sd: dict, chunks, desc: OptimizerDescription, path: Path):
 
 def _shaped(value, shape: torch.Size, key: str, name: str, path: Path) -> torch.Tensor:
     if value is None:
-        return torch.zeros(shape, dtype=torch.float32)  # no gradient yet: Adam's zeros
+        return torch.zeros(shape, dtype=torch.float32, device="cpu")  # no gradient yet: Adam's zeros
     if value.numel() != shape.numel():
         raise CheckpointError(f"{path}: the optimizer's {name} of {key} has {value.numel()} "
                               f"elements, the parameter {tuple(shape)}")
@@ -273,7 +273,7 @@ def write_plain(desc: OptimizerDescription, chunks: Sequence[Mapping[str, torch.
             if desc.num_steps:
                 # torch's Adam counts steps per parameter; SGD keeps no count.
                 entry = {} if desc.state_keys == SGD_KEYS else \
-                    {"step": torch.tensor(float(desc.num_steps))}
+                    {"step": torch.tensor(float(desc.num_steps), device="cpu")}
                 for name in desc.state_keys:
                     entry[name] = states[chunk][name][key].contiguous()
                 state[index] = entry
@@ -320,7 +320,7 @@ def write_distributed(desc: OptimizerDescription, target: Target,
     for index, flat in enumerate(chunks):
         order = parameter_order(list(flat))
         ranges, _, numel = compute_layout([flat[k].numel() for k in order], None, 1)
-        buffers = {name: torch.zeros(numel, dtype=torch.float32) for name in names}
+        buffers = {name: torch.zeros(numel, dtype=torch.float32, device="cpu") for name in names}
         for key, prange in zip(order, ranges):
             for name in names:
                 if name != MAIN and not desc.num_steps:

@@ -20,7 +20,7 @@ from megatron.core.transformer.config import TransformerConfig
 def _replicated_embedding(num: int, dim: int, init_method: tp_layers.InitMethod,
                           params_dtype: torch.dtype) -> torch.nn.Embedding:
     """A plain embedding drawn on the CPU from the default generator (same on all TP ranks)."""
-    master = torch.empty(num, dim, dtype=tp_layers.master_dtype(params_dtype))
+    master = torch.empty(num, dim, dtype=tp_layers.master_dtype(params_dtype), device="cpu")
     init_method(master)
     weight = master.to(params_dtype).to(device_mod.get_device())
     emb = torch.nn.Embedding.from_pretrained(weight, freeze=False)

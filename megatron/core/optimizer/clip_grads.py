@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megatron.core import comm
+from megatron.core import comm, device
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
@@ -39,12 +39,13 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], groups: list[comm.ProcessGroup
         The global norm as a Python float.
     """
     if norm_type == math.inf:
-        local = max((g.abs().max().float() for g in grads), default=torch.tensor(0.0))
-        total = torch.tensor([float(local)], dtype=torch.float32)
+        total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
+        if grads:
+            total[0] = torch.stack([g.abs().max().float() for g in grads]).max()
         for group in groups:
             comm.all_reduce(total, group, "max")
         return float(total.item())
-    total = torch.zeros(1, dtype=torch.float32)
+    total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
     if grads:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads],
                                     norm_type)
@@ -64,9 +65,9 @@ def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float,
 
 def count_zeros_fp32(grads: list[torch.Tensor], groups: list[comm.ProcessGroup | None]) -> int:
     """Number of zero gradient elements over all ranks (``--log-num-zeros-in-grad``)."""
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=device.get_device())
     for grad in grads:
-        total += grad.numel() - torch.count_nonzero(grad).item()
+        total += grad.numel() - torch.count_nonzero(grad)  # no .item(): one sync, at the end
     for group in groups:
         comm.all_reduce(total, group, "sum")
     return int(total.item())

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from megatron.core import comm
+from megatron.core import comm, device
 from megatron.core.distributed.grad_buffer import Bucket, GradBuffer, compute_layout
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, copy_param_attributes,
                                                merged_param_group)
@@ -226,7 +226,9 @@ class DistributedOptimizer(MegatronOptimizer):
         """The optimizer state of a piece, created (zeros, current step) when missing."""
         state = self.optimizer.state[piece.main]
         if "step" not in state and not isinstance(self.optimizer, torch.optim.SGD):
-            state["step"] = torch.tensor(float(self._num_steps), dtype=torch.float32)
+            # Where torch.optim keeps "step" itself: on the CPU unless fused/capturable.
+            state["step"] = torch.tensor(float(self._num_steps), dtype=torch.float32,
+                                         device=_step_device(self.optimizer, piece.main))
         for key in self._state_keys():
             if state.get(key) is None:
                 state[key] = torch.zeros_like(piece.main)
@@ -250,7 +252,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for index, chunk in enumerate(self.model_chunks):
             state[index], layout[index] = {}, {}
             for dtype, buffer in chunk.grad_buffers.items():
-                full = {k: torch.zeros(buffer.numel, dtype=torch.float32) for k in keys} \
+                full = {k: torch.zeros(buffer.numel, dtype=torch.float32, device="cpu") for k in keys} \
                     if is_root else None
                 for bucket in buffer.buckets:
                     self._gather_bucket_state(bucket, keys, full)
@@ -268,7 +270,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def _gather_bucket_state(self, bucket: Bucket, keys: tuple[str, ...],
                              full: dict[str, torch.Tensor] | None) -> None:
         size, dp = bucket.shard_numel, bucket.dp_size
-        local = torch.zeros(len(keys), size, dtype=torch.float32)  # [keys, shard]
+        local = torch.zeros(len(keys), size, dtype=torch.float32,
+                            device=device.get_device())  # [keys, shard]
         for piece in self.pieces:
             if piece.bucket is not bucket:
                 continue
@@ -278,7 +281,8 @@ class DistributedOptimizer(MegatronOptimizer):
             for row, key in enumerate(keys[1:], start=1):
                 if state.get(key) is not None:
                     local[row, span] = state[key]
-        gathered = torch.empty(dp * len(keys) * size, dtype=torch.float32)
+        gathered = torch.empty(dp * len(keys) * size, dtype=torch.float32,
+                               device=device.get_device())
         comm.all_gather_into(gathered, local.view(-1), bucket.dp_group)
         if full is not None:
             gathered = gathered.view(dp, len(keys), size)  # [dp rank, keys, shard]
@@ -325,6 +329,14 @@ class DistributedOptimizer(MegatronOptimizer):
             state = self._piece_state(piece)
             for key in self._state_keys():
                 state[key].copy_(saved[key][src])
+
+
+def _step_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.device:
+    """Where ``optimizer`` keeps a parameter's ``step`` (torch.optim's own rule): beside the
+    parameter for the fused and capturable implementations, on the CPU otherwise."""
+    defaults = optimizer.defaults
+    on_param = defaults.get("fused") or defaults.get("capturable")
+    return param.device if on_param else torch.device("cpu")
 
 
 def _param_view(bucket: Bucket) -> torch.Tensor:

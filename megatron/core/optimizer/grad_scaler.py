@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron.core import device
+
 
 class ConstantGradScaler:
     """A fixed loss scale.
@@ -22,7 +24,8 @@ class ConstantGradScaler:
     """
 
     def __init__(self, scale: float) -> None:
-        self._scale = torch.tensor([float(scale)], dtype=torch.float32)
+        self._scale = torch.tensor([float(scale)], dtype=torch.float32,
+                                   device=device.get_device())
 
     @property
     def scale(self) -> torch.Tensor:
@@ -70,7 +73,8 @@ class DynamicGradScaler(ConstantGradScaler):
             raise ValueError(f"--loss-scale-window ({growth_interval}) and --hysteresis "
                              f"({hysteresis}) must be positive")
         super().__init__(initial_scale)
-        self.min_scale = torch.tensor([float(min_scale)], dtype=torch.float32)
+        self.min_scale = torch.tensor([float(min_scale)], dtype=torch.float32,
+                                      device=device.get_device())
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = int(growth_interval)
@@ -97,6 +101,7 @@ class DynamicGradScaler(ConstantGradScaler):
                 "hysteresis_tracker": self._hysteresis_tracker}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32).reshape(1).clone()
+        self._scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32,
+                                      device=device.get_device()).reshape(1).clone()
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])

@@ -79,8 +79,9 @@ def adapt_torch_state_dict(optimizer: torch.optim.Optimizer,
             continue
         for param_id in group["params"]:
             if param_id in state and state[param_id] and "step" not in state[param_id]:
+                # torch's optimizers move "step" where their policy wants it on load.
                 state[param_id]["step"] = torch.tensor(float(group["step"]),
-                                                       dtype=torch.float32)
+                                                       dtype=torch.float32, device="cpu")
     return {**state_dict, "state": state, "param_groups": groups}
 
 
@@ -113,7 +114,7 @@ class MegatronOptimizer:
         self.tp_rank = tensor_model_parallel_rank
         self.timers = timers
         self.barrier_with_l1_time = barrier_with_l1_time
-        self._unit_scale = torch.tensor([1.0], dtype=torch.float32)
+        self._unit_scale = torch.tensor([1.0], dtype=torch.float32, device=device.get_device())
 
     # Hooks the subclasses fill in ---------------------------------------------------------
     def main_params(self) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride
                          params_dtype: torch.dtype, device: torch.device | None,
                          ) -> torch.nn.Parameter:
     """Draw the full weight on the CPU, keep this rank's slice; mark the TP attributes."""
-    master = torch.empty(full_shape, dtype=master_dtype(params_dtype))
+    master = torch.empty(full_shape, dtype=master_dtype(params_dtype), device="cpu")
     init_method(master)
     shard = split_master_weight(master.to(params_dtype), partition_dim,
                                 tp_world_size(tp_group), tp_rank(tp_group), stride)
