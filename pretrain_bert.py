@@ -51,7 +51,7 @@ def get_batch(data_iterator) -> dict[str, torch.Tensor]:
     ``broadcast_data``) except the loss mask, which is float."""
     batch = next(data_iterator)
     dev = device.get_device()
-    out = {key: torch.as_tensor(batch[key]).to(dev, torch.long, non_blocking=True)
+    out = {key: torch.as_tensor(batch[key], device="cpu").to(dev, torch.long, non_blocking=True)
            for key in _BATCH_KEYS}
     out["loss_mask"] = out["loss_mask"].float()
     return out
