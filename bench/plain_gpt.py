@@ -96,7 +96,7 @@ def configure_adamw(model: nn.Module, lr: float = 1e-4,
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor,
                targets: torch.Tensor, bf16_autocast: bool) -> float:
     """One forward + backward + AdamW step; returns the loss."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
         loss = model(idx, targets)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -35,10 +35,11 @@ class _FusedLayerNormAffine(torch.autograd.Function):
 def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                      eps: float) -> torch.Tensor | None:
     """Layer norm of ``x`` over its last dim (weight and bias ``[h]`` of ``x``'s dtype), or
-    ``None`` when no kernel covers the inputs (the caller runs ``F.layer_norm``)."""
+    ``None`` when no kernel covers the inputs or ATen's is faster on the device (CUDA: see
+    :data:`kernels.FASTER_THAN_PYTORCH`); the caller then runs ``F.layer_norm``."""
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
         return None
-    ext = kernels.extension(x.device.type)
+    ext = kernels.preferred("layer_norm", x.device.type)
     if ext is None:
         return None
     return _FusedLayerNormAffine.apply(ext, x, weight, bias, float(eps))

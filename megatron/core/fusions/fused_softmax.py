@@ -58,12 +58,12 @@ class _ScaledSoftmax(torch.autograd.Function):
         return None, None, grad, None, None
 
 
-def kernel_for(scores: torch.Tensor) -> ModuleType | None:
-    """The extension that can run a softmax over ``scores``, or ``None`` (dtype or device not
-    covered, extension missing)."""
+def kernel_for(scores: torch.Tensor, kind: str) -> ModuleType | None:
+    """The extension that runs the ``kind`` (causal/masked/plain) softmax over ``scores``, or
+    ``None`` (dtype or device not covered, extension missing, or eager is faster there)."""
     if scores.dtype not in _DTYPES or scores.dim() != 4:
         return None
-    return kernels.extension(scores.device.type)
+    return kernels.preferred(f"softmax_{kind}", scores.device.type)
 
 
 def fused_scale_mask_softmax(scores: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -81,14 +81,12 @@ def fused_scale_mask_softmax(scores: torch.Tensor, mask: torch.Tensor | None, ca
         Probabilities in ``scores``' dtype, or ``None`` when no kernel covers these inputs (the
         caller runs its PyTorch path).
     """
-    ext = kernel_for(scores)
+    kind = "masked" if mask is not None else "causal" if causal else "plain"
+    ext = kernel_for(scores, kind)
     if ext is None:
         return None
     if mask is not None:
-        kind = "masked"
         if mask.dtype != torch.bool or mask.dim() != 4 or mask.size(1) != 1:
             return None
         mask = mask.expand(mask.size(0), 1, scores.size(2), scores.size(3))
-    else:
-        kind = "causal" if causal else "plain"
     return _ScaledSoftmax.apply(ext, kind, scores, mask, float(scale))

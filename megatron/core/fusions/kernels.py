@@ -22,6 +22,16 @@ EXTENSIONS = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kern
 # The storage dtypes every CPU kernel takes (computing in fp32).
 CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# The rule that picks every default, per device type: a kernel runs only where it beats the
+# PyTorch path it replaces (forward + backward, at the shapes the models use). On an H200 the
+# CUDA layer norm ran at 0.03-0.06x ATen's fused F.layer_norm and the plain scaled softmax at
+# 0.84x eager, so ATen runs those on CUDA; the causal (1.9x) and masked (1.4x) softmaxes win.
+# ``bench/gpu_check.py`` re-measures the CUDA kernels, ``bench/bench_kernels.py`` the CPU ones.
+FASTER_THAN_PYTORCH = {
+    "cpu": frozenset({"layer_norm", "softmax_plain", "softmax_masked", "softmax_causal"}),
+    "cuda": frozenset({"softmax_masked", "softmax_causal"}),
+}
+
 _loaded: dict[str, ModuleType | None] = {}
 
 
@@ -30,6 +40,14 @@ def extension(device_type: str) -> ModuleType | None:
     if device_type not in _loaded:
         _loaded[device_type] = _import(device_type)
     return _loaded[device_type]
+
+
+def preferred(kernel: str, device_type: str) -> ModuleType | None:
+    """The extension of ``device_type`` when its ``kernel`` beats the PyTorch path there
+    (:data:`FASTER_THAN_PYTORCH`), else ``None`` (the caller runs PyTorch)."""
+    if kernel not in FASTER_THAN_PYTORCH.get(device_type, ()):
+        return None
+    return extension(device_type)
 
 
 def cpu_kernel(name: str, *tensors: torch.Tensor) -> ModuleType | None:

@@ -1,0 +1,189 @@
+"""Training speed on one GPU: ours against plain PyTorch and plain + ``torch.compile``, one process.
+
+    python bench/gpu_speed.py --shape gpt2 [--sides plain,compile,ours,ours-noext]
+        [--warmup 5] [--steps 20] [--profile FILE] [--json FILE] [--ours-args "..."]
+
+Shapes (bf16, vocabulary 50304, the GPU-speed issue's): ``gpt2`` = 12 x 768, 12 heads, seq 1024,
+micro-batch 16; ``1.3b`` = 24 x 2048, 16 heads, seq 2048, micro-batch 4; ``small`` = 2 x 256
+(a smoke test, also on the CPU). Sides:
+
+* ``plain``: ``bench/plain_gpt.py`` (nanoGPT style: autocast bf16, SDPA, fused AdamW, clip 1.0);
+* ``compile``: the same model under ``torch.compile`` (its compile time is the first step's);
+* ``ours``: ``pretrain_gpt.py``'s own pieces and the trainer's ``train_step`` (mock data,
+  ``--bf16``: bf16 parameters with fp32 main weights and gradients, as Megatron);
+* ``ours-noext``: the same model with the compiled fused-kernel extension hidden (the PyTorch
+  path: what an install without the extension runs).
+
+Every step is timed between two device synchronisations; the figures are medians of ``--steps``
+after ``--warmup``. MFU is 6 N tokens/s over the bf16 peak given by ``--peak-tflops`` (790:
+an H200's measured 8192^3 bf16 matmul); N excludes position embeddings. ``--profile`` writes
+torch.profiler's top device kernels of one step of each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_train  # noqa: E402
+import plain_gpt  # noqa: E402
+
+VOCAB = 50304
+SHAPES = {
+    "small": bench_train.Shape("small", 2, 256, 8, 256, 8, warmup=2, steps=3),
+    "gpt2": bench_train.Shape("gpt2", 12, 768, 12, 1024, 16, warmup=5, steps=20),
+    "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=5, steps=20),
+}
+
+
+@dataclasses.dataclass
+class Side:
+    step: Callable[[], None]
+    n_params: int
+    first_step_s: float = 0.0
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def plain_side(shape: bench_train.Shape, compiled: bool) -> Side:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = plain_gpt.GPTConfig(shape.layers, shape.hidden, shape.heads, shape.seq, VOCAB)
+    model = plain_gpt.GPT(cfg).to(dev)
+    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    opt = plain_gpt.configure_adamw(model)
+    run = torch.compile(model) if compiled else model
+
+    def step():
+        data = torch.randint(0, VOCAB, (shape.mb, shape.seq + 1), device=dev)
+        plain_gpt.train_step(run, opt, data[:, :-1], data[:, 1:], True)
+
+    return Side(step, n_params)
+
+
+def ours_side(shape: bench_train.Shape, extra: list[str]) -> Side:
+    sys.path.insert(0, ROOT)
+    import profile_train
+
+    step = profile_train.ours_step(shape, True, ["--distributed-backend",
+                                                 "nccl" if torch.cuda.is_available() else "gloo",
+                                                 *extra])
+    h, layers = shape.hidden, shape.layers
+    n_params = VOCAB * h + layers * (12 * h * h + 13 * h) + 2 * h
+    return Side(step, n_params)
+
+
+def hide_extension() -> None:
+    """Make the fused-kernel extension of this device look unbuilt from now on."""
+    from megatron.core.fusions import kernels
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels._loaded[device_type] = None
+
+
+def time_side(side: Side, warmup: int, steps: int) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    synchronize()
+    t0 = time.perf_counter()
+    side.step()
+    synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        side.step()
+    times = []
+    for _ in range(steps):
+        synchronize()
+        t0 = time.perf_counter()
+        side.step()
+        synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"ms": 1000 * statistics.median(times), "first_step_s": first, "peak_GiB": peak,
+            "spread_ms": [1000 * min(times), 1000 * max(times)]}
+
+
+def profile_table(side: Side, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    sort = "self_cpu_time_total"
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+        sort = "self_cuda_time_total"
+    with profile(activities=activities) as prof:
+        side.step()
+        synchronize()
+    return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="gpt2", choices=sorted(SHAPES))
+    parser.add_argument("--sides", default="plain,compile,ours,ours-noext")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument("--ours-args", default="", help="extra pretrain_gpt.py flags for ours")
+    parser.add_argument("--profile", default=None, help="write one profiled step per side here")
+    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    warmup = args.warmup if args.warmup is not None else shape.warmup
+    steps = args.steps if args.steps is not None else shape.steps
+    tokens = shape.mb * shape.seq
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = set(sides) - {"plain", "compile", "ours", "ours-noext"}
+    if unknown:
+        parser.error(f"--sides: unknown {sorted(unknown)}")
+    results, tables = {}, []
+    ours = None
+    for name in sides:
+        if name in ("plain", "compile"):
+            side = plain_side(shape, compiled=name == "compile")
+        else:
+            if ours is None:
+                ours = ours_side(shape, shlex.split(args.ours_args))
+            if name == "ours-noext":
+                hide_extension()
+            side = ours
+        res = time_side(side, warmup, steps)
+        res["tokens_per_s"] = tokens / (res["ms"] / 1000)
+        res["mfu"] = 6 * side.n_params * res["tokens_per_s"] / (args.peak_tflops * 1e12)
+        results[name] = res
+        print(f"{shape.name} {name}: {res['ms']:.1f} ms/step, {res['tokens_per_s'] / 1e3:.1f}k "
+              f"tokens/s, MFU {100 * res['mfu']:.1f}%, peak "
+              f"{res['peak_GiB'] if res['peak_GiB'] is None else round(res['peak_GiB'], 2)} GiB, "
+              f"first step {res['first_step_s']:.1f} s", flush=True)
+        if args.profile:
+            tables.append(f"## {shape.name} {name}: one step, top kernels\n\n"
+                          + profile_table(side, args.rows))
+        if name in ("plain", "compile"):
+            del side
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n\n".join(tables) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": shape.name, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
