@@ -127,7 +127,8 @@ def copy_gbps(dev: str, small: bool) -> float:
     return 2 * 4 * n * 10 / (time.perf_counter() - t0) / 1e9
 
 
-def check(ext, dev: str, small: bool, reps: int, use_compile: bool) -> list[dict]:
+def check(ext, dev: str, small: bool, reps: int, use_compile: bool,
+          compile_dtypes: set[str]) -> list[dict]:
     rows = []
     for dname, dtype in DTYPES.items():
         for name, fused, eager, inputs, grad, moved in cases(ext, dev, dtype, small):
@@ -139,7 +140,7 @@ def check(ext, dev: str, small: bool, reps: int, use_compile: bool) -> list[dict
                    "eager_err": err_eager}
             row["fused_ms"] = median_ms(fused, inputs, grad, reps, dev)
             row["eager_ms"] = median_ms(eager, inputs, grad, reps, dev)
-            if use_compile:
+            if use_compile and dname in compile_dtypes:
                 try:
                     row["compile_ms"] = median_ms(torch.compile(eager, dynamic=False), inputs,
                                                   grad, reps, dev)
@@ -172,6 +173,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--compile-dtypes", default="bf16",
+                        help="dtypes to time torch.compile in (each case compiles anew)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     name = f"megatron.fused_kernels._{args.device}"
@@ -182,7 +185,8 @@ def main() -> int:
         return 0
     copy = copy_gbps(args.device, args.small)
     print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
-    rows = check(ext, args.device, args.small, args.reps, not args.no_compile)
+    rows = check(ext, args.device, args.small, args.reps, not args.no_compile,
+                 set(args.compile_dtypes.split(",")))
     bad = [f"{r['kernel']} {r['dtype']}" for r in rows if not r["ok"]]
     slower = [f"{r['kernel']} {r['dtype']}" for r in rows if r["fused_ms"] > r["eager_ms"]]
     print(f"summary: {len(rows) - len(bad)}/{len(rows)} correct; slower than eager: "

@@ -345,8 +345,9 @@ def generate(c: Check, stage: str, load: str, nproc: int, extra: list[str]) -> s
 
 
 def generated_text(out: str) -> list[str]:
-    return [ln for ln in out.splitlines() if not ln.startswith((">", "[", "W", "I"))
-            and ln.strip()]
+    """The lines from the first ``--- prompt:`` header on (generate.py's answer)."""
+    start = out.find("--- prompt:")
+    return out[start:].strip().splitlines() if start >= 0 else []
 
 
 def stage_generate(c: Check):

@@ -44,7 +44,7 @@ VOCAB = 50304
 SHAPES = {
     "small": bench_train.Shape("small", 2, 256, 8, 256, 8, warmup=2, steps=3),
     "gpt2": bench_train.Shape("gpt2", 12, 768, 12, 1024, 16, warmup=5, steps=20),
-    "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=5, steps=20),
+    "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=3, steps=10),
 }
 
 
