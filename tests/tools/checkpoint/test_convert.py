@@ -54,7 +54,8 @@ def test_tp2_pp2_virtual_stages_follow_the_layout_table(tmp_path):
     out = _convert(tmp_path / "src", tmp_path / "dst", *_layout(2, 2, 1))
     shards = helpers.shards(out / "iter_0000007")
     assert sorted(shards) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert (out / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt.sha256").is_file()
+    assert "mp_rank_01_001/model_optim_rng.pt" in \
+        (out / "iter_0000007" / "checksums.sha256").read_text()
     full = model.state_dict()
     args = shards[(1, 1)]["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -186,7 +187,7 @@ def _refused(src: Path, match: str) -> None:
 def test_truncated_shard_is_refused_naming_the_file(tp2_checkpoint):
     shard = tp2_checkpoint / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
-    (shard.parent / "model_optim_rng.pt.sha256").unlink()  # as Megatron-LM writes it: none
+    (shard.parents[1] / "checksums.sha256").unlink()  # as Megatron-LM writes it: none
     _refused(tp2_checkpoint, "corrupt or truncated checkpoint file .*mp_rank_01_001")
 
 
@@ -196,6 +197,20 @@ def test_corrupted_shard_fails_its_checksum(tp2_checkpoint):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     _refused(tp2_checkpoint, "mp_rank_00_001.*sha256")
+
+
+def test_rank_directories_hold_only_megatrons_files(tp2_checkpoint):
+    """HuggingFace's reshaping script loads the first entry it lists in each mp_rank directory:
+    it must be the shard (the checksums are in the iteration directory)."""
+    iteration_dir = tp2_checkpoint / "iter_0000007"
+    for rank_dir in sorted(iteration_dir.glob("mp_rank_*")):
+        entries = os.listdir(rank_dir)
+        assert entries == ["model_optim_rng.pt"], entries
+        sd = torch.load(rank_dir / entries[0], map_location="cpu", weights_only=False)
+        assert isinstance(sd["model"], dict) and sd["args"].tensor_model_parallel_size == 2
+    assert sorted(os.listdir(iteration_dir)) == [
+        "checksums.sha256", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+        "mp_rank_01_001"]
 
 
 def test_missing_rank_directory_is_named(tp2_checkpoint):
