@@ -116,6 +116,22 @@ def test_target_vocab_size_divisible_by_repads_the_vocabulary(tmp_path):
         "language_model.embedding.word_embeddings.weight"][:256])
 
 
+def test_padding_rows_copy_the_last_row(tmp_path):
+    """Rows a re-padding adds are copies of the source's last row, as Megatron-LM pads."""
+    model = helpers.gpt(untie_embeddings_and_output_weights=True)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    out = _convert(tmp_path / "src", tmp_path / "dst", "--target-vocab-size-divisible-by", "128",
+                   "--true-vocab-size", "264", *_layout(2, 1))
+    shards = helpers.shards(out / "iter_0000007")
+    assert shards[(0, 0)]["args"].padded_vocab_size == 512  # 264 rounded to 128 x 2
+    for key in ("language_model.embedding.word_embeddings.weight",
+                "language_model.output_layer.weight"):
+        rows = torch.cat([helpers.flat_model(shards[(t, 0)])[key] for t in range(2)])
+        source = model.state_dict()[key]
+        assert torch.equal(rows[:264], source), key
+        assert torch.equal(rows[264:], source[-1].expand(512 - 264, -1)), key
+
+
 # Checkpoints other tools wrote --------------------------------------------------------------
 def test_simple_namespace_args_and_a_tolerated_extra_key(tmp_path):
     model = helpers.gpt()
