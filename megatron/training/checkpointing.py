@@ -310,9 +310,11 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
         mine = getattr(ours, name, None)
         if theirs is None or mine is None or theirs == mine:
             continue
+        if name == "make_vocab_size_divisible_by" and _both_padded_sizes(ckpt_args, ours):
+            continue  # the embedding's rows are what must agree; other divisors can give them
         diffs.append(f"--{name.replace('_', '-')}: checkpoint {theirs}, flags {mine}")
         if name == "padded_vocab_size":
-            diffs.append(_padded_vocab_hint(ckpt_args, ours))
+            diffs.append(_padded_vocab_hint(ckpt_args, ours, _tokenizer_vocab_size(cfg)))
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
@@ -323,20 +325,57 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
                                 f"with {CONVERTER})")
 
 
-def _padded_vocab_hint(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> str:
-    """How to build the checkpoint's embedding size: its rows are the vocabulary padded to a
-    multiple of --make-vocab-size-divisible-by x TP, and the same multiple at this run's TP
-    needs the divisor ``checkpoint divisor x checkpoint TP / TP``."""
+def _both_padded_sizes(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> bool:
+    return getattr(ckpt_args, "padded_vocab_size", None) is not None and \
+        getattr(ours, "padded_vocab_size", None) is not None
+
+
+def _tokenizer_vocab_size(cfg) -> int | None:
+    """The unpadded vocabulary of this run's tokenizer (None when it cannot be built)."""
+    from megatron.tokenizer import create_tokenizer
+    if cfg.tokenizer.tokenizer_type is None:
+        return None
+    try:
+        return create_tokenizer(cfg.tokenizer).vocab_size
+    except ValueError:
+        return None
+
+
+def _padded_vocab_hint(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
+                       vocab_size: int | None) -> str:
+    """How to build the checkpoint's embedding size: a --make-vocab-size-divisible-by whose
+    padding of this tokenizer's vocabulary at this TP gives exactly the checkpoint's rows."""
     rows, tp = ckpt_args.padded_vocab_size, ours.tensor_model_parallel_size
     what = (f"  (the checkpoint's word embedding has {rows} rows; this run pads the vocabulary "
             f"to {ours.padded_vocab_size} = a multiple of --make-vocab-size-divisible-by "
             f"{ours.make_vocab_size_divisible_by} x --tensor-model-parallel-size {tp}: ")
-    divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
-    saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", None) or 1
-    if divisor and (divisor * saved_tp) % tp == 0 and rows % tp == 0:
-        return what + f"pass --make-vocab-size-divisible-by {divisor * saved_tp // tp})"
+    divisor = _divisor_padding_to(rows, vocab_size, tp, ckpt_args)
+    if divisor is not None:
+        return what + (f"pass --make-vocab-size-divisible-by {divisor}, or "
+                       "--use-checkpoint-args)")
     return what + (f"re-pad the checkpoint with {CONVERTER} --target-vocab-size-divisible-by "
                    f"{ours.make_vocab_size_divisible_by})")
+
+
+def _divisor_padding_to(rows: int, vocab_size: int | None, tp: int,
+                        ckpt_args: argparse.Namespace) -> int | None:
+    """A divisor d whose padding (the next multiple of d x ``tp``) takes ``vocab_size`` to
+    exactly ``rows``: the checkpoint's own padding multiple at this TP when it does, else the
+    smallest power of two, else ``rows / tp``. Without the vocabulary size only the first is
+    offered, when the checkpoint was padded by its own args. None: no divisor does."""
+    saved_divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+    saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", None) or 1
+    own = saved_divisor * saved_tp // tp if saved_divisor and \
+        (saved_divisor * saved_tp) % tp == 0 else None
+    if vocab_size is None:
+        return own if own is not None and rows % (own * tp) == 0 else None
+    candidates = [own] if own is not None else []
+    candidates += [1 << k for k in range(rows.bit_length())] + [rows // tp]
+    for divisor in candidates:
+        multiple = divisor * tp
+        if rows % multiple == 0 and rows - multiple < vocab_size <= rows:
+            return divisor
+    return None
 
 
 def _pipeline_diffs(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> list[str]:

@@ -123,9 +123,6 @@ def build_tokenizer_from_config(cfg: MegatronConfig):
     ``--mock-data`` and the padded vocabulary size the model is built with)."""
     from megatron.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
-                                cfg.model.make_vocab_size_divisible_by)
-    if cfg.padded_vocab_size is not None:
-        # validate() chose it (the checkpoint's with --use-checkpoint-args).
-        tokenizer.padded_vocab_size = cfg.padded_vocab_size
-    return tokenizer
+    # validate() chose the padded size (the checkpoint's with --use-checkpoint-args).
+    return build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
+                           cfg.model.make_vocab_size_divisible_by, cfg.padded_vocab_size)

@@ -266,19 +266,42 @@ def test_cli_converts_through_the_script(tmp_path):
     assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
 
 
+def _run_config(padded: int, divisor: int, tp: int) -> types.SimpleNamespace:
+    """What _check_compatible reads of a run with GPT-2's 50257 tokens (a NullTokenizer)."""
+    from megatron.tokenizer.config import TokenizerConfig
+
+    ours = argparse.Namespace(padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
+                              tensor_model_parallel_size=tp)
+    return types.SimpleNamespace(to_namespace=lambda: ours, tokenizer=TokenizerConfig(
+        tokenizer_type="NullTokenizer", vocab_size=50256))
+
+
 def test_padded_vocabulary_mismatch_names_both_sizes_and_the_flag(tmp_path):
     from megatron.training.checkpointing import _check_compatible
 
     saved = argparse.Namespace(padded_vocab_size=50304, make_vocab_size_divisible_by=128,
                                tensor_model_parallel_size=1)
-    ours = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
-                              tensor_model_parallel_size=2)
-    cfg = types.SimpleNamespace(to_namespace=lambda: ours)
     with pytest.raises(CheckpointError) as err:
-        _check_compatible(saved, cfg, tmp_path / "model_optim_rng.pt")
+        _check_compatible(saved, _run_config(50432, 128, 2), tmp_path / "model_optim_rng.pt")
     text = str(err.value)
     assert "50304 rows" in text and "to 50432" in text
     assert "pass --make-vocab-size-divisible-by 64" in text
+
+
+def test_padded_vocabulary_hint_gives_a_divisor_that_loads(tmp_path):
+    """TP2 -> HF (padding kept) -> TP1: 50432 rows recorded with divisor 128 at TP 1, which pads
+    GPT-2 to 50304. The hint names a divisor that pads to 50432 at TP 1, and with it the
+    checkpoint loads (its recorded divisor differs: only the rows must agree)."""
+    from megatron.tokenizer import vocab_size_with_padding
+    from megatron.training.checkpointing import _check_compatible
+
+    saved = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
+                               tensor_model_parallel_size=1)
+    with pytest.raises(CheckpointError) as err:
+        _check_compatible(saved, _run_config(50304, 128, 1), tmp_path / "model_optim_rng.pt")
+    assert "pass --make-vocab-size-divisible-by 256" in str(err.value)
+    assert vocab_size_with_padding(50257, 256, 1) == 50432
+    _check_compatible(saved, _run_config(50432, 256, 1), tmp_path / "model_optim_rng.pt")
 
 
 def test_training_loader_ignores_a_head_copy_on_a_single_stage():
@@ -330,7 +353,8 @@ def test_bert_converted_to_tp2_gives_the_source_logits(tmp_path):
         assert (binary - expected[1]).abs().max() <= 1e-5
 
 
-def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, shared_data):
+def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, shared_data,
+                                                                     megatron_log):
     """A checkpoint whose padding is not --make-vocab-size-divisible-by x TP of its own args (as
     Megatron-LM's converter leaves one re-split to TP2: 128 x 1 padding, TP 2 in the args)."""
     from megatron.config.validate import validate
@@ -352,3 +376,5 @@ def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, s
     assert cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.padded_vocab_size == 50304  # not 50432 = 50257 padded to 128 x 2
     assert build_tokenizer_from_config(cfg).padded_vocab_size == 50304
+    logged = [r.getMessage() for r in megatron_log if "padded vocab" in r.getMessage()]
+    assert len(logged) == 1 and "(new size: 50304, the checkpoint's" in logged[0], logged
