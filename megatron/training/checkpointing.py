@@ -50,6 +50,7 @@ from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filena
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.core.transformer.config import gelu_tanh_approximation
 
 # Architecture flags that must agree between a checkpoint and the run loading it.
 _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -315,6 +316,7 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
         diffs.append(f"--{name.replace('_', '-')}: checkpoint {theirs}, flags {mine}")
         if name == "padded_vocab_size":
             diffs.append(_padded_vocab_hint(ckpt_args, ours, _tokenizer_vocab_size(cfg)))
+    _warn_on_another_gelu(ckpt_args, ours, path)
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
@@ -323,6 +325,21 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
                                 "--tensor-model-parallel-size / --pipeline-model-parallel-size / "
                                 "--num-layers-per-virtual-pipeline-stage must first be converted "
                                 f"with {CONVERTER})")
+
+
+def _warn_on_another_gelu(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
+                          path: Path) -> None:
+    """The GeLU form changes no shape, so it loads either way: say when it differs from the
+    one the checkpoint was trained with (its args record bias_gelu_fusion)."""
+    if getattr(ckpt_args, "bias_gelu_fusion", None) is None:
+        return  # not recorded: the form it was trained with is unknown
+    theirs, mine = gelu_tanh_approximation(ckpt_args), gelu_tanh_approximation(ours)
+    if theirs != mine:
+        form = {True: "the tanh GeLU (bias-GeLU fusion or --openai-gelu)",
+                False: "the exact erf GeLU (--no-bias-gelu-fusion)"}
+        warn_rank_0(f"{path} was trained with {form[theirs]}, and this run computes "
+                    f"{form[mine]}: its outputs will differ (pass the checkpoint's flag, or "
+                    "--use-checkpoint-args)")
 
 
 def _both_padded_sizes(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> bool:

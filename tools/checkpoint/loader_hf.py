@@ -8,8 +8,9 @@ The description's ``args`` are Megatron's for that architecture (``--tokenizer-t
 GPT2BPETokenizer`` with the directory's ``vocab.json`` / ``merges.txt`` when present;
 ``--make-vocab-size-divisible-by 128``): the saver pads the vocabulary as a Megatron run would,
 so the result loads with ``--use-checkpoint-args``. A model with the exact erf GeLU
-(``activation_function: gelu``) is recorded with ``bias_gelu_fusion = False``: train it on
-with ``--no-bias-gelu-fusion`` (the fusion computes the tanh form).
+(``activation_function: gelu``) is recorded with ``bias_gelu_fusion = False``, which
+``--use-checkpoint-args`` restores (with explicit flags, pass ``--no-bias-gelu-fusion``: the
+fusion computes the tanh form).
 """
 
 from __future__ import annotations
