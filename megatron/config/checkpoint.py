@@ -43,9 +43,10 @@ class CheckpointConfig:
     Without it that start is refused, as a mistyped --load would destroy the run's lineage
     (not a Megatron-LM flag)."""
     verify_checkpoint_checksums: bool = True
-    """Load checkpoint files without checking them against the sha256 file saved beside each
-    (by default a file that differs from its checksum is refused; files written by Megatron-LM
-    have no checksum file and load unverified either way; not a Megatron-LM flag)."""
+    """Load checkpoint files without checking them against the sha256s the iteration
+    directory's checksums.sha256 records (by default a file that differs from its checksum is
+    refused; files written by Megatron-LM have none and have their zip CRC32s checked instead;
+    not a Megatron-LM flag)."""
     random_weights: bool = False
     """Evaluate (--skip-train) or generate from untrained, randomly initialized weights on
     purpose; without it, evaluation and generation refuse to start when no checkpoint is loaded

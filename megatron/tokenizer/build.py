@@ -79,13 +79,16 @@ def _create(kind: str, cfg: TokenizerConfig) -> AbstractTokenizer:
 
 
 def build_tokenizer(tokenizer_config: TokenizerConfig, tensor_model_parallel_size: int = 1,
-                    make_vocab_size_divisible_by: int = 128) -> AbstractTokenizer:
+                    make_vocab_size_divisible_by: int = 128,
+                    padded_vocab_size: int | None = None) -> AbstractTokenizer:
     """The tokenizer of ``--tokenizer-type``; sets its ``padded_vocab_size``.
 
     Args:
         tokenizer_config: the tokenizer flags.
         tensor_model_parallel_size: TP size (the padding multiple grows with it).
         make_vocab_size_divisible_by: ``--make-vocab-size-divisible-by``.
+        padded_vocab_size: the size the model is built with when it is not the flags' padding
+            (the checkpoint's, with --use-checkpoint-args); logged as the one built.
 
     Raises:
         ValueError: unknown type, or a file/size flag the type needs is missing.
@@ -94,7 +97,12 @@ def build_tokenizer(tokenizer_config: TokenizerConfig, tensor_model_parallel_siz
     tokenizer = create_tokenizer(tokenizer_config)
     padded = vocab_size_with_padding(tokenizer.vocab_size, make_vocab_size_divisible_by,
                                      tensor_model_parallel_size)
+    whose = ""
+    if padded_vocab_size is not None and padded_vocab_size != padded:
+        whose = (f", the checkpoint's embedding size; --make-vocab-size-divisible-by "
+                 f"{make_vocab_size_divisible_by} x TP {tensor_model_parallel_size} gives {padded}")
+        padded = padded_vocab_size
     log_rank_0(f" > padded vocab (size: {tokenizer.vocab_size}) with "
-               f"{padded - tokenizer.vocab_size} dummy tokens (new size: {padded})")
+               f"{padded - tokenizer.vocab_size} dummy tokens (new size: {padded}{whose})")
     tokenizer.padded_vocab_size = padded
     return tokenizer

@@ -12,8 +12,9 @@ Layout (``--ckpt-format torch``)::
 Every file is written under a temporary name, synced, then renamed, and the directories holding
 the renamed files are synced; the tracker file is rewritten the same way by global rank 0 after
 every rank has finished (then the save root is synced), so a crash at any moment leaves the
-previous checkpoint loadable and the tracker never points at a partial one. Each shard has a
-sha256 file beside it, checked on load (``megatron.checkpointing.files``: checksums, temporary
+previous checkpoint loadable and the tracker never points at a partial one. The sha256 of every
+shard is recorded in the iteration directory's ``checksums.sha256`` (global rank 0 writes it,
+before the tracker) and checked on load (``megatron.checkpointing.files``: checksums, temporary
 files of interrupted saves, out-of-space errors).
 
 Lineage: training refuses to start from random weights when ``--save`` already holds checkpoints
@@ -40,14 +41,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpointing import (  # noqa: F401 - re-exported for existing callers
-    CHECKPOINT_VERSION, CHECKSUM_SUFFIX, DISTRIB_OPTIM_FILENAME, MODEL_FILENAME,
-    TRACKER_FILENAME, CheckpointError, MegatronEnum, checkpoint_dir, checkpoint_name,
-    checkpoint_version, corrupt_file_error, fix_query_key_value_ordering, load_checkpoint_file,
-    parse_tracker, publish_tracker, remove_stale_temp_files, save_file, verify_checksum)
+    CHECKPOINT_VERSION, CHECKSUM_SUFFIX, DISTRIB_OPTIM_FILENAME, MANIFEST_FILENAME,
+    MODEL_FILENAME, TRACKER_FILENAME, CheckpointError, MegatronEnum, checkpoint_dir,
+    checkpoint_name, checkpoint_version, corrupt_file_error, fix_query_key_value_ordering,
+    load_checkpoint_file, manifest_entry, parse_tracker, publish_tracker,
+    remove_stale_temp_files, save_file, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.core.transformer.config import gelu_tanh_approximation
 
 # Architecture flags that must agree between a checkpoint and the run loading it.
 _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -180,7 +183,8 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     """Save every rank's shard under ``--save``; returns the iteration directory.
 
     Only data-parallel rank 0 of each model-parallel shard writes ``model_optim_rng.pt``; with the
-    distributed optimizer every rank takes part in gathering ``distrib_optim.pt``.
+    distributed optimizer every rank takes part in gathering ``distrib_optim.pt``. The writers'
+    checksums are gathered and global rank 0 records them in the iteration directory's manifest.
 
     Raises:
         CheckpointError: a file could not be written (out of space, naming the directory, the
@@ -194,12 +198,14 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     rng_states = None if cfg.checkpoint.no_save_rng else \
         _gather_rng_states(cfg.model.data_parallel_random_init)
     name = get_checkpoint_name(root, iteration)
+    digests: dict[str, str] = {}  # this rank's files: manifest entry -> sha256
     distributed_optimizer = cfg.parallel.use_distributed_optimizer and optimizer is not None
     if distributed_optimizer and not cfg.checkpoint.no_save_optim:
         # Collective over the data-parallel group; DP rank 0 receives the gathered state.
         state = optimizer.save_parameter_state()
         if parallel_state.get_data_parallel_rank() == 0:
-            save_file(state, name.with_name(DISTRIB_OPTIM_FILENAME))
+            distrib = name.with_name(DISTRIB_OPTIM_FILENAME)
+            digests[manifest_entry(distrib)] = save_file(state, distrib)
     if parallel_state.get_data_parallel_rank() == 0:
         sd: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": iteration,
@@ -211,11 +217,15 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
                 sd["opt_param_scheduler"] = scheduler.state_dict()
         if rng_states is not None:
             sd["rng_state"] = rng_states
-        save_file(sd, name)  # its directory synced too: this shard's renames are durable
-    comm.barrier(comm.world_group())
+        # Its directory synced too: this shard's renames are durable.
+        digests[manifest_entry(name)] = save_file(sd, name)
+    # Every rank's, once every shard is in (the gather waits for all, as a barrier would).
+    every_digest = {entry: digest for ranks in comm.all_gather_object(digests, comm.world_group())
+                    for entry, digest in ranks.items()}
     if _is_global_rank_0():
-        # Once, after every shard is in: the new mp_rank / iter directories are durable before
+        # The manifest, then the tracker: the new mp_rank / iter directories are durable before
         # the tracker can point at them.
+        write_manifest(name.parent.parent, every_digest)
         _publish(root, iteration, name.parent.parent)
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
@@ -302,9 +312,12 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
         mine = getattr(ours, name, None)
         if theirs is None or mine is None or theirs == mine:
             continue
+        if name == "make_vocab_size_divisible_by" and _both_padded_sizes(ckpt_args, ours):
+            continue  # the embedding's rows are what must agree; other divisors can give them
         diffs.append(f"--{name.replace('_', '-')}: checkpoint {theirs}, flags {mine}")
         if name == "padded_vocab_size":
-            diffs.append(_padded_vocab_hint(ckpt_args, ours))
+            diffs.append(_padded_vocab_hint(ckpt_args, ours, _tokenizer_vocab_size(cfg)))
+    _warn_on_another_gelu(ckpt_args, ours, path)
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
@@ -315,20 +328,72 @@ def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> 
                                 f"with {CONVERTER})")
 
 
-def _padded_vocab_hint(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> str:
-    """How to build the checkpoint's embedding size: its rows are the vocabulary padded to a
-    multiple of --make-vocab-size-divisible-by x TP, and the same multiple at this run's TP
-    needs the divisor ``checkpoint divisor x checkpoint TP / TP``."""
+def _warn_on_another_gelu(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
+                          path: Path) -> None:
+    """The GeLU form changes no shape, so it loads either way: say when it differs from the
+    one the checkpoint was trained with (its args record bias_gelu_fusion)."""
+    if getattr(ckpt_args, "bias_gelu_fusion", None) is None:
+        return  # not recorded: the form it was trained with is unknown
+    theirs, mine = gelu_tanh_approximation(ckpt_args), gelu_tanh_approximation(ours)
+    if theirs != mine:
+        form = {True: "the tanh GeLU (bias-GeLU fusion or --openai-gelu)",
+                False: "the exact erf GeLU (--no-bias-gelu-fusion)"}
+        warn_rank_0(f"{path} was trained with {form[theirs]}, and this run computes "
+                    f"{form[mine]}: its outputs will differ (pass the checkpoint's flag, or "
+                    "--use-checkpoint-args)")
+
+
+def _both_padded_sizes(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> bool:
+    return getattr(ckpt_args, "padded_vocab_size", None) is not None and \
+        getattr(ours, "padded_vocab_size", None) is not None
+
+
+def _tokenizer_vocab_size(cfg) -> int | None:
+    """The unpadded vocabulary of this run's tokenizer (None when it cannot be built)."""
+    from megatron.tokenizer import create_tokenizer
+    if cfg.tokenizer.tokenizer_type is None:
+        return None
+    try:
+        return create_tokenizer(cfg.tokenizer).vocab_size
+    except ValueError:
+        return None
+
+
+def _padded_vocab_hint(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
+                       vocab_size: int | None) -> str:
+    """How to build the checkpoint's embedding size: a --make-vocab-size-divisible-by whose
+    padding of this tokenizer's vocabulary at this TP gives exactly the checkpoint's rows."""
     rows, tp = ckpt_args.padded_vocab_size, ours.tensor_model_parallel_size
     what = (f"  (the checkpoint's word embedding has {rows} rows; this run pads the vocabulary "
             f"to {ours.padded_vocab_size} = a multiple of --make-vocab-size-divisible-by "
             f"{ours.make_vocab_size_divisible_by} x --tensor-model-parallel-size {tp}: ")
-    divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
-    saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", None) or 1
-    if divisor and (divisor * saved_tp) % tp == 0 and rows % tp == 0:
-        return what + f"pass --make-vocab-size-divisible-by {divisor * saved_tp // tp})"
+    divisor = _divisor_padding_to(rows, vocab_size, tp, ckpt_args)
+    if divisor is not None:
+        return what + (f"pass --make-vocab-size-divisible-by {divisor}, or "
+                       "--use-checkpoint-args)")
     return what + (f"re-pad the checkpoint with {CONVERTER} --target-vocab-size-divisible-by "
                    f"{ours.make_vocab_size_divisible_by})")
+
+
+def _divisor_padding_to(rows: int, vocab_size: int | None, tp: int,
+                        ckpt_args: argparse.Namespace) -> int | None:
+    """A divisor d whose padding (the next multiple of d x ``tp``) takes ``vocab_size`` to
+    exactly ``rows``: the checkpoint's own padding multiple at this TP when it does, else the
+    smallest power of two, else ``rows / tp``. Without the vocabulary size only the first is
+    offered, when the checkpoint was padded by its own args. None: no divisor does."""
+    saved_divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+    saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", None) or 1
+    own = saved_divisor * saved_tp // tp if saved_divisor and \
+        (saved_divisor * saved_tp) % tp == 0 else None
+    if vocab_size is None:
+        return own if own is not None and rows % (own * tp) == 0 else None
+    candidates = [own] if own is not None else []
+    candidates += [1 << k for k in range(rows.bit_length())] + [rows // tp]
+    for divisor in candidates:
+        multiple = divisor * tp
+        if rows % multiple == 0 and rows - multiple < vocab_size <= rows:
+            return divisor
+    return None
 
 
 def _pipeline_diffs(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> list[str]:
@@ -379,8 +444,9 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                     load_dir: str | None = None, strict: bool = True) -> tuple[int, int, int]:
     """Load the latest (or ``--ckpt-step``) checkpoint of ``--load`` into the model and optimizer.
 
-    Every file read is first checked against the sha256 saved beside it (files without one,
-    as Megatron-LM writes them, load unverified; --no-verify-checkpoint-checksums skips it).
+    Every file read is first checked against the sha256 its iteration's manifest records (or,
+    saved before the manifest, the ``.sha256`` beside it); files without either, as Megatron-LM
+    writes them, have their zip CRC32s checked; --no-verify-checkpoint-checksums skips both.
 
     Returns:
         (iteration, consumed_train_samples, consumed_valid_samples); zeros without a checkpoint.
@@ -435,16 +501,17 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         _load_rng_state(sd, cfg, name)
     if unverified:
         # Quietly, once: Megatron-LM's checkpoints (and ours from before checksums) have none.
-        log_rank_0(f"  no {CHECKSUM_SUFFIX} file beside "
-                   f"{', '.join(p.name for p in unverified)} in {name.parent}: loaded without "
-                   "checksum verification (a checkpoint written by Megatron-LM?)")
+        log_rank_0(f"  no sha256 recorded for {', '.join(p.name for p in unverified)} in "
+                   f"{name.parent} (no {MANIFEST_FILENAME} entry, no {CHECKSUM_SUFFIX} file): "
+                   "loaded after checking its zip CRC32s only (a checkpoint written by "
+                   "Megatron-LM?)")
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
 
 
 def _read_verified(path: Path, cfg, unverified: list[Path]) -> dict:
-    """:func:`load_checkpoint_file` after checking ``path`` against its saved sha256; files
+    """:func:`load_checkpoint_file` after checking ``path`` against its recorded sha256; files
     without one are appended to ``unverified``."""
     if cfg.checkpoint.verify_checkpoint_checksums and path.is_file() \
             and not verify_checksum(path):

@@ -80,11 +80,15 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
     model_parallel_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
 
 
-# Flags --use-checkpoint-args copies from the checkpoint's saved args.
+# Flags --use-checkpoint-args copies from the checkpoint's saved args. The activation is part
+# of the architecture: bias_gelu_fusion picks the tanh GeLU over the exact erf one (with
+# openai_gelu, onnx_safe and add_bias_linear: gelu_tanh_approximation), which Megatron-LM does
+# not restore.
 _CHECKPOINT_ARCH_FIELDS = {
     "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
               "max_position_embeddings", "add_position_embedding", "make_vocab_size_divisible_by",
               "layernorm_epsilon", "apply_residual_connection_post_layernorm", "openai_gelu",
+              "bias_gelu_fusion", "onnx_safe", "swiglu", "squared_relu",
               "untie_embeddings_and_output_weights", "add_bias_linear",
               "apply_query_key_layer_scaling", "bert_binary_head"),
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
@@ -123,9 +127,6 @@ def build_tokenizer_from_config(cfg: MegatronConfig):
     ``--mock-data`` and the padded vocabulary size the model is built with)."""
     from megatron.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
-                                cfg.model.make_vocab_size_divisible_by)
-    if cfg.padded_vocab_size is not None:
-        # validate() chose it (the checkpoint's with --use-checkpoint-args).
-        tokenizer.padded_vocab_size = cfg.padded_vocab_size
-    return tokenizer
+    # validate() chose the padded size (the checkpoint's with --use-checkpoint-args).
+    return build_tokenizer(cfg.tokenizer, cfg.parallel.tensor_model_parallel_size,
+                           cfg.model.make_vocab_size_divisible_by, cfg.padded_vocab_size)

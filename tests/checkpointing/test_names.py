@@ -68,9 +68,12 @@ _SCRIPT = textwrap.dedent("""
     full = {"language_model.embedding.word_embeddings.weight": torch.arange(8.).view(4, 2),
             "language_model.encoder.layers.0.self_attention.dense.weight": torch.ones(2, 4),
             "language_model.encoder.final_layernorm.bias": torch.zeros(2)}
+    digests = {}
     for rank, shard in enumerate(ckpt.GPT_LAYOUT.split_tensor_parallel(full, 2)):
         sd = {"model": ckpt.nest_model_state(shard), "checkpoint_version": 3.0, "iteration": 5}
-        ckpt.save_file(sd, ckpt.checkpoint_name(root, 5, tensor_rank=rank))
+        name = ckpt.checkpoint_name(root, 5, tensor_rank=rank)
+        digests[ckpt.manifest_entry(name)] = ckpt.save_file(sd, name)
+    ckpt.write_manifest(ckpt.checkpoint_dir(root, 5), digests)
     ckpt.publish_tracker(root, 5, ckpt.checkpoint_dir(root, 5))
     shards = ckpt.shard_files(ckpt.latest_checkpoint_dir(root))
     read = [ckpt.flatten_model_state(ckpt.load_checkpoint_file(shards[(t, 0)])["model"])

@@ -8,7 +8,7 @@ tracker (tests/training/test_checkpoint_faults.py), a jsonl line that is not JSO
 a missing tokenizer file for preprocess_data.py (tests/tools/test_preprocess_data.py). Here,
 the gaps the injections found (each was a bug, now fixed):
 
-* a checkpoint shard without a ``.sha256`` (as Megatron-LM writes them) with a flipped bit in a
+* a checkpoint shard without a recorded sha256 (as Megatron-LM writes them) with a flipped bit in a
   tensor loaded silently: torch's zip reader does not check the CRC32 it records. Now checked;
 * a ``vocab.json`` that is a JSON list, or has a non-integer id, failed with an AttributeError /
   TypeError naming no file; a JSON syntax error or a non-UTF-8 byte in ``vocab.json``,
@@ -37,11 +37,11 @@ from tools import preprocess_data
 
 # Checkpoint shards ----------------------------------------------------------------------------
 def _megatron_shard(tmp_path: Path) -> tuple[Path, Path, torch.nn.Module]:
-    """A saved iteration-2 checkpoint whose shard has no .sha256 (Megatron-LM's files)."""
+    """A saved iteration-2 checkpoint with no checksum manifest (Megatron-LM's files)."""
     root = tmp_path / "run"
     model = _model(3)
     shard = _save(root, 2, model)
-    checkpoint_files.checksum_path(shard).unlink()
+    checkpoint_files.manifest_path(shard).unlink()
     return root, shard, model
 
 
@@ -69,7 +69,7 @@ def test_a_truncated_shard_is_refused_naming_it(tmp_path, checksum, keep):
     shard = _save(root, 2)
     data = shard.read_bytes()
     if not checksum:
-        checkpoint_files.checksum_path(shard).unlink()
+        checkpoint_files.manifest_path(shard).unlink()
     shard.write_bytes(data[:int(len(data) * keep)] if keep == 0.5 else data[:keep])
     with pytest.raises(CheckpointError,
                        match=f"^corrupt or truncated checkpoint file {re.escape(str(shard))}: "):

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing import checksum_path
+from megatron.checkpointing import manifest_path
 from megatron.training.checkpointing import (MODEL_FILENAME, TRACKER_FILENAME, CheckpointError,
                                              MegatronEnum, load_checkpoint_file)
 from tests.training import e2e
@@ -81,13 +81,13 @@ def _shard(root: Path, iteration: int = SAVED_AT, tp_rank: int = 0) -> Path:
 
 def _rewrite(src: Path, dst: Path, tp: int, change) -> Path:
     """Copy checkpoint ``src`` to ``dst`` with ``change(state_dict, tp_rank)`` applied to every
-    shard, written as Megatron-LM writes it: without the checksum file beside it."""
+    shard, written as Megatron-LM writes it: without the iteration's checksum manifest."""
     shutil.copytree(src, dst)
     for tp_rank in range(tp):
         sd = torch.load(_shard(src, tp_rank=tp_rank), map_location="cpu", weights_only=False)
         change(sd, tp_rank)
         torch.save(sd, _shard(dst, tp_rank=tp_rank))
-        checksum_path(_shard(dst, tp_rank=tp_rank)).unlink()
+    manifest_path(_shard(dst, tp_rank=0)).unlink()
     return dst
 
 

@@ -11,9 +11,11 @@ Unit level (this process, no process group; a ``Linear`` stands for the model an
   --allow-overwrite-checkpoints; no --load at all, the same;
 * 0-byte shard, binary or non-numeric tracker, non-integer iteration: "corrupt or truncated
   checkpoint file FILE";
-* checksums: written beside each shard (sha256sum format), a flipped bit refused naming the file
-  (--no-verify-checkpoint-checksums loads it), a shard without one (Megatron-LM's) loads with one
-  quiet line, and plain ``torch.load`` (what Megatron-LM calls) still reads ours.
+* checksums: one manifest per iteration directory (sha256sum format), nothing but the shard in
+  its mp_rank directory, a flipped bit refused naming the file (--no-verify-checkpoint-checksums
+  loads it), a shard without one (Megatron-LM's) loads with one quiet line, the ``.sha256``
+  beside a shard of a checkpoint saved before the manifest still checked, and plain
+  ``torch.load`` (what Megatron-LM calls) still reads ours.
 
 End to end through ``pretrain()`` (pooled world of 1): the issue's ``--save RUN --load RUN_TYPO``
 leaves RUN untouched; a checkpoint without ``args`` is refused for resuming, resumes with
@@ -169,6 +171,7 @@ def test_temp_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path):
     shard_dir = _shard(root, 2).parent
     stale = [shard_dir / ".model_optim_rng.pt.tmp-4242",
              shard_dir / ".model_optim_rng.pt.sha256.tmp-4242",
+             shard_dir.parent / ".checksums.sha256.tmp-7",
              root / "iter_0000004" / "mp_rank_01" / ".distrib_optim.pt.tmp-17",
              root / f".{TRACKER_FILENAME}.tmp-99"]
     # Not ours (other names, other places, no pid): left alone.
@@ -240,17 +243,17 @@ def test_evaluation_refuses_a_load_without_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def _rewrite(shard: Path, change) -> None:
-    """Rewrite a shard as another tool would: no checksum file beside it."""
+    """Rewrite a shard as another tool would: no checksum recorded for it."""
     sd = torch.load(shard, map_location="cpu", weights_only=False)
     sd = change(sd)
     torch.save(sd, shard)
-    checkpoint_files.checksum_path(shard).unlink(missing_ok=True)
+    checkpoint_files.manifest_path(shard).unlink(missing_ok=True)
 
 
 def _zero_bytes(root: Path) -> Path:
     shard = _shard(root, 2)
     shard.write_bytes(b"")
-    checkpoint_files.checksum_path(shard).unlink(missing_ok=True)
+    checkpoint_files.manifest_path(shard).unlink(missing_ok=True)
     return shard
 
 
@@ -296,13 +299,15 @@ def test_zero_byte_file_read_directly_is_named(tmp_path):
         load_checkpoint_file(path)
 
 
-def test_checksum_written_beside_each_shard_and_megatron_can_read_the_shard(tmp_path):
+def test_checksum_in_the_iteration_manifest_and_megatron_can_read_the_shard(tmp_path):
     root = tmp_path / "run"
     model = _model(7)
     shard = _save(root, 2, model)
-    recorded = shard.with_name(MODEL_FILENAME + ".sha256")
+    assert [p.name for p in shard.parent.iterdir()] == [MODEL_FILENAME]  # as Megatron-LM's
+    manifest = shard.parent.parent / "checksums.sha256"
     digest = hashlib.sha256(shard.read_bytes()).hexdigest()
-    assert recorded.read_text() == f"{digest}  {MODEL_FILENAME}\n"  # sha256sum -c reads it
+    # sha256sum -c reads it, run in the iteration directory.
+    assert manifest.read_text() == f"{digest}  mp_rank_00/{MODEL_FILENAME}\n"
     # What Megatron-LM calls: plain torch.load of the path.
     sd = torch.load(shard, map_location="cpu", weights_only=False)
     assert torch.equal(sd["model"]["weight"], model.weight)
@@ -333,12 +338,39 @@ def test_flipped_bit_is_refused_naming_the_file(tmp_path):
     assert int((loaded.weight != saved.weight).sum()) == 1
 
 
-def test_malformed_checksum_file_is_named(tmp_path):
+@pytest.mark.parametrize("where", ["manifest", "beside"])
+def test_malformed_checksum_file_is_named(tmp_path, where):
     root = tmp_path / "run"
     shard = _save(root, 2)
-    recorded = checkpoint_files.checksum_path(shard)
+    recorded = checkpoint_files.manifest_path(shard)
+    if where == "beside":  # a checkpoint saved before the manifest
+        recorded.unlink()
+        recorded = checkpoint_files.checksum_path(shard)
     recorded.write_text("not a digest\n")
     with pytest.raises(CheckpointError, match=f"corrupt or truncated checkpoint file {recorded}"):
+        _load(root)
+
+
+def _as_saved_before_the_manifest(shard: Path) -> Path:
+    """The manifest replaced by the ``<shard>.sha256`` beside the shard that saves wrote then."""
+    checkpoint_files.manifest_path(shard).unlink()
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    recorded = checkpoint_files.checksum_path(shard)
+    recorded.write_text(checkpoint_files.checksum_text(digest, shard))
+    return recorded
+
+
+def test_checksum_beside_a_shard_of_an_older_save_is_still_checked(tmp_path, megatron_log):
+    root = tmp_path / "run"
+    saved = _model(6)
+    shard = _save(root, 2, saved)
+    recorded = _as_saved_before_the_manifest(shard)
+    loaded = _model(99)
+    assert _load(root, model=loaded) == (2, 16, 0)
+    assert torch.equal(loaded.weight, saved.weight)
+    assert not [r for r in megatron_log if "no sha256 recorded" in r.getMessage()]
+    _flip_one_bit_of(shard, saved.weight)
+    with pytest.raises(CheckpointError, match=f"its sha256 .* but {recorded} recorded"):
         _load(root)
 
 
@@ -346,11 +378,11 @@ def test_shard_without_checksum_loads_with_one_quiet_line(tmp_path, megatron_log
     root = tmp_path / "run"
     saved = _model(5)
     shard = _save(root, 2, saved)
-    checkpoint_files.checksum_path(shard).unlink(missing_ok=True)  # as Megatron-LM writes it
+    checkpoint_files.manifest_path(shard).unlink()  # as Megatron-LM writes it
     loaded = _model(99)
     assert _load(root, model=loaded) == (2, 16, 0)
     assert torch.equal(loaded.weight, saved.weight)
-    notes = [r for r in megatron_log if "without checksum verification" in r.getMessage()]
+    notes = [r for r in megatron_log if "no sha256 recorded" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.INFO, notes
 
 

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "--no-target-use-distributed-optimizer, the plain one (default: "
                              "as the source)")
     parser.add_argument("--no-checksum-verification", action="store_true",
-                        help="do not check the source shards against their .sha256 files")
+                        help="do not check the source shards against their recorded sha256s "
+                             "(checksums.sha256)")
     parser.add_argument("--megatron-path", default=None,
                         help="accepted for Megatron-LM compatibility and ignored")
     parser.add_argument("--hf-architecture", default=None,

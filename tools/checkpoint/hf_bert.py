@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import CheckpointError
+from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import gelu_is_tanh
 from tools.checkpoint.model_description import (LM_HEAD_BIAS, WORD_EMBEDDINGS,
                                                 ModelDescription)
@@ -216,7 +217,7 @@ def bert_config(md: ModelDescription, vocab: int, architecture: str = PRE_LN):
     Raises:
         ValueError: a BERT that class cannot hold (naming the flag).
     """
-    import transformers
+    transformers = optional_module("transformers", "--saver hf")
     args = md.args
     check_bert_compatible(args, architecture)
     config_class = transformers.BertConfig if architecture == POST_LN else \

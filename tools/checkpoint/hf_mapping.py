@@ -13,6 +13,7 @@ import argparse
 import torch
 
 from megatron.checkpointing import qkv_from_current_order, qkv_to_current_order
+from megatron.core.transformer.config import gelu_tanh_approximation
 
 LAYER = "language_model.encoder.layers.{}."
 ATTENTION = LAYER + "self_attention."
@@ -43,14 +44,10 @@ GPT2_QKV = (("self_attention.query_key_value.weight", "attn.c_attn.weight"),
 
 
 def gelu_is_tanh(args: argparse.Namespace) -> bool:
-    """Megatron's MLP GeLU form (``TransformerConfig.gelu_tanh_approximation``): the tanh
-    approximation with --openai-gelu or the default bias-GeLU fusion, else the exact erf."""
-    if getattr(args, "openai_gelu", False):
-        return True
-    if getattr(args, "onnx_safe", False):
-        return False
-    return bool(getattr(args, "bias_gelu_fusion", True)) and \
-        bool(getattr(args, "add_bias_linear", True))
+    """Megatron's MLP GeLU form (``megatron.core.transformer.config.gelu_tanh_approximation``):
+    the tanh approximation with --openai-gelu or the default bias-GeLU fusion, else the exact
+    erf."""
+    return gelu_tanh_approximation(args)
 
 
 def check_gpt2_compatible(args: argparse.Namespace) -> None:

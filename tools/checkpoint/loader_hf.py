@@ -1,14 +1,16 @@
 """Loader plug-in: a local HuggingFace GPT-2 (or ``MegatronBertForPreTraining`` /
 post-LN ``BertForPreTraining``, ``hf_bert``) model directory (``config.json`` +
-``model.safetensors`` or its shards) -> a model description. Tensors are read lazily, layer
-by layer (``safetensors.safe_open``); nothing is downloaded.
+``model.safetensors``, ``pytorch_model.bin``, or the shards of either with their
+``*.index.json``: ``hf_files``) -> a model description. Tensors are read lazily, layer by
+layer; nothing is downloaded.
 
 The description's ``args`` are Megatron's for that architecture (``--tokenizer-type
 GPT2BPETokenizer`` with the directory's ``vocab.json`` / ``merges.txt`` when present;
 ``--make-vocab-size-divisible-by 128``): the saver pads the vocabulary as a Megatron run would,
 so the result loads with ``--use-checkpoint-args``. A model with the exact erf GeLU
-(``activation_function: gelu``) is recorded with ``bias_gelu_fusion = False``: train it on
-with ``--no-bias-gelu-fusion`` (the fusion computes the tanh form).
+(``activation_function: gelu``) is recorded with ``bias_gelu_fusion = False``, which
+``--use-checkpoint-args`` restores (with explicit flags, pass ``--no-bias-gelu-fusion``: the
+fusion computes the tanh form).
 """
 
 from __future__ import annotations
@@ -20,45 +22,12 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import CheckpointError
+from tools.checkpoint.hf_files import HuggingFaceWeights
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, LAYER_ORDER, qkv_from_hf)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
-class _Tensors:
-    """Lazy access to the safetensors files of a HF directory."""
-
-    def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif (directory / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise CheckpointError(f"{directory} holds no model.safetensors (nor an index of "
-                                  "shards); pytorch_model.bin is not read (convert it with "
-                                  "transformers' save_pretrained(safe_serialization=True))")
-        self.handles = {}
-        self.where: dict[str, str] = {}
-        for name in files:
-            handle = safe_open(str(directory / name), framework="pt")
-            self.handles[name] = handle
-            for key in handle.keys():
-                self.where[key] = name
-
-    def get(self, key: str) -> torch.Tensor:
-        # Some exports prefix the base model's keys ("transformer.") and some do not.
-        for candidate in (key, key.removeprefix("transformer.")):
-            if candidate in self.where:
-                return self.handles[self.where[candidate]].get_tensor(candidate)
-        raise CheckpointError(f"the HuggingFace model holds no tensor {key}")
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.where
 
 
 def gpt2_args(config: dict) -> argparse.Namespace:
@@ -108,7 +77,7 @@ class HuggingFaceGPT2(ModelDescription):
                 setattr(args, flag, str((directory / name).resolve()))
         super().__init__(family="GPT", args=args, true_vocab_size=int(config["vocab_size"]))
         self.repad = True
-        self.tensors = _Tensors(directory)
+        self.tensors = HuggingFaceWeights(directory)
 
     def embeddings(self) -> dict[str, torch.Tensor]:
         return {WORD_EMBEDDINGS: self.tensors.get("transformer.wte.weight"),
@@ -143,5 +112,5 @@ def load(directory: str | Path, family: str) -> ModelDescription:
         from tools.checkpoint.hf_bert import HuggingFaceMegatronBert
         if not (Path(directory) / "config.json").is_file():
             raise CheckpointError(f"--load-dir {directory} holds no config.json")
-        return HuggingFaceMegatronBert(directory, _Tensors(Path(directory)))
+        return HuggingFaceMegatronBert(directory, HuggingFaceWeights(Path(directory)))
     return HuggingFaceGPT2(directory)

@@ -3,7 +3,8 @@ any TP / PP / virtual-stage layout -> :class:`~tools.checkpoint.model_descriptio
 ModelDescription`.
 
 Reads with ``weights_only=True`` and the allowlist (``megatron.checkpointing.safe_load``),
-verifies each shard against its ``.sha256`` when there is one, and maps the files (``mmap``):
+verifies each shard against its recorded sha256 when there is one (the iteration's
+``checksums.sha256``, or an older ``.sha256`` beside it), and maps the files (``mmap``):
 only the pipeline stage being read is open, one stage at a time.
 """
 

@@ -100,14 +100,16 @@ class ModelDescription(abc.ABC):
 
 
 def repad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """``tensor`` with dim 0 cut or zero-padded to ``rows`` (a new padded vocabulary; padding
-    rows are never looked up, and zero bias / weight rows keep their logits at 0)."""
+    """``tensor`` with dim 0 cut to ``rows``, or grown to it by copies of its last row, as
+    Megatron-LM's converter pads a new vocabulary (and HuggingFace's). A padding token is never
+    an input, but its logit is in every softmax: zero rows give it logit 0, far above what
+    training leaves a padding token, and raise the loss; a copy of a trained row does not."""
     have = tensor.shape[0]
     if have == rows:
         return tensor
     if have > rows:
         return tensor[:rows].clone()
-    pad = torch.zeros((rows - have, *tensor.shape[1:]), dtype=tensor.dtype, device="cpu")
+    pad = tensor[-1:].expand(rows - have, *tensor.shape[1:])
     return torch.cat([tensor, pad], dim=0)
 
 

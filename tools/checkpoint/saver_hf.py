@@ -9,7 +9,7 @@ padded vocabulary rows are dropped (``vocab_size`` = the true vocabulary) unless
 ``keep_padded_vocab``. The GeLU form is mapped to ``activation_function``
 ``gelu_new`` (Megatron's tanh form: --openai-gelu or the default bias-GeLU fusion) or ``gelu``.
 
-``transformers`` and ``safetensors`` are optional dependencies, imported here only.
+``transformers`` is an optional dependency (``pip install .[hf]``), imported here only.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
 from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
@@ -47,7 +48,7 @@ class ShardWriter:
         self.pending_bytes += size
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
+        save_file = optional_module("safetensors.torch", "--saver hf").save_file
         if not self.pending:
             return
         name = f"shard-{len(self.written):05d}.tmp"
@@ -96,7 +97,7 @@ def true_vocab_size_from_args(md: ModelDescription) -> int | None:
 
 def gpt2_config(md: ModelDescription, vocab: int):
     """The ``GPT2Config`` of ``md``."""
-    from transformers import GPT2Config
+    GPT2Config = optional_module("transformers", "--saver hf").GPT2Config
     args = md.args
     check_gpt2_compatible(args)
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(

@@ -3,8 +3,8 @@ Megatron-LM ``--ckpt-format torch`` checkpoint at any TP / PP / virtual-stage la
 
 Written one target pipeline stage at a time: the stage's layers are pulled from the loader
 layer by layer, split over the target TP ranks (``megatron.checkpointing.layout``), and its
-``mp_rank_TT_PPP/model_optim_rng.pt`` files written (atomically, with checksums) before the next
-stage is pulled. ``args`` carry the new sizes, so ``--use-checkpoint-args`` and ``--load`` at the
+``mp_rank_TT_PPP/model_optim_rng.pt`` files written (atomically) before the next stage is
+pulled; their sha256s go into the iteration directory's ``checksums.sha256`` at the end. ``args`` carry the new sizes, so ``--use-checkpoint-args`` and ``--load`` at the
 new layout work. The optimizer state is written only when the loader carries it
 (``--keep-optimizer-state``): each parameter's moments and fp32 main param split as the parameter
 is, in the plain or the distributed optimizer's layout (``tools.checkpoint.optimizer_state``);
@@ -22,7 +22,8 @@ import torch
 
 from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, LAYOUTS,
                                     CheckpointError, PipelineStages, checkpoint_name,
-                                    nest_model_state, publish_tracker, save_file, tracker_path)
+                                    manifest_entry, nest_model_state, publish_tracker, save_file,
+                                    tracker_path, write_manifest)
 from megatron.checkpointing.names import checkpoint_dir
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
@@ -187,19 +188,23 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
     except ValueError as err:
         raise ValueError(f"--target-pipeline-parallel-size: {err}") from None
     plan = stages.chunks()
+    digests: dict[str, str] = {}
     for stage in range(target.pipeline_parallel_size):
         # One stage's shards at a time: a function, so that nothing of the stage written
         # before stays referenced while the next one is built.
-        _save_stage(md, save_dir, target, layout, args, vocab,
-                    [c for c in plan if c.pipeline_rank == stage])
+        digests.update(_save_stage(md, save_dir, target, layout, args, vocab,
+                                   [c for c in plan if c.pipeline_rank == stage]))
     iteration_dir = checkpoint_dir(save_dir, md.iteration, md.release)
+    write_manifest(iteration_dir, digests)
     _publish(save_dir, md, iteration_dir)
     return iteration_dir
 
 
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
-                vocab: int, chunks) -> None:
-    """Build and write every TP rank's file of one target pipeline stage."""
+                vocab: int, chunks) -> dict[str, str]:
+    """Build and write every TP rank's file of one target pipeline stage; returns their
+    sha256s by manifest entry."""
+    digests: dict[str, str] = {}
     tp = target.tensor_parallel_size
     shards: list[dict] = [_top_level(md, args) for _ in range(tp)]
     weights: list[list[dict]] = [[] for _ in range(tp)]  # [tp][chunk] -> flat
@@ -217,24 +222,29 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
                                pipeline_rank=chunks[0].pipeline_rank,
                                pipeline_parallel=target.pipeline_parallel_size > 1)
         if md.optimizer is not None:
-            _add_optimizer(shards[tp_rank], md, args, target, weights[tp_rank],
-                           states[tp_rank], name)
-        save_file(shards[tp_rank], name)
+            digests.update(_add_optimizer(shards[tp_rank], md, args, target, weights[tp_rank],
+                                          states[tp_rank], name))
+        digests[manifest_entry(name)] = save_file(shards[tp_rank], name)
         shards[tp_rank] = weights[tp_rank] = states[tp_rank] = None  # written: let it go
+    return digests
 
 
 def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout,
-                   weights: list[dict], states: list[dict], name: Path) -> None:
-    """The shard's optimizer entries (and, distributed, its ``distrib_optim.pt``)."""
+                   weights: list[dict], states: list[dict], name: Path) -> dict[str, str]:
+    """The shard's optimizer entries (and, distributed, its ``distrib_optim.pt``: returns its
+    sha256 by manifest entry)."""
     kind = optimizer_state.target_of(md.optimizer, args, target.use_distributed_optimizer)
+    digests = {}
     if kind.distributed:
         shard["optimizer"], distrib = optimizer_state.write_distributed(
             md.optimizer, kind, weights, states)
-        save_file(distrib, name.with_name(DISTRIB_OPTIM_FILENAME))
+        path = name.with_name(DISTRIB_OPTIM_FILENAME)
+        digests[manifest_entry(path)] = save_file(distrib, path)
     else:
         shard["optimizer"] = optimizer_state.write_plain(md.optimizer, weights, states)
     if md.optimizer.scheduler is not None:
         shard["opt_param_scheduler"] = md.optimizer.scheduler
+    return digests
 
 
 def _top_level(md: ModelDescription, args) -> dict:

@@ -85,15 +85,23 @@ class TransformerConfig:
 
     @property
     def gelu_tanh_approximation(self) -> bool:
-        """Megatron-LM's GeLU: tanh form with --openai-gelu or the (default) bias-gelu fusion.
+        """Megatron-LM's GeLU: tanh form with --openai-gelu or the (default) bias-gelu fusion
+        (:func:`gelu_tanh_approximation`)."""
+        return gelu_tanh_approximation(self)
 
-        23.06 ``ParallelMLP``: openai_gelu -> tanh formula; onnx_safe -> erf formula; otherwise
-        ``F.gelu`` (erf) -- but with ``bias_gelu_fusion`` (default on, needs biases) the fused
-        ``bias_gelu`` kernel computes the tanh approximation instead.
-        """
-        if self.openai_gelu:
-            return True
-        if self.onnx_safe:
-            return False
-        return self.bias_gelu_fusion and self.add_bias_linear
 
+def gelu_tanh_approximation(settings) -> bool:
+    """The MLP's GeLU form of a :class:`TransformerConfig` or of a checkpoint's ``args``: True
+    for the tanh approximation, False for the exact erf form.
+
+    23.06 ``ParallelMLP``: openai_gelu -> tanh formula; onnx_safe -> erf formula; otherwise
+    ``F.gelu`` (erf) -- but with ``bias_gelu_fusion`` (default on, needs biases) the fused
+    ``bias_gelu`` kernel computes the tanh approximation instead. Missing attributes take
+    Megatron-LM's defaults.
+    """
+    if getattr(settings, "openai_gelu", False):
+        return True
+    if getattr(settings, "onnx_safe", False):
+        return False
+    return bool(getattr(settings, "bias_gelu_fusion", True)) and \
+        bool(getattr(settings, "add_bias_linear", True))

@@ -54,7 +54,8 @@ def test_tp2_pp2_virtual_stages_follow_the_layout_table(tmp_path):
     out = _convert(tmp_path / "src", tmp_path / "dst", *_layout(2, 2, 1))
     shards = helpers.shards(out / "iter_0000007")
     assert sorted(shards) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert (out / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt.sha256").is_file()
+    assert "mp_rank_01_001/model_optim_rng.pt" in \
+        (out / "iter_0000007" / "checksums.sha256").read_text()
     full = model.state_dict()
     args = shards[(1, 1)]["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -113,6 +114,22 @@ def test_target_vocab_size_divisible_by_repads_the_vocabulary(tmp_path):
         "language_model.embedding.word_embeddings.weight"] for t in range(2)])
     assert torch.equal(rows, model.state_dict()[
         "language_model.embedding.word_embeddings.weight"][:256])
+
+
+def test_padding_rows_copy_the_last_row(tmp_path):
+    """Rows a re-padding adds are copies of the source's last row, as Megatron-LM pads."""
+    model = helpers.gpt(untie_embeddings_and_output_weights=True)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    out = _convert(tmp_path / "src", tmp_path / "dst", "--target-vocab-size-divisible-by", "128",
+                   "--true-vocab-size", "264", *_layout(2, 1))
+    shards = helpers.shards(out / "iter_0000007")
+    assert shards[(0, 0)]["args"].padded_vocab_size == 512  # 264 rounded to 128 x 2
+    for key in ("language_model.embedding.word_embeddings.weight",
+                "language_model.output_layer.weight"):
+        rows = torch.cat([helpers.flat_model(shards[(t, 0)])[key] for t in range(2)])
+        source = model.state_dict()[key]
+        assert torch.equal(rows[:264], source), key
+        assert torch.equal(rows[264:], source[-1].expand(512 - 264, -1)), key
 
 
 # Checkpoints other tools wrote --------------------------------------------------------------
@@ -186,7 +203,7 @@ def _refused(src: Path, match: str) -> None:
 def test_truncated_shard_is_refused_naming_the_file(tp2_checkpoint):
     shard = tp2_checkpoint / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
-    (shard.parent / "model_optim_rng.pt.sha256").unlink()  # as Megatron-LM writes it: none
+    (shard.parents[1] / "checksums.sha256").unlink()  # as Megatron-LM writes it: none
     _refused(tp2_checkpoint, "corrupt or truncated checkpoint file .*mp_rank_01_001")
 
 
@@ -196,6 +213,20 @@ def test_corrupted_shard_fails_its_checksum(tp2_checkpoint):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     _refused(tp2_checkpoint, "mp_rank_00_001.*sha256")
+
+
+def test_rank_directories_hold_only_megatrons_files(tp2_checkpoint):
+    """HuggingFace's reshaping script loads the first entry it lists in each mp_rank directory:
+    it must be the shard (the checksums are in the iteration directory)."""
+    iteration_dir = tp2_checkpoint / "iter_0000007"
+    for rank_dir in sorted(iteration_dir.glob("mp_rank_*")):
+        entries = os.listdir(rank_dir)
+        assert entries == ["model_optim_rng.pt"], entries
+        sd = torch.load(rank_dir / entries[0], map_location="cpu", weights_only=False)
+        assert isinstance(sd["model"], dict) and sd["args"].tensor_model_parallel_size == 2
+    assert sorted(os.listdir(iteration_dir)) == [
+        "checksums.sha256", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+        "mp_rank_01_001"]
 
 
 def test_missing_rank_directory_is_named(tp2_checkpoint):
@@ -235,19 +266,42 @@ def test_cli_converts_through_the_script(tmp_path):
     assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
 
 
+def _run_config(padded: int, divisor: int, tp: int) -> types.SimpleNamespace:
+    """What _check_compatible reads of a run with GPT-2's 50257 tokens (a NullTokenizer)."""
+    from megatron.tokenizer.config import TokenizerConfig
+
+    ours = argparse.Namespace(padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
+                              tensor_model_parallel_size=tp)
+    return types.SimpleNamespace(to_namespace=lambda: ours, tokenizer=TokenizerConfig(
+        tokenizer_type="NullTokenizer", vocab_size=50256))
+
+
 def test_padded_vocabulary_mismatch_names_both_sizes_and_the_flag(tmp_path):
     from megatron.training.checkpointing import _check_compatible
 
     saved = argparse.Namespace(padded_vocab_size=50304, make_vocab_size_divisible_by=128,
                                tensor_model_parallel_size=1)
-    ours = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
-                              tensor_model_parallel_size=2)
-    cfg = types.SimpleNamespace(to_namespace=lambda: ours)
     with pytest.raises(CheckpointError) as err:
-        _check_compatible(saved, cfg, tmp_path / "model_optim_rng.pt")
+        _check_compatible(saved, _run_config(50432, 128, 2), tmp_path / "model_optim_rng.pt")
     text = str(err.value)
     assert "50304 rows" in text and "to 50432" in text
     assert "pass --make-vocab-size-divisible-by 64" in text
+
+
+def test_padded_vocabulary_hint_gives_a_divisor_that_loads(tmp_path):
+    """TP2 -> HF (padding kept) -> TP1: 50432 rows recorded with divisor 128 at TP 1, which pads
+    GPT-2 to 50304. The hint names a divisor that pads to 50432 at TP 1, and with it the
+    checkpoint loads (its recorded divisor differs: only the rows must agree)."""
+    from megatron.tokenizer import vocab_size_with_padding
+    from megatron.training.checkpointing import _check_compatible
+
+    saved = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
+                               tensor_model_parallel_size=1)
+    with pytest.raises(CheckpointError) as err:
+        _check_compatible(saved, _run_config(50304, 128, 1), tmp_path / "model_optim_rng.pt")
+    assert "pass --make-vocab-size-divisible-by 256" in str(err.value)
+    assert vocab_size_with_padding(50257, 256, 1) == 50432
+    _check_compatible(saved, _run_config(50432, 256, 1), tmp_path / "model_optim_rng.pt")
 
 
 def test_training_loader_ignores_a_head_copy_on_a_single_stage():
@@ -299,7 +353,8 @@ def test_bert_converted_to_tp2_gives_the_source_logits(tmp_path):
         assert (binary - expected[1]).abs().max() <= 1e-5
 
 
-def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, shared_data):
+def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, shared_data,
+                                                                     megatron_log):
     """A checkpoint whose padding is not --make-vocab-size-divisible-by x TP of its own args (as
     Megatron-LM's converter leaves one re-split to TP2: 128 x 1 padding, TP 2 in the args)."""
     from megatron.config.validate import validate
@@ -321,3 +376,5 @@ def test_use_checkpoint_args_takes_the_checkpoints_padded_vocabulary(tmp_path, s
     assert cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.padded_vocab_size == 50304  # not 50432 = 50257 padded to 128 x 2
     assert build_tokenizer_from_config(cfg).padded_vocab_size == 50304
+    logged = [r.getMessage() for r in megatron_log if "padded vocab" in r.getMessage()]
+    assert len(logged) == 1 and "(new size: 50304, the checkpoint's" in logged[0], logged

@@ -5,6 +5,8 @@ text), an imported one gives its logits in our model, and ours -> HF -> ours is 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,62 @@ def test_import_gives_the_hf_logits(tmp_path, activation, tied):
     with torch.no_grad():
         theirs = hf(ids).logits
     assert (_our_logits(ours, ids)[..., :300] - theirs).abs().max() <= LOGITS_TOL
+
+
+def _as_weight_files(directory: Path, state: dict[str, torch.Tensor], layout: str) -> None:
+    """``state`` as HF's Megatron converters write it (``pytorch_model.bin``, torch.save of the
+    state dict) or as two shards with their ``*.index.json``."""
+    from safetensors.torch import save_file
+    state = {k: v.clone().contiguous() for k, v in state.items()}  # safetensors: no shared
+    if layout == "bin":
+        torch.save(state, directory / "pytorch_model.bin")
+        return
+    names = sorted(state)
+    suffix, index = ("bin", "pytorch_model.bin.index.json") if layout == "bin-shards" else \
+        ("safetensors", "model.safetensors.index.json")
+    weight_map = {}
+    for i, keys in enumerate([names[:len(names) // 2], names[len(names) // 2:]]):
+        name = f"{'pytorch_model' if suffix == 'bin' else 'model'}-{i + 1:05d}-of-00002.{suffix}"
+        part = {k: state[k] for k in keys}
+        torch.save(part, directory / name) if suffix == "bin" else \
+            save_file(part, str(directory / name))
+        weight_map.update(dict.fromkeys(keys, name))
+    (directory / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["bin", "bin-shards", "safetensors-shards"])
+def test_import_reads_pytorch_model_bin_and_sharded_indexes(tmp_path, layout):
+    hf = _random_gpt2(tmp_path / "saved", tied=False)
+    directory = tmp_path / layout
+    hf.config.save_pretrained(directory)  # config.json only
+    _as_weight_files(directory, hf.state_dict(), layout)
+    out = _convert(directory, tmp_path / "tp1", "--loader", "hf")
+    ours = helpers.gpt(num_layers=4, vocab=384, untie_embeddings_and_output_weights=True)
+    ours.load_state_dict(helpers.shards(out / "iter_0000000")[(0, 0)]["model"])
+    ids = torch.randint(0, 300, (2, 11))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_our_logits(ours, ids)[..., :300] - theirs).abs().max() <= LOGITS_TOL
+
+
+def test_import_refuses_a_bin_that_would_run_code(tmp_path, capsys):
+    hf = _random_gpt2(tmp_path / "saved")
+    hf.config.save_pretrained(tmp_path / "bad")
+    torch.save({"transformer.wte.weight": torch.zeros(2), "hook": os.system},
+               tmp_path / "bad" / "pytorch_model.bin")
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--load-dir",
+                         str(tmp_path / "bad"), "--save-dir", str(tmp_path / "out")]) == 2
+    assert "pytorch_model.bin with torch.load(weights_only=True)" in capsys.readouterr().err
+
+
+def test_missing_safetensors_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch):
+    _random_gpt2(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails, as when not installed
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "pip install safetensors" in error, error
 
 
 def test_round_trip_ours_hf_ours_is_bitwise(tmp_path):
