@@ -12,6 +12,10 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("MEGATRON_SHARED", REPO.parent / "shared"))
 SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", SHARED / "data"))
 
+# Every collective of every process the suite starts (pooled worlds, torchrun jobs) checks what
+# NCCL requires and gloo forgives (megatron/core/comm.py): a gloo run fails where an NCCL one would.
+os.environ.setdefault("MEGATRON_CHECK_COLLECTIVES", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def children_take_sigint():

@@ -10,7 +10,7 @@ is CPU by design (data loading, checkpoint conversion, generation's host-side bo
 ``*_like`` factories inherit their input's device and are not flagged. The legacy typed
 constructors (``torch.LongTensor(...)``) cannot take a device and are refused outright.
 
-``tests/test_device_guard.py`` runs training and generation steps under a mode that also
+``tests/training/test_device_guard.py`` runs training and generation steps under a mode that also
 catches factories reached indirectly (``init = torch.zeros if ... else torch.ones``).
 """
 

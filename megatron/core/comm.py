@@ -12,15 +12,32 @@ over), ``embedding_group``; only the generic functions here say plain ``group``.
 In torch 2.13 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are deprecated in favour
 of ``all_gather_single`` / ``reduce_scatter_single`` (same signatures); older releases only have
 the former.
+
+**What NCCL requires and gloo forgives.** With ``MEGATRON_CHECK_COLLECTIVES=1`` (the test suite
+sets it for every process it starts) each tensor collective first checks what NCCL would need:
+every tensor on the compute device (``device.get_device()``), contiguous, and, for the
+collectives that combine ranks' tensors, the same shape and dtype on every rank (one extra
+all-gather of a small descriptor). A violation raises :class:`CollectiveCheckError` on every
+rank of the group, naming the caller's file and line, where an NCCL run would hang, crash or
+read garbage. Point-to-point messages are checked for device and contiguity (gloo itself refuses
+mismatched sizes).
+
+**Gloo with CUDA tensors** (two ranks sharing one GPU, where NCCL refuses): gloo's collectives
+take CUDA tensors but its point-to-point transport does not, so sends and receives of CUDA
+tensors over a gloo group are staged through host memory here.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.core import device
 
 ProcessGroup = dist.ProcessGroup
 
@@ -89,6 +106,70 @@ def wait(handles, op: str, group: ProcessGroup | None) -> None:
             handle.wait()
 
 
+class CollectiveCheckError(RuntimeError):
+    """A collective's tensors break a rule NCCL enforces (``MEGATRON_CHECK_COLLECTIVES=1``)."""
+
+
+def checking_collectives() -> bool:
+    """Whether collectives check what NCCL requires (read at each call: tests toggle it)."""
+    return os.environ.get("MEGATRON_CHECK_COLLECTIVES") == "1"
+
+
+def _caller() -> str:
+    """``file:line`` of the first frame outside this module (who called the collective)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+     torch.int16, torch.int8, torch.uint8, torch.bool))}
+_MAX_DIMS = 8
+
+
+def _check(op: str, group: ProcessGroup | None, tensors: list[torch.Tensor],
+           same_on_every_rank: bool) -> None:
+    """Raise :class:`CollectiveCheckError` where NCCL would fail (module docstring)."""
+    where, compute = _caller(), device.get_device()
+    for tensor in tensors:
+        if tensor.device != compute:
+            raise CollectiveCheckError(
+                f"{where}: {op} of a tensor on {tensor.device}, but the compute device is "
+                f"{compute}: NCCL takes tensors on the compute device only (make it with "
+                f"device=device.get_device())")
+        if not tensor.is_contiguous():
+            raise CollectiveCheckError(f"{where}: {op} of a non-contiguous tensor "
+                                       f"{tuple(tensor.shape)}; NCCL needs contiguous memory")
+    if not same_on_every_rank or world_size(group) == 1:
+        return
+    mine = _descriptor(tensors[0], compute)
+    every = torch.empty(world_size(group) * mine.numel(), dtype=mine.dtype, device=compute)
+    _all_gather_single(every, mine, group=group)
+    rows = every.view(world_size(group), -1).tolist()
+    if any(row != rows[0] for row in rows):
+        described = "; ".join(f"rank {i}: {_describe(row)}" for i, row in enumerate(rows))
+        raise CollectiveCheckError(
+            f"{where}: {op} with different tensors on the ranks of the group ({described}); "
+            "NCCL needs the same shape and dtype on every rank (gloo may not notice)")
+
+
+def _descriptor(tensor: torch.Tensor, compute: torch.device) -> torch.Tensor:
+    """``[dtype code, ndim, *shape padded to _MAX_DIMS]`` as an int64 tensor on ``compute``."""
+    shape = list(tensor.shape)[:_MAX_DIMS]
+    values = [_DTYPE_CODES.get(tensor.dtype, -1), tensor.dim(), *shape,
+              *[0] * (_MAX_DIMS - len(shape))]
+    return torch.tensor(values, dtype=torch.int64, device=compute)
+
+
+def _describe(row: list[int]) -> str:
+    dtypes = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+    return f"{dtypes.get(row[0], 'other')} {tuple(row[2:2 + row[1]])}"
+
+
 def _run(name: str, group: ProcessGroup | None, async_op: bool, collective, /, *args,
          **kwargs):
     """``collective(*args, **kwargs)``, marked as blocking unless it is asynchronous."""
@@ -124,6 +205,8 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum"
     """In-place all-reduce; ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"``."""
     if world_size(group) == 1:
         return None
+    if checking_collectives():
+        _check("all_reduce", group, [tensor], same_on_every_rank=True)
     if op == "avg":
         # gloo has no AVG reduction: sum, then divide.
         with _blocking("all_reduce", group):
@@ -142,6 +225,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGr
     if world_size(group) == 1:
         output.copy_(tensor)
         return None
+    if checking_collectives():
+        _check("all_gather", group, [tensor, output], same_on_every_rank=True)
     return _run("all_gather", group, async_op, _all_gather_single, output, tensor.contiguous(),
                 group=group, async_op=async_op)
 
@@ -151,6 +236,8 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None) -> list[to
     size = world_size(group)
     if size == 1:
         return [tensor]
+    if checking_collectives():
+        _check("all_gather", group, [tensor], same_on_every_rank=True)
     out = [torch.empty_like(tensor) for _ in range(size)]
     with _blocking("all_gather", group):
         dist.all_gather(out, tensor.contiguous(), group=group)
@@ -163,6 +250,8 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
     if world_size(group) == 1:
         output.copy_(tensor)
         return None
+    if checking_collectives():
+        _check("reduce_scatter", group, [tensor, output], same_on_every_rank=True)
     return _run("reduce_scatter", group, async_op, _reduce_scatter_single, output,
                 tensor.contiguous(), group=group, async_op=async_op)
 
@@ -180,6 +269,8 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src``."""
     if world_size(group) > 1:
+        if checking_collectives():
+            _check("broadcast", group, [tensor], same_on_every_rank=True)
         with _blocking("broadcast", group):
             dist.broadcast(tensor, src=src, group=group)
 
@@ -219,29 +310,74 @@ def _peer_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
     return group
 
 
+def _staged_on_host(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether a message of ``tensor`` goes through host memory (gloo's point-to-point
+    transport takes CPU tensors only)."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+class _HostStagedRecv:
+    """A receive into host memory whose ``wait()`` copies the message to its device tensor."""
+
+    def __init__(self, work, host: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.target.copy_(self.host)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _check_p2p(op: str, tensor: torch.Tensor) -> None:
+    if checking_collectives():
+        _check(op, None, [tensor], same_on_every_rank=False)
+
+
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> None:
     """Blocking point-to-point send to global rank ``dst``, a member of ``group``."""
+    group = _peer_group(group, "send")
+    _check_p2p("send", tensor)
+    if _staged_on_host(tensor, group):
+        tensor = tensor.cpu()
     with _blocking(f"send to rank {dst}", group):
-        dist.send(tensor, dst=dst, group=_peer_group(group, "send"))
+        dist.send(tensor, dst=dst, group=group)
 
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking point-to-point receive from global rank ``src``, a member of ``group``."""
+    group = _peer_group(group, "recv")
+    _check_p2p("recv", tensor)
+    host = torch.empty_like(tensor, device="cpu") if _staged_on_host(tensor, group) else tensor
     with _blocking(f"recv from rank {src}", group):
-        dist.recv(tensor, src=src, group=_peer_group(group, "recv"))
+        dist.recv(host, src=src, group=group)
+    if host is not tensor:
+        tensor.copy_(host)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None):
     """Non-blocking send to global rank ``dst`` (a member of ``group``); returns the work
     handle to ``wait()`` on."""
+    group = _peer_group(group, "isend")
+    _check_p2p("isend", tensor)
+    if _staged_on_host(tensor, group):
+        tensor = tensor.cpu()  # a copy the send owns until it completes
     _issued()
-    return dist.isend(tensor, dst=dst, group=_peer_group(group, "isend"))
+    return dist.isend(tensor, dst=dst, group=group)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None):
-    """Non-blocking receive into ``tensor`` from global rank ``src``; returns the work handle."""
+    """Non-blocking receive into ``tensor`` from global rank ``src``; returns the work handle
+    (its ``wait()`` leaves the message in ``tensor``)."""
+    group = _peer_group(group, "irecv")
+    _check_p2p("irecv", tensor)
     _issued()
-    return dist.irecv(tensor, src=src, group=_peer_group(group, "irecv"))
+    if _staged_on_host(tensor, group):
+        host = torch.empty_like(tensor, device="cpu")
+        return _HostStagedRecv(dist.irecv(host, src=src, group=group), host, tensor)
+    return dist.irecv(tensor, src=src, group=group)
 
 
 def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup | None):
@@ -259,6 +395,12 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGr
     if not ops:
         return []
     group = _peer_group(group, "batch_isend_irecv")
+    for kind, tensor, _ in ops:
+        _check_p2p(f"batch_isend_irecv ({kind})", tensor)
+    if any(_staged_on_host(tensor, group) for _, tensor, _ in ops):
+        # gloo's P2POp batch has no host staging of its own: post them one by one.
+        return [isend(t, peer, group) if kind == "send" else irecv(t, peer, group)
+                for kind, t, peer in ops]
     functions = {"send": dist.isend, "recv": dist.irecv}
     p2p_ops = [dist.P2POp(functions[kind], tensor, peer, group) for kind, tensor, peer in ops]
     _issued()

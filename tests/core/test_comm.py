@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from unittest import mock
 
 import pytest
@@ -45,6 +46,21 @@ def _recording():
 
 
 def _none_alone_world_everyone(rank, world_size):
+    # The calls reaching torch.distributed are counted: the collective checks' own descriptor
+    # all-gathers would be among them (tests below check those). Pooled workers outlive the
+    # test: the setting is put back.
+    saved = os.environ.get("MEGATRON_CHECK_COLLECTIVES")
+    os.environ["MEGATRON_CHECK_COLLECTIVES"] = "0"
+    try:
+        return _count_calls(rank)
+    finally:
+        if saved is None:
+            os.environ.pop("MEGATRON_CHECK_COLLECTIVES")
+        else:
+            os.environ["MEGATRON_CHECK_COLLECTIVES"] = saved
+
+
+def _count_calls(rank):
     mine = float(rank + 1)
     with _recording() as calls:
         alone = {"size": comm.world_size(None), "rank": comm.rank(None),
@@ -120,3 +136,33 @@ def test_every_group_is_given_explicitly(name):
     """No default: a call that forgets its group fails at once instead of meaning something."""
     parameter = inspect.signature(getattr(comm, name)).parameters["group"]
     assert parameter.default is inspect.Parameter.empty, name
+
+
+def _break_nccl_rules(rank, world_size):
+    """Three collectives NCCL would refuse or corrupt, which gloo may let through."""
+    world = comm.world_group()
+    errors = []
+    for call in (lambda: comm.all_reduce(torch.zeros(2 + rank), world),  # shapes differ
+                 lambda: comm.broadcast(torch.zeros(2, dtype=torch.float64 if rank else
+                                                    torch.float32), 0, world),  # dtypes differ
+                 lambda: comm.all_reduce(torch.zeros(4, 4).t(), world),  # not contiguous
+                 lambda: comm.all_reduce(torch.zeros(2, device="meta"), world)):  # wrong device
+        try:
+            call()
+            errors.append(None)
+        except comm.CollectiveCheckError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_collectives_check_what_nccl_requires_and_name_the_caller():
+    """Under MEGATRON_CHECK_COLLECTIVES=1 (the suite's setting) a gloo run fails where an NCCL
+    run would, on every rank, naming this file and line."""
+    assert comm.checking_collectives()
+    for rank, errors in enumerate(run_distributed(2, _break_nccl_rules)):
+        shapes, dtypes, layout, device = errors
+        assert "test_comm.py:" in shapes and "rank 0: torch.float32 (2,)" in shapes \
+            and "rank 1: torch.float32 (3,)" in shapes, shapes
+        assert "rank 1: torch.float64 (2,)" in dtypes, dtypes
+        assert "non-contiguous" in layout, layout
+        assert "tensor on meta, but the compute device is cpu" in device, device
