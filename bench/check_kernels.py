@@ -113,6 +113,71 @@ def cases(ext, dev: str, dtype: torch.dtype, small: bool):
                eager_layer_norm, [x, w, bias], g, moved)
 
 
+def fusion_checks(dev: str, small: bool, reps: int) -> list[dict]:
+    """The two fusions that are PyTorch code rather than extension kernels: the compiled cross
+    entropy (``tensor_parallel/cross_entropy.py``) against the unfused path, and the fp32
+    weight-gradient accumulation (``tensor_parallel/layers.py``) against ``mm`` then ``add_``;
+    each against float64, and timed (forward + backward for the loss)."""
+    from megatron.core.tensor_parallel import cross_entropy, layers
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    tokens, vocab = (256, 4096) if small else (16384, 50304)
+    logits = (4 * torch.randn(tokens, vocab, generator=gen, device=dev)).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), generator=gen, device=dev)
+    grad = torch.rand(tokens, generator=gen, device=dev)
+    compiled = cross_entropy.CompiledKernels()
+
+    def via(provider):
+        def loss_fn(x):
+            return cross_entropy._FusedVocabParallelCrossEntropy.apply(
+                provider, x, target, None, 0.0, False)
+        return loss_fn
+
+    def unfused(x):
+        return cross_entropy.vocab_parallel_cross_entropy(x, target, None, fused=False,
+                                                          loss_dtype=torch.float32)
+
+    ref = fwd_bwd(unfused, [logits.double()], grad.double())
+    row = {"kernel": "cross_entropy(compiled)", "dtype": "bf16", "used": dev == "cuda",
+           "err": max_error(fwd_bwd(via(compiled), [logits], grad), ref),
+           "eager_err": max_error(fwd_bwd(unfused, [logits], grad), ref)}
+    row["ok"] = row["err"] <= 2 * row["eager_err"] + torch.finfo(torch.bfloat16).eps
+    row["fused_ms"] = median_ms(via(compiled), [logits], grad, reps, dev)
+    row["eager_ms"] = median_ms(unfused, [logits], grad, reps, dev)
+    rows.append(row)
+    n, k = (256, 512) if small else (3072, 16384)
+    a = torch.randn(n, k, generator=gen, device=dev).to(torch.bfloat16)
+    b = torch.randn(k, 768, generator=gen, device=dev).to(torch.bfloat16)
+    start = torch.randn(n, 768, generator=gen, device=dev)
+    want = start.double() + a.double() @ b.double()
+    fused_out = start.clone()
+    used = layers._accumulate_in_fp32(fused_out, a, b)
+    eager_out = start.clone().add_(a.mm(b))
+    row = {"kernel": "wgrad_accumulate_fp32", "dtype": "bf16", "used": used,
+           "err": float((fused_out.double() - want).abs().max() / want.abs().max())
+           if used else float("nan"),
+           "eager_err": float((eager_out.double() - want).abs().max() / want.abs().max())}
+    row["ok"] = (not used) or row["err"] <= 2 * row["eager_err"] + 1e-6
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(dev)
+        return 1000 * (time.perf_counter() - t0) / reps
+    row["fused_ms"] = timed(lambda: layers._accumulate_in_fp32(fused_out, a, b)) if used \
+        else float("nan")
+    row["eager_ms"] = timed(lambda: eager_out.add_(a.mm(b)))
+    rows.append(row)
+    for r in rows:
+        print(format_row(r), flush=True)
+    return rows
+
+
 def copy_gbps(dev: str, small: bool) -> float:
     """Bytes read + written per second by a device copy of 1 GiB (256 MiB with --small)."""
     n = (64 if small else 256) * 2**20
@@ -192,6 +257,7 @@ def main() -> int:
     print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
     rows = check(ext, args.device, args.small, args.reps, not args.no_compile,
                  set(args.compile_dtypes.split(",")))
+    rows += fusion_checks(args.device, args.small, args.reps)
     bad = [f"{r['kernel']} {r['dtype']}" for r in rows if not r["ok"]]
     slower = [f"{r['kernel']} {r['dtype']}" for r in rows if r["fused_ms"] > r["eager_ms"]]
     # A kernel the defaults do not use on this device (kernels.FASTER_THAN_PYTORCH) is still

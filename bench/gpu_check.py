@@ -496,7 +496,7 @@ STAGES = [
     Stage("server", stage_server, ("gpt-bf16",)),
     Stage("zeroshot", stage_zeroshot, ("gpt-bf16",)),
     Stage("kernels", stage_kernels, timeout=240, exclusive=True),
-    Stage("speed-gpt2", lambda c: speed(c, "speed-gpt2", "gpt2", "plain,compile,ours,ours-noext",
+    Stage("speed-gpt2", lambda c: speed(c, "speed-gpt2", "gpt2", "plain,compile,ours,ours-unfused-ce,ours-noext",
                                         ["--profile", os.path.join(c.out, "profile_gpt2.txt")]),
           timeout=240, exclusive=True),
     Stage("speed-gpt2-distopt", lambda c: speed(c, "speed-gpt2-distopt", "gpt2", "ours",

@@ -12,7 +12,9 @@ micro-batch 16; ``1.3b`` = 24 x 2048, 16 heads, seq 2048, micro-batch 4; ``small
 * ``ours``: ``pretrain_gpt.py``'s own pieces and the trainer's ``train_step`` (mock data,
   ``--bf16``: bf16 parameters with fp32 main weights and gradients, as Megatron);
 * ``ours-noext``: the same model with the compiled fused-kernel extension hidden (the PyTorch
-  path: what an install without the extension runs).
+  path: what an install without the extension runs);
+* ``ours-unfused-ce``: the same model with the compiled cross entropy off
+  (``MEGATRON_COMPILED_CROSS_ENTROPY=0``: the loss's unfused PyTorch path), to show its share.
 
 Every step is timed between two device synchronisations; the figures are medians of ``--steps``
 after ``--warmup``. MFU is 6 N tokens/s over the bf16 peak given by ``--peak-tflops`` (790:
@@ -149,7 +151,7 @@ def main() -> None:
     steps = args.steps if args.steps is not None else shape.steps
     tokens = shape.mb * shape.seq
     sides = [s for s in args.sides.split(",") if s]
-    unknown = set(sides) - {"plain", "compile", "ours", "ours-noext"}
+    unknown = set(sides) - {"plain", "compile", "ours", "ours-noext", "ours-unfused-ce"}
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}")
     results, tables = {}, []
@@ -162,6 +164,8 @@ def main() -> None:
                 ours = ours_side(shape, shlex.split(args.ours_args))
             if name == "ours-noext":
                 hide_extension()
+            if name == "ours-unfused-ce":
+                os.environ["MEGATRON_COMPILED_CROSS_ENTROPY"] = "0"
             side = ours
         res = time_side(side, warmup, steps)
         res["tokens_per_s"] = tokens / (res["ms"] / 1000)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import (fused_kernel_for,
                                                          vocab_parallel_cross_entropy)
 from tests.multiprocess import run_distributed
@@ -99,3 +100,44 @@ def _tp_equivalence(rank, world_size):
 
 def test_fused_tp2_equals_the_single_process_unfused_loss():
     assert run_distributed(2, _tp_equivalence) == [True, True]
+
+
+# The compiled cross entropy of CUDA (tensor_parallel/cross_entropy.py): its PyTorch functions,
+# run uncompiled here and compiled once below (inductor compiles for the CPU too), in place of
+# the CPU kernels.
+class _Uncompiled(cross_entropy.CompiledKernels):
+    def __init__(self):
+        self._stats = cross_entropy.cross_entropy_stats
+        self._grad = cross_entropy.cross_entropy_grad
+
+
+def _through(provider, logits, target, grad, smoothing, loss_dtype=None):
+    leaf = logits.clone().requires_grad_(True)
+    loss = cross_entropy._FusedVocabParallelCrossEntropy.apply(
+        provider, leaf, target, None, smoothing, False)
+    loss = loss.to(loss_dtype or logits.dtype)
+    loss.backward(grad)
+    return loss.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_compiled_paths_functions_equal_the_unfused_path(smoothing):
+    logits, target, grad = _inputs(VOCAB)
+    want = _loss_and_grad(logits, target, grad, None, fused=False, smoothing=smoothing)
+    got = _through(_Uncompiled(), logits, target, grad, smoothing)
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    bf16 = logits.to(torch.bfloat16)
+    want = _loss_and_grad(bf16, target, grad, None, fused=False, loss_dtype=torch.float32)
+    got = _through(_Uncompiled(), bf16, target, grad, 0.0, torch.float32)
+    assert got[1].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_the_compiled_cross_entropy_compiles_and_equals_the_unfused_path():
+    logits, target, grad = _inputs(VOCAB)
+    want = _loss_and_grad(logits, target, grad, None, fused=False)
+    got = _through(cross_entropy.CompiledKernels(), logits, target, grad, 0.0)
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)

@@ -13,16 +13,26 @@ Two implementations, equal to 1e-5 in fp32 (tests/fused_kernels/test_fused_cross
   and writes the gradient in one pass, over the logits buffer when ``inplace``. Half-precision
   logits are read as they are and computed in fp32, so ``loss_dtype=torch.float32`` costs no
   fp32 copy of them.
+* compiled (CUDA): the same two steps as the fused kernels, written as PyTorch ops and
+  compiled by ``torch.compile`` into one reduction (max, sum of exponentials, sum) and one
+  pointwise gradient kernel, reading the half logits as they are. On an H200 at GPT-2-small
+  (16 x 1024 tokens x 50304) the unfused path made six passes over an fp32 copy of the logits
+  (~13 ms of a 53 ms step). Used for fp32/bf16/fp16 CUDA logits unless
+  ``MEGATRON_COMPILED_CROSS_ENTROPY=0``; if compiling fails it says so once and the unfused
+  path runs.
 * unfused (PyTorch ops: max, subtract, exp, sum, divide; the softmax kept for the backward),
-  everywhere else (CUDA, float64, the extension missing).
+  everywhere else (float64, the extension missing, a device with neither).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from megatron.core import comm
 from megatron.core.fusions import kernels
+from megatron.core.log import log_rank_0
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size, vocab_range
 
 
@@ -146,12 +156,82 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         return None, grad, None, None, None, None
 
 
+def cross_entropy_stats(logits: torch.Tensor):
+    """Per row of ``logits`` ``[..., V/p]``, in fp32: the max, the sum of exponentials relative
+    to that max and the sum of the logits (what the CPU kernel of that name returns)."""
+    x = logits.float()
+    row_max = x.amax(dim=-1)
+    return row_max, torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1), x.sum(dim=-1)
+
+
+def cross_entropy_grad(logits: torch.Tensor, global_max: torch.Tensor, sum_exp: torch.Tensor,
+                       local_target: torch.Tensor, grad_loss: torch.Tensor, on_target: float,
+                       uniform: float) -> torch.Tensor:
+    """``(softmax - on_target onehot(target) - uniform) * grad_loss`` in the logits' dtype
+    (``local_target`` -1 where another rank holds the id); the CPU kernel's backward."""
+    x = logits.float()
+    softmax = torch.exp(x - global_max.unsqueeze(-1)) / sum_exp.unsqueeze(-1)
+    ids = torch.arange(x.size(-1), device=x.device)
+    hit = (ids == local_target.unsqueeze(-1)).to(x.dtype)
+    return ((softmax - on_target * hit - uniform) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
+class CompiledKernels:
+    """The fused kernels' interface over the two functions above, compiled by
+    ``torch.compile`` (once per shape). Where compiling fails, one log line says why and the
+    same functions run uncompiled from then on (same results, more passes over memory)."""
+
+    def __init__(self) -> None:
+        self._stats = torch.compile(cross_entropy_stats, dynamic=False)
+        self._grad = torch.compile(cross_entropy_grad, dynamic=False)
+
+    def _uncompiled(self, err: Exception) -> None:
+        log_rank_0(f"> cross entropy: torch.compile failed ({type(err).__name__}: {err}); "
+                   "running its PyTorch ops uncompiled")
+        self._stats, self._grad = cross_entropy_stats, cross_entropy_grad
+
+    def cross_entropy_stats(self, logits):
+        try:
+            return self._stats(logits)
+        except Exception as err:  # noqa: BLE001 - a compiler failure must not stop training
+            if self._stats is cross_entropy_stats:
+                raise
+            self._uncompiled(err)
+            return self._stats(logits)
+
+    def cross_entropy_backward(self, logits, global_max, sum_exp, local_target, grad_loss,
+                               on_target, uniform, inplace):
+        del inplace  # a fresh gradient: the logits' buffer is the caller's to free
+        args = (logits, global_max, sum_exp, local_target, grad_loss, on_target, uniform)
+        try:
+            return self._grad(*args)
+        except Exception as err:  # noqa: BLE001 - as above
+            if self._grad is cross_entropy_grad:
+                raise
+            self._uncompiled(err)
+            return self._grad(*args)
+
+
+_compiled: CompiledKernels | None = None
+
+
+def _compiled_kernels(logits: torch.Tensor) -> CompiledKernels | None:
+    """The compiled cross entropy for CUDA logits (module docstring), else None."""
+    if (logits.device.type != "cuda" or logits.dtype not in kernels.CPU_KERNEL_DTYPES
+            or os.environ.get("MEGATRON_COMPILED_CROSS_ENTROPY", "1") == "0"):
+        return None
+    global _compiled
+    if _compiled is None:
+        _compiled = CompiledKernels()
+    return _compiled
+
+
 def fused_kernel_for(logits: torch.Tensor):
-    """The extension whose cross-entropy kernels cover ``logits``, or ``None``."""
+    """The kernels covering ``logits``: the CPU extension's, the compiled ones on CUDA, or
+    ``None``."""
     if logits.dim() < 1:
         return None
-    # CPU only: the CUDA extension has no cross-entropy kernel.
-    return kernels.cpu_kernel("cross_entropy_stats", logits)
+    return kernels.cpu_kernel("cross_entropy_stats", logits) or _compiled_kernels(logits)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

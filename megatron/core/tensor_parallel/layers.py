@@ -88,8 +88,10 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
     ``None``, saving the weight-gradient tensor and the pass that adds it to the buffer. Without
     a buffer (no DDP wrapper, or after ``finish_grad_sync`` of the non-contiguous path) it
     returns the gradient as ``F.linear`` does. When the buffer's dtype differs from the
-    activations' (bf16 activations, fp32 buffer) the CPU has no mixed-dtype GEMM, so the product
-    is computed in the activation dtype and then added (same values, no saving).
+    activations' (bf16 activations, fp32 buffer), CUDA's ``addmm(..., out_dtype=float32)``
+    accumulates the half-precision product into the fp32 buffer in the GEMM itself (Megatron's
+    fused wgrad); the CPU has no mixed-dtype GEMM, so there the product is computed in the
+    activation dtype and then added (no saving).
     """
 
     @staticmethod
@@ -111,12 +113,29 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
             grad_weight = grad_2d.t().mm(x_2d)
         elif main_grad.dtype == grad_2d.dtype:
             main_grad.addmm_(grad_2d.t(), x_2d)
-        else:
+        elif not _accumulate_in_fp32(main_grad, grad_2d.t(), x_2d):
             main_grad.add_(grad_2d.t().mm(x_2d))
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         # A None weight gradient still runs the parameter's post-accumulate-grad hook, so the
         # DDP wrapper's bucket bookkeeping (overlapped reduction) sees the weight as ready.
         return grad_x, grad_weight, grad_bias
+
+
+_MIXED_DTYPE_ADDMM = {"cuda": True}  # False once torch refuses it (older releases)
+
+
+def _accumulate_in_fp32(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``main_grad += a @ b`` for half ``a``, ``b`` and an fp32 ``main_grad`` in one GEMM where
+    the device has such a GEMM; False (nothing done) where it has not."""
+    if not _MIXED_DTYPE_ADDMM.get(main_grad.device.type, False) \
+            or main_grad.dtype != torch.float32:
+        return False
+    try:
+        torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _MIXED_DTYPE_ADDMM[main_grad.device.type] = False
+        return False
+    return True
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
