@@ -85,3 +85,17 @@ def test_the_grad_norm_mutation_is_named_by_file_and_line():
     line = mutated[:mutated.index("total = torch.zeros(1, dtype=torch.float32)\n")].count("\n")
     assert device_less_factories(mutated, "megatron/core/optimizer/clip_grads.py") == [
         f"megatron/core/optimizer/clip_grads.py:{line + 1}: torch.zeros(...)"]
+
+
+def test_every_torch_load_maps_to_the_cpu():
+    """A checkpoint saved on a GPU must load on a CPU-only machine (and the reverse): every
+    ``torch.load`` in the project passes ``map_location``."""
+    offenders = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "load" and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "torch"
+                    and not any(k.arg == "map_location" for k in node.keywords)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "torch.load without map_location: " + ", ".join(offenders)
