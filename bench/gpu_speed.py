@@ -164,8 +164,9 @@ def main() -> None:
                 ours = ours_side(shape, shlex.split(args.ours_args))
             if name == "ours-noext":
                 hide_extension()
-            if name == "ours-unfused-ce":
-                os.environ["MEGATRON_COMPILED_CROSS_ENTROPY"] = "0"
+            # Each side sets its own switch (a later side does not inherit an earlier one's).
+            os.environ["MEGATRON_COMPILED_CROSS_ENTROPY"] = "0" if name == "ours-unfused-ce" \
+                else "1"
             side = ours
         res = time_side(side, warmup, steps)
         res["tokens_per_s"] = tokens / (res["ms"] / 1000)

@@ -324,7 +324,8 @@ class _HostStagedRecv:
 
     def wait(self) -> bool:
         self.work.wait()
-        self.target.copy_(self.host)
+        with torch.no_grad():  # receive buffers can be leaves that require grad
+            self.target.copy_(self.host)
         return True
 
     def is_completed(self) -> bool:
@@ -354,7 +355,8 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     with _blocking(f"recv from rank {src}", group):
         dist.recv(host, src=src, group=group)
     if host is not tensor:
-        tensor.copy_(host)
+        with torch.no_grad():  # receive buffers can be leaves that require grad
+            tensor.copy_(host)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None):
