@@ -219,7 +219,7 @@ def _summary(exc: BaseException) -> str:
 # Ending the rank --------------------------------------------------------------------------
 def _fail(exc: BaseException | None, summary: str, code: int) -> NoReturn:
     """Main thread: traceback, failure record, loader workers killed, exit ``code``."""
-    from megatron.data.samplers import stop_loader_workers
+    from megatron.data.loader import stop_loader_workers
 
     _ending.acquire()  # blocks for good if a watcher is ending the rank already
     if exc is not None:
