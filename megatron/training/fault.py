@@ -76,9 +76,9 @@ class _Peers:
         """Set to "failed" for every rank when one fails, to "done" by a rank that finished."""
         return self.key(f"wake/{rank}")
 
-    def process_key(self, rank: int) -> str:
-        """Where ``rank`` records its machine and pid (see :mod:`peer_processes`)."""
-        return self.key(f"process/{rank}")
+    def machine_key(self, machine: str) -> str:
+        """Where the ranks on ``machine`` record their pids (see :mod:`peer_processes`)."""
+        return self.key(f"processes/{machine}")
 
     def finished(self, rank: int) -> bool:
         """``rank`` ended normally (its watcher was woken with "done")."""
@@ -153,7 +153,7 @@ def watch_peers(watchdog_timeout_s: float | None = None) -> None:
                                 daemon=True)
     _watcher.start()
     with contextlib.suppress(dist.DistError):  # without it a vanished peer goes unnamed
-        peer_processes.announce(_peers.report_store, _peers.process_key(rank))
+        peer_processes.announce(_peers.report_store, _peers.machine_key, rank)
     if watchdog_timeout_s is not None:
         _start_watchdog(_peers, watchdog_timeout_s)
 
@@ -227,8 +227,8 @@ def _vanished_peer_summary(summary: str) -> tuple[int | None, str]:
     if peers is None:
         return None, summary
     try:
-        found = peer_processes.vanished_peer(peers.report_store, peers.process_key,
-                                             peers.finished, peers.rank, peers.world_size)
+        found = peer_processes.vanished_peer(peers.report_store, peers.machine_key,
+                                             peers.finished, peers.rank)
     except dist.DistError:
         found = _store_host_gone(peers)
     if found is None:

@@ -34,9 +34,11 @@ def machine() -> str:
     return f"{socket.gethostname()}/{namespace}"
 
 
-def announce(store: dist.Store, key: str) -> None:
-    """Record this process (``key``: this rank's process key) for the peers."""
-    store.set(key, f"{machine()} {os.getpid()}")
+def announce(store: dist.Store, machine_key: Callable[[str], str], rank: int) -> None:
+    """Record this rank's process for the peers on its machine. One key per machine, so that a
+    failing rank reads its own machine's few entries, not the whole world's (every rank of a
+    large job may fail at once)."""
+    store.append(machine_key(machine()), f"{rank}:{os.getpid()} ")
 
 
 def process_alive(pid: int) -> bool:
@@ -59,23 +61,19 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def vanished_peer(store: dist.Store, process_key: Callable[[int], str],
-                  finished: Callable[[int], bool], rank: int, world_size: int
-                  ) -> tuple[int, str] | None:
+def vanished_peer(store: dist.Store, machine_key: Callable[[str], str],
+                  finished: Callable[[int], bool], rank: int) -> tuple[int, str] | None:
     """``(peer, what became of it)`` for the first peer on this machine whose process is gone
     without finishing, waiting up to :data:`EXIT_SETTLE_S` for one; else None.
 
     Raises:
         torch.distributed.DistError: the store is unreachable.
     """
-    here = machine()
-    local = {}
-    for peer in range(world_size):
-        if peer == rank or not store.check([process_key(peer)]):
-            continue
-        where, pid = store.get(process_key(peer)).decode().rsplit(" ", 1)
-        if where == here:
-            local[peer] = int(pid)
+    key = machine_key(machine())
+    if not store.check([key]):
+        return None
+    entries = (entry.split(":") for entry in store.get(key).decode().split())
+    local = {int(peer): int(pid) for peer, pid in entries if int(peer) != rank}
     deadline = time.monotonic() + EXIT_SETTLE_S
     while local:
         for peer, pid in local.items():
