@@ -118,7 +118,7 @@ def main(argv: Sequence[str]) -> None:
     argv = with_default_tokenizer(argv)
     check_flags(argv)
     pretrain(datasets_provider, model_provider, forward_step, argv=argv,
-             flops_per_sample=flops_per_sample)
+             flops_per_sample=flops_per_sample, require_data=True)
 
 
 if __name__ == "__main__":

@@ -75,4 +75,4 @@ def flops_per_sample(cfg) -> float:
 if __name__ == "__main__":
     # Any error ends this rank at once (loader workers and all) and stops the other ranks.
     fault.run_rank(lambda: pretrain(datasets_provider, model_provider, forward_step,
-                                    flops_per_sample=flops_per_sample))
+                                    flops_per_sample=flops_per_sample, require_data=True))

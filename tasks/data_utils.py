@@ -10,8 +10,48 @@ reads.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
+
+
+def _not_utf8(filename: str, number: int, err: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{filename}:{number}: not UTF-8 text (byte {err.object[err.start]:#04x} "
+                      f"at byte {err.start + 1} of the line: {err.reason}); task files are "
+                      "read as UTF-8: re-encode it (iconv -f latin1 -t utf-8, say)")
+
+
+def utf8_lines(filename: str) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file, line ends kept.
+
+    Raises:
+        ValueError: a line that is not UTF-8, naming the file, the line and the byte (a text
+            mode ``open`` names only an offset into its internal buffer).
+    """
+    with open(filename, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(filename, number, err) from None
+
+
+def read_utf8_text(filename: str) -> str:
+    """A whole UTF-8 text file (a JSON document, say).
+
+    Raises:
+        ValueError: the file is not UTF-8, naming the file and the line of the first bad byte.
+    """
+    with open(filename, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        number = data.count(b"\n", 0, err.start) + 1
+        raise _not_utf8(filename, number, UnicodeDecodeError(
+            "utf-8", data[line_start:err.end], err.start - line_start, err.end - line_start,
+            err.reason)) from None
 
 
 def clean_text(text: str) -> str:

@@ -9,6 +9,7 @@ import math
 import torch
 
 from megatron.core import parallel_state
+from megatron.data.loader import build_data_loader
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
@@ -62,13 +63,14 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
 
 def make_loader(dataset, batch_sampler, collate_fn, num_workers: int):
-    """A DataLoader over ``batch_sampler``'s index lists (``collate_fn`` None: torch's)."""
-    # A private generator: iter(loader) would otherwise draw a seed from the default generator,
-    # the dropout stream, and a resumed run would not repeat the straight run's dropout.
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-        collate_fn=collate_fn, generator=torch.Generator().manual_seed(0),
-        persistent_workers=False)
+    """A DataLoader over ``batch_sampler``'s index lists (``collate_fn`` None: torch's).
+
+    Built by the project's one loader factory: its workers ignore the SIGTERM a scheduler sends
+    the rank's process group, so --exit-signal-handler can still save (a fresh iterator, and
+    fresh workers, every epoch).
+    """
+    return build_data_loader(dataset, batch_sampler, num_workers=num_workers,
+                             collate_fn=collate_fn)
 
 
 class _EvaluationSampler(torch.utils.data.Sampler):

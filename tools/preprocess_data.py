@@ -12,7 +12,8 @@ Megatron-LM, all deliberate:
   (see ``megatron/tokenizer/sentences.py``);
 - every key of ``--json-keys`` gets a finished ``.bin`` and ``.idx``;
 - outputs are written under temporary names and renamed at the end: an error or interrupt
-  leaves no partial file under a final name;
+  leaves no partial file under a final name, and the temporary files a killed run could not
+  remove (``kill -9``) are removed by the next run on the same ``--output-prefix``;
 - a non-JSON line, a line that is not an object, or a missing key stops the run with
   ``file:line``; blank lines are skipped;
 - ``--partitions P`` deals documents round-robin (or in blocks of 1,000,000 with
@@ -328,6 +329,7 @@ class Outputs:
         self.dtype = dtype
         for prefix in self.final.values():
             os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        remove_interrupted_temps(self.final.values())
         self.builders = {k: [IndexedDatasetBuilder(data_file_path(p), dtype) for p in prefixes]
                          for k, prefixes in self.part_prefixes.items()}
 
@@ -358,6 +360,45 @@ class Outputs:
             for path in (data_file_path(prefix), index_file_path(prefix)):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
+
+
+def _temp_name(final_prefix: str) -> re.Pattern:
+    """Names :class:`Outputs` gives the temporary files of ``final_prefix`` (the writer's pid
+    is group 1)."""
+    return re.compile(re.escape(os.path.basename(final_prefix))
+                      + r"\.tmp(\d+)(?:-part\d+)?\.(?:bin|idx)")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_interrupted_temps(final_prefixes) -> int:
+    """Remove the temporary files a killed run (``kill -9``, the OOM killer: no cleanup ran)
+    left beside these outputs; returns how many. Those of a writer still running on this
+    machine are left alone (a second run on the same prefix)."""
+    removed = 0
+    for final in final_prefixes:
+        directory = os.path.dirname(os.path.abspath(final))
+        name = _temp_name(final)
+        for entry in os.listdir(directory):
+            found = name.fullmatch(entry)
+            if found is None or (int(found.group(1)) != os.getpid()
+                                 and _running(int(found.group(1)))):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, entry))
+                removed += 1
+    if removed:
+        print(f"Removed {removed} temporary file(s) of an interrupted run", file=sys.stderr,
+              flush=True)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------

@@ -159,7 +159,8 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
                      require_model: bool = True, require_train_length: bool = False,
-                     parser: argparse.ArgumentParser | None = None) -> MegatronConfig:
+                     parser: argparse.ArgumentParser | None = None,
+                     require_data: bool = False) -> MegatronConfig:
     """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2.
 
     Returns:
@@ -172,7 +173,7 @@ def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
     parser = parser or build_parser()
     try:
         return validate(cfg, world_size, require_model=require_model,
-                        require_train_length=require_train_length)
+                        require_train_length=require_train_length, require_data=require_data)
     except ValueError as err:
         parser.print_usage(sys.stderr)
         parser.exit(2, f"{parser.prog}: error: {err}\n")

@@ -138,7 +138,7 @@ RANGES: dict[tuple[str, str], _Range] = {
 
 
 def validate(flags, world_size: int, require_model: bool = True,
-             require_train_length: bool = False):
+             require_train_length: bool = False, require_data: bool = False):
     """Check the flags for a run of ``world_size`` ranks; return the final config.
 
     Args:
@@ -147,6 +147,8 @@ def validate(flags, world_size: int, require_model: bool = True,
         require_model: the architecture flags must be present (training, evaluation).
         require_train_length: the script trains (pretrain()): --train-iters or --train-samples
             must be given unless --skip-train.
+        require_data: the script reads its samples from the --data-path flags
+            (pretrain_gpt.py, pretrain_bert.py): one of them, or --mock-data, must be given.
 
     Returns:
         A read-only copy with every derived value filled in (defaults that depend on other
@@ -173,7 +175,11 @@ def validate(flags, world_size: int, require_model: bool = True,
     _check_recompute(cfg)
     _check_misc(cfg)
     _check_data(cfg)
+    _check_output_directories(cfg)
     _check_tokenizer(cfg)
+    if require_data:
+        # After the checks of flags given: a flag given wrong is the more specific error.
+        _check_data_given(cfg.data)
     _check_not_implemented(cfg)
     if require_model:
         _derive_padded_vocab_size(cfg)
@@ -507,6 +513,40 @@ def _check_data(cfg) -> None:
                 raise ValueError(f"{flag}: no dataset at prefix {prefix!r} "
                                  f"({' and '.join(missing)} not found; give the path without "
                                  ".bin/.idx)")
+
+
+def _check_data_given(d) -> None:
+    if d.mock_data or d.data_path or d.train_data_path or d.valid_data_path or d.test_data_path:
+        return
+    raise ValueError("no data: give --data-path (split by --split), or --train-data-path / "
+                     "--valid-data-path / --test-data-path, or --mock-data for synthetic samples")
+
+
+def _not_a_directory(path: str) -> str | None:
+    """Why ``path`` cannot be (or become) a writable directory, else None.
+
+    Its nearest existing ancestor decides (``mkdir -p`` starts there): a regular file on the
+    way fails only when the first file is written, after the model is built and trained.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a regular file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
+def _check_output_directories(cfg) -> None:
+    """Directories the run writes into can be created there (before any process group)."""
+    for flag, path in (("--save", cfg.checkpoint.save),
+                       ("--tensorboard-dir", cfg.logging.tensorboard_dir),
+                       ("--data-cache-path", cfg.data.data_cache_path)):
+        problem = None if path is None else _not_a_directory(path)
+        if problem is not None:
+            raise ValueError(f"{flag} {path}: {problem}; give {flag} a directory this run can "
+                             "create or write to")
 
 
 def _check_tokenizer(cfg) -> None:

@@ -1,4 +1,4 @@
-"""Megatron's pretraining batch samplers and the data-loader factory.
+"""Megatron's pretraining batch samplers and the pretraining data-loader factory.
 
 Both samplers yield, per data-parallel rank, lists of ``micro_batch_size`` sample indices, and
 resume exactly from ``consumed_samples`` (the global count of samples already trained on, saved
@@ -7,18 +7,11 @@ in checkpoints), so a restarted run continues the same order.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import functools
-import multiprocessing
-import multiprocessing.util  # noqa: F401 - its exit hook must be registered before ours
-import os
-import signal
-import sys
-import threading
 from typing import Iterator
 
 import torch
+
+from megatron.data.loader import build_data_loader
 
 
 def _check(total: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
@@ -134,12 +127,6 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
-def _accelerator_present() -> bool:
-    from megatron.core import device
-
-    return device.accelerator_available()
-
-
 def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, consumed_samples: int,
                                   dataloader_type: str | None, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
@@ -170,123 +157,5 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
                                                    data_parallel_size)
     else:
         raise ValueError(f"--dataloader-type {dataloader_type!r}: expected 'single' or 'cyclic'")
-    # Every iter(loader) draws a worker base seed from loader.generator; with None that is the
-    # default torch generator, which on the CPU is also the dropout stream, so building the
-    # iterators after a checkpoint restored the RNG state would shift every later dropout mask
-    # (resume would not be exact). A private generator keeps the loader off the model's RNG.
-    generator = torch.Generator().manual_seed(0)
-    init = functools.partial(_init_worker, os.getpid()) if num_workers else None
-    return _PretrainingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                  pin_memory=_accelerator_present(),
-                                  persistent_workers=num_workers > 0, generator=generator,
-                                  worker_init_fn=init)
-
-
-# Loader worker processes of this process that stop_loader_workers() ends.
-_WORKERS: set[multiprocessing.Process] = set()
-
-
-class _PretrainingDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader whose worker processes :func:`stop_loader_workers` can end.
-
-    torch starts the workers when the iterator is made; they are the children that appear
-    across ``__iter__`` (with persistent workers, only the first call starts any).
-    """
-
-    def __iter__(self):
-        before = set(multiprocessing.active_children())
-        iterator = super().__iter__()
-        _WORKERS.update(set(multiprocessing.active_children()) - before)
-        return _NamedWorkerDeath(iterator) if self.num_workers > 0 else iterator
-
-
-class _NamedWorkerDeath:
-    """A loader iterator whose broken hand-over from a dead worker says so.
-
-    A worker killed (by the OOM killer, say) after it queued a batch but before the training
-    process took the batch's shared memory from it surfaces as a bare ``ConnectionResetError``
-    or ``EOFError`` from the socket the memory is passed over, instead of torch's "DataLoader
-    worker ... is killed by signal". Both mean the same, and the user should read the same.
-    """
-
-    def __init__(self, iterator) -> None:
-        self._iterator = iterator
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self._iterator)
-        except (ConnectionError, EOFError) as err:
-            dead = sorted(w.pid for w in _WORKERS if not w.is_alive())
-            raise RuntimeError(
-                f"DataLoader worker (pid(s) {dead or 'unknown'}) died while handing over a "
-                f"batch ({type(err).__name__}: {err}); was it killed, by the OOM killer "
-                "perhaps?") from err
-
-    def __len__(self) -> int:
-        return len(self._iterator)
-
-    def __getattr__(self, name: str):
-        return getattr(self._iterator, name)
-
-
-def stop_loader_workers() -> None:
-    """Kill (SIGKILL) and reap every loader worker of this process that is still running.
-
-    The workers ignore SIGTERM (see :func:`_init_worker`), and that is all the standard exit
-    path sends them: Python's multiprocessing exit hook SIGTERMs daemonic children and then
-    joins them, which waits forever, so a rank that raises after its loaders started would
-    never exit. This runs at interpreter exit (before that hook; torch's own hook for loaders
-    with pinned memory, registered later, has shut those down gracefully before it) and when
-    ``megatron.training.fault`` ends a failed rank.
-    """
-    workers = [w for w in _WORKERS if w.is_alive()]
-    _WORKERS.clear()
-    if not workers:
-        return
-    # torch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" in the main
-    # thread for a worker that died while its iterator lives: hold it off until the workers
-    # are reaped (then it finds nothing). Only the main thread may change handlers.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if in_main else None
-    try:
-        for worker in workers:
-            worker.kill()
-        for worker in workers:
-            worker.join(timeout=10)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGCHLD, previous)
-
-
-# atexit runs hooks last-registered first: this one runs before multiprocessing's (imported
-# above), whose SIGTERM-then-join would wait forever on workers still running.
-atexit.register(stop_loader_workers)
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _init_worker(parent_pid: int, worker_id: int) -> None:
-    """Loader workers leave SIGTERM to the training process, and die with it.
-
-    torchrun and SLURM signal a rank's whole process group, workers included. A worker killed by
-    it makes the rank fail ("DataLoader worker ... is killed by signal") before
-    --exit-signal-handler can finish the iteration and save. The workers still stop when the
-    loader shuts them down, when :func:`stop_loader_workers` kills them, and (on Linux, through
-    ``prctl(PR_SET_PDEATHSIG)``) the moment their parent process dies, whatever kills it;
-    elsewhere torch's watchdog notices a dead parent within seconds.
-    """
-    del worker_id
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The death signal follows the worker's parent: only a forked worker's parent is the rank
-    # (under forkserver or spawn it is a helper process; torch's watchdog covers those).
-    if not sys.platform.startswith("linux") or os.getppid() != parent_pid:
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # no prctl: torch's watchdog remains
-    if os.getppid() != parent_pid:
-        os._exit(1)  # the rank died between the check and arming the death signal
+    return build_data_loader(dataset, sampler, num_workers=num_workers,
+                             persistent_workers=num_workers > 0)

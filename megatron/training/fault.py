@@ -20,6 +20,12 @@ Two daemon threads cover what the main thread cannot see while it is blocked in 
 Under torchrun the store lives in the launcher. Launched without it (srun-style ``RANK`` /
 ``WORLD_SIZE`` variables) rank 0 hosts it, so rank 0 waits, at most :data:`LINGER_S`, for the
 other ranks to read it before exiting.
+
+A rank that fails because a peer vanished (killed: it records nothing, and the broken
+connection names no rank) names that peer as the first failure: through the watchdog's
+heartbeats when it is on, else through the peer's process on this machine
+(:mod:`megatron.training.peer_processes`), or, without torchrun, a store whose host (rank 0)
+no longer answers.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from megatron.core.log import get_logger, log_all_ranks
+from megatron.training import peer_processes
 from megatron.training.watchdog import Watchdog
 
 LINGER_S = 5.0
@@ -68,6 +75,15 @@ class _Peers:
     def wake_key(self, rank: int) -> str:
         """Set to "failed" for every rank when one fails, to "done" by a rank that finished."""
         return self.key(f"wake/{rank}")
+
+    def machine_key(self, machine: str) -> str:
+        """Where the ranks on ``machine`` record their pids (see :mod:`peer_processes`)."""
+        return self.key(f"processes/{machine}")
+
+    def finished(self, rank: int) -> bool:
+        """``rank`` ended normally (its watcher was woken with "done")."""
+        key = self.wake_key(rank)
+        return self.report_store.check([key]) and self.report_store.get(key) == b"done"
 
 
 _guarded = False
@@ -136,6 +152,8 @@ def watch_peers(watchdog_timeout_s: float | None = None) -> None:
     _watcher = threading.Thread(target=_watch_peers, args=(_peers,), name="megatron-peer-watch",
                                 daemon=True)
     _watcher.start()
+    with contextlib.suppress(dist.DistError):  # without it a vanished peer goes unnamed
+        peer_processes.announce(_peers.report_store, _peers.machine_key, rank)
     if watchdog_timeout_s is not None:
         _start_watchdog(_peers, watchdog_timeout_s)
 
@@ -200,6 +218,34 @@ def _silent_peer_summary(summary: str) -> tuple[int | None, str]:
                   f"failed: {summary}")
 
 
+def _vanished_peer_summary(summary: str) -> tuple[int | None, str]:
+    """Without the watchdog: a peer whose process on this machine is gone (a killed rank breaks
+    this rank's connections, and gloo's error names only an address), or, launched without
+    torchrun, a store that stopped answering (its host, rank 0, is gone), is the first
+    failure, with this rank's error attached. Otherwise ``(None, summary)``."""
+    peers = _peers
+    if peers is None:
+        return None, summary
+    try:
+        found = peer_processes.vanished_peer(peers.report_store, peers.machine_key,
+                                             peers.finished, peers.rank)
+    except dist.DistError:
+        found = _store_host_gone(peers)
+    if found is None:
+        return None, summary
+    peer, fate = found
+    return peer, f"{fate}; rank {peers.rank} then failed: {summary}"
+
+
+def _store_host_gone(peers: _Peers) -> tuple[int, str] | None:
+    """The store does not answer: launched without torchrun, its host is rank 0 (under
+    torchrun the agent hosts it, and names a rank that died itself)."""
+    if peers.hosts_store or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return None
+    return 0, ("gone (the rendezvous store it hosts no longer answers: killed, crashed or "
+               "ended)")
+
+
 def _connect() -> dist.Store:
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
@@ -219,13 +265,17 @@ def _summary(exc: BaseException) -> str:
 # Ending the rank --------------------------------------------------------------------------
 def _fail(exc: BaseException | None, summary: str, code: int) -> NoReturn:
     """Main thread: traceback, failure record, loader workers killed, exit ``code``."""
-    from megatron.data.samplers import stop_loader_workers
+    from megatron.data.loader import stop_loader_workers
 
     _ending.acquire()  # blocks for good if a watcher is ending the rank already
     if exc is not None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
     culprit, record = _silent_peer_summary(summary)
+    if culprit is None:
+        culprit, record = _vanished_peer_summary(summary)
     first = _record(record, culprit)
+    if first is None and culprit is not None:  # the store is gone: say it here at least
+        first = f"rank {culprit} failed: {record}"
     if first is not None and not first.startswith(f"rank {_peers.rank} failed: "):
         log_all_ranks(f"failed ({summary}) after another rank: {first}", logging.ERROR)
     else:

@@ -21,7 +21,8 @@ def initialize_megatron(argv: Sequence[str] | None = None,
                         extra_args_provider: ExtraArgsProvider | None = None,
                         require_model: bool = True,
                         require_train_length: bool = False,
-                        tool_sections: Sequence[ToolSection] = ()) -> MegatronConfig:
+                        tool_sections: Sequence[ToolSection] = (),
+                        require_data: bool = False) -> MegatronConfig:
     """Validate flags (before any process group exists), then initialize everything.
 
     Args:
@@ -29,6 +30,7 @@ def initialize_megatron(argv: Sequence[str] | None = None,
         extra_args_provider: a Megatron-LM style hook adding untyped flags (``cfg.extra``).
         require_model: the architecture flags must be present.
         require_train_length: the script trains: a run length is required.
+        require_data: the script reads the --data-path flags: a data source is required.
         tool_sections: the script's typed flag sections (``cfg.section(cls)``).
 
     Returns:
@@ -39,7 +41,8 @@ def initialize_megatron(argv: Sequence[str] | None = None,
     if flags.checkpoint.use_checkpoint_args:
         apply_checkpoint_args(flags)
     cfg = validate_or_exit(flags, require_model=require_model,
-                           require_train_length=require_train_length, parser=parser)
+                           require_train_length=require_train_length, parser=parser,
+                           require_data=require_data)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg

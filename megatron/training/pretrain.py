@@ -39,8 +39,13 @@ from megatron.training.signals import DistributedSignalHandler
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, argv: Sequence[str] | None = None,
              extra_args_provider: ExtraArgsProvider | None = None,
-             flops_per_sample: Callable[[MegatronConfig], float] | None = None) -> TrainState:
+             flops_per_sample: Callable[[MegatronConfig], float] | None = None,
+             require_data: bool = False) -> TrainState:
     """Initialize, build model/optimizer/data, train, evaluate; returns the final state.
+
+    ``require_data``: the datasets provider reads the --data-path flags (as pretrain_gpt.py's
+    and pretrain_bert.py's do), so their absence is refused with the other flag errors, before
+    any process group starts; a provider of its own samples leaves it False.
 
     ``forward_step_func`` is called as ``forward_step_func(data_iterator, model)``; scripts that
     need the config bind it with ``functools.partial``-style closures over the returned config
@@ -48,7 +53,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """
     # Megatron's _TRAIN_START_TIME: --exit-duration-in-mins counts set-up time too.
     start_time = time.time()
-    cfg = initialize_megatron(argv, extra_args_provider, require_train_length=True)
+    cfg = initialize_megatron(argv, extra_args_provider, require_train_length=True,
+                              require_data=require_data)
     timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
     tokenizer = build_tokenizer_from_config(cfg) if cfg.tokenizer.tokenizer_type else None
     model, optimizer, scheduler, state = setup_model_and_optimizer(cfg, model_provider, timers)

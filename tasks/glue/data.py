@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from megatron.core.log import log_rank_0, warn_rank_0
-from tasks.data_utils import build_sample, build_tokens_types_paddings_from_text, clean_text
+from tasks.data_utils import (build_sample, build_tokens_types_paddings_from_text, clean_text,
+                              utf8_lines)
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
 QQP_LABELS = (0, 1)
@@ -49,9 +50,8 @@ class GLUEDataset(torch.utils.data.Dataset):
 
 def _rows(filename: str):
     """``(line number, columns)`` of a TSV file (each line stripped, split on tabs)."""
-    with open(filename, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            yield number, line.strip().split("\t")
+    for number, line in utf8_lines(filename):
+        yield number, line.strip().split("\t")
 
 
 def _uid(value: str, filename: str, number: int) -> int:

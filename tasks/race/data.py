@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from megatron.core.log import log_rank_0
-from tasks.data_utils import build_sample, build_tokens_types_paddings_from_ids, clean_text
+from tasks.data_utils import (build_sample, build_tokens_types_paddings_from_ids, clean_text,
+                              utf8_lines)
 
 NUM_CHOICES = 4
 MAX_QA_LENGTH = 128
@@ -79,16 +80,15 @@ def read_race_directory(datapath: str, tokenizer, max_qa_length: int,
     samples: list[dict] = []
     num_docs = num_questions = 0
     for filename in filenames:
-        with open(filename, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                doc = _document(line, filename, number)
-                num_docs += 1
-                for sample in _question_samples(doc, tokenizer, max_qa_length, max_seq_length,
-                                                f"{filename}:{number}", len(samples)):
-                    samples.append(sample)
-                    num_questions += 1
+        for number, line in utf8_lines(filename):
+            if not line.strip():
+                continue
+            doc = _document(line, filename, number)
+            num_docs += 1
+            for sample in _question_samples(doc, tokenizer, max_qa_length, max_seq_length,
+                                            f"{filename}:{number}", len(samples)):
+                samples.append(sample)
+                num_questions += 1
     log_rank_0(f"    > processed {num_docs} document, {num_questions} questions, and "
                f"{len(samples)} samples in {time.time() - start:.2f} seconds")
     return samples

@@ -23,6 +23,7 @@ import json
 import os
 
 from megatron.core.log import get_logger
+from tasks.data_utils import read_utf8_text
 
 VERSIONS = ("1.1", "2.0")
 _logger = get_logger(__name__)
@@ -146,11 +147,10 @@ def read_squad_examples(path: str | os.PathLike, version: str, is_training: bool
 
 def _load_json(path: str) -> list:
     try:
-        with open(path, encoding="utf-8") as f:
-            content = json.load(f)
+        content = json.loads(read_utf8_text(path))
     except OSError as err:
         raise ValueError(f"cannot read SQuAD file {path}: {err.strerror or err}") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not a SQuAD JSON file: {err}") from err
     if not isinstance(content, dict):
         raise ValueError(f"{path}: a SQuAD file is a JSON object with a \"data\" list, "

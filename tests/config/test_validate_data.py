@@ -16,6 +16,7 @@ import time
 import pytest
 
 from megatron.config import parse_args
+from megatron.config.cli import validate_or_exit
 from megatron.tokenizer.gpt2 import bytes_to_unicode
 from tests.conftest import REPO
 
@@ -27,14 +28,14 @@ BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 16
 def files(tmp_path) -> dict[str, str]:
     """An existing dataset prefix (``.bin`` + ``.idx``; validation checks they exist), one with
     only a ``.bin``, and a loadable byte-level BPE vocab (256 byte symbols + EOD, no merges)."""
-    for name in ("corpus.bin", "corpus.idx", "half.bin"):
+    for name in ("corpus.bin", "corpus.idx", "half.bin", "a_file"):
         (tmp_path / name).write_bytes(b"")
     symbols = [*bytes_to_unicode().values(), "<|endoftext|>"]
     (tmp_path / "vocab.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}))
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     return {"prefix": str(tmp_path / "corpus"), "half": str(tmp_path / "half"),
             "vocab": str(tmp_path / "vocab.json"), "merges": str(tmp_path / "merges.txt"),
-            "missing": str(tmp_path / "nope")}
+            "missing": str(tmp_path / "nope"), "file": str(tmp_path / "a_file")}
 
 
 def _argv(template: str, files: dict[str, str]) -> list[str]:
@@ -65,6 +66,15 @@ BAD = {
     "sentencepiece-without-model": ("--tokenizer-type SentencePieceTokenizer",
                                     ["--tokenizer-model"]),
     "null-without-vocab-size": ("--tokenizer-type NullTokenizer", ["--vocab-size"]),
+    # Issue 29: these failed with a raw NotADirectoryError after the model was built.
+    "save-under-a-file": ("--mock-data --save {file}/run --save-interval 1",
+                          ["--save {file}/run: {file} is a regular file, not a directory"]),
+    "save-is-a-file": ("--mock-data --save {file} --save-interval 1",
+                       ["--save {file}: {file} is a regular file"]),
+    "tensorboard-dir-under-a-file": ("--mock-data --tensorboard-dir {file}/tb/x",
+                                     ["--tensorboard-dir {file}/tb/x: {file} is a regular file"]),
+    "data-cache-path-under-a-file": ("--mock-data --data-cache-path {file}/cache",
+                                     ["--data-cache-path {file}/cache: {file} is a regular"]),
     "zero-layers": ("--num-layers 0", ["--num-layers (0)"]),
     "negative-hidden": ("--hidden-size -8", ["--hidden-size (-8)"]),
 }
@@ -96,7 +106,8 @@ def test_good_data_and_tokenizer_flags_pass(template, files):
 
 # One case per group of checks (data, tokenizer, model shape, pipeline) through the real
 # script; every check is covered through parse_args above (the same validate() call).
-CLI_CASES = ("missing-prefix", "gpt2-without-merge-file", "negative-hidden", "pipeline-parallel")
+CLI_CASES = ("missing-prefix", "gpt2-without-merge-file", "negative-hidden", "pipeline-parallel",
+             "save-under-a-file", "no-data")
 
 
 def test_pretrain_gpt_fails_fast_on_bad_flags(files):
@@ -104,7 +115,8 @@ def test_pretrain_gpt_fails_fast_on_bad_flags(files):
     torch.distributed starts. The processes run concurrently (one Python start-up each)."""
     cases = {**BAD, "pipeline-parallel": ("--pipeline-model-parallel-size 2 --num-layers 3",
                                           ["--num-layers (3)",
-                                           "--pipeline-model-parallel-size (2)"])}
+                                           "--pipeline-model-parallel-size (2)"]),
+             "no-data": ("", ["no data: give --data-path", "--mock-data"])}
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     base_env["OMP_NUM_THREADS"] = "1"
@@ -127,6 +139,25 @@ def test_pretrain_gpt_fails_fast_on_bad_flags(files):
     # Hang detection only (a loaded 2-core machine takes tens of seconds to start 4 Pythons):
     # the no-process-group asserts above are what show validation came first.
     assert time.monotonic() - start < 240, "validation should fail within seconds"
+
+
+@pytest.mark.parametrize("template,refused", [
+    ("", True),
+    ("--mock-data", False),
+    ("--data-path {prefix}", False),
+    ("--train-data-path {prefix}", False),
+])
+def test_the_pretraining_scripts_need_a_data_source(template, refused, files, capsys):
+    """Regression (issue 29): with neither --data-path (nor a per-split path) nor --mock-data,
+    pretrain_gpt.py / pretrain_bert.py failed only after the model was built."""
+    cfg = parse_args(_argv(template, files), validate_config=False)
+    validate_or_exit(cfg, 1, require_train_length=True)  # a provider of its own: no data flag
+    if not refused:
+        validate_or_exit(cfg, 1, require_train_length=True, require_data=True)
+        return
+    with pytest.raises(SystemExit):
+        validate_or_exit(cfg, 1, require_train_length=True, require_data=True)
+    assert "no data: give --data-path" in capsys.readouterr().err
 
 
 def test_validation_starts_no_process_group(files, monkeypatch):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.launch import free_port
+from tasks import finetune_sample_data as synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
@@ -78,6 +79,27 @@ def tiny_bert_flags(vocab_file: Path, *, train_iters: int, global_batch_size: in
         = "64"
     return [*flags, "--vocab-file", str(vocab_file), "--train-iters", str(train_iters),
             "--global-batch-size", str(global_batch_size), *map(str, extra)]
+
+
+def finetune_flags(data: Path, save: Path, *extra: object) -> list[str]:
+    """tasks/main.py flags: MNLI on synthetic files written under ``data``, a 2-layer hidden-32
+    BERT, one rank, 2 micro-batches a step, dropout on, 2 epochs of 8 iterations, a save every
+    4 iterations (and at each epoch's end)."""
+    (data / "MNLI").mkdir(parents=True, exist_ok=True)
+    synthetic.write_vocab(data / "vocab.txt")
+    train = synthetic.write_mnli(data / "MNLI" / "train.tsv", 64, seed=1)
+    dev = synthetic.write_mnli(data / "MNLI" / "dev_matched.tsv", 16, seed=2)
+    return ["--task", "MNLI", "--train-data", train, "--valid-data", dev, "--epochs", 2,
+            "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
+            "--seq-length", 32, "--max-position-embeddings", 32,
+            "--make-vocab-size-divisible-by", 128, "--micro-batch-size", 4,
+            "--global-batch-size", 8, "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "linear", "--lr-warmup-fraction", 0.1, "--weight-decay", 0.01,
+            "--clip-grad", 1.0, "--seed", 1234, "--hidden-dropout", 0.1,
+            "--attention-dropout", 0.1, "--tokenizer-type", "BertWordPieceLowerCase",
+            "--vocab-file", data / "vocab.txt", "--num-workers", 0, "--log-interval", 1,
+            "--eval-iters", 1, "--distributed-backend", "gloo", "--save", save,
+            "--save-interval", 4, *extra]
 
 
 def child_env(**extra: str) -> dict[str, str]:

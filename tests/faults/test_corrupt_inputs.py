@@ -14,13 +14,17 @@ the gaps the injections found (each was a bug, now fixed):
   TypeError naming no file; a JSON syntax error or a non-UTF-8 byte in ``vocab.json``,
   ``merges.txt`` or ``vocab.txt`` named no line (Python's "position 5000");
 * a truncated or corrupt ``.jsonl.gz`` given to preprocess_data.py ended in a bare EOFError
-  traceback.
+  traceback;
+* a finetuning task file (MNLI, QQP, RACE, SQuAD) with a non-UTF-8 byte named neither the file
+  nor the line (issue 29).
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
@@ -32,6 +36,7 @@ from megatron.checkpointing import files as checkpoint_files
 from megatron.training.checkpointing import CheckpointError
 from megatron.tokenizer import TokenizerConfig, build_tokenizer
 from tests.training.test_checkpoint_faults import _load, _model, _save
+from tasks import finetune_sample_data as synthetic
 from tools import preprocess_data
 
 
@@ -188,3 +193,65 @@ def test_an_intact_gzip_input_still_converts(tmp_path):
     assert _preprocess(src, out) == 0
     assert sorted(os.listdir(out)) == ["x_text_document.bin", "x_text_document.idx"]
     assert (out / "x_text_document.bin").stat().st_size == 50 * 4 * 2  # 4 uint16 ids a line
+
+
+# Task files (issue 29) ------------------------------------------------------------------------
+def _with_latin1_byte(path: Path, line: int) -> Path:
+    """``path`` with an 'é' written in Latin-1 (0xe9, invalid UTF-8) into line ``line``."""
+    lines = path.read_bytes().split(b"\n")
+    lines[line - 1] = lines[line - 1].replace(b" ", b" caf\xe9 ", 1)
+    path.write_bytes(b"\n".join(lines))
+    return path
+
+
+def _random_bytes(path: Path) -> Path:
+    # Seeded, and sure to hold a byte that starts no UTF-8 sequence (0xff) on its first line.
+    path.write_bytes(b"\xff" + random.Random(0).randbytes(4000))
+    return path
+
+
+def _race_file(tmp_path: Path, line: int) -> str:
+    directory = synthetic.write_race(tmp_path / "race", 6, seed=0)
+    _with_latin1_byte(directory / "1.txt", line)
+    return str(directory)
+
+
+def _word_piece(tmp_path: Path):
+    from megatron.tokenizer.bert import BertWordPieceTokenizer
+
+    return BertWordPieceTokenizer(synthetic.write_vocab(tmp_path / "vocab.txt"))
+
+
+def _squad_file(tmp_path: Path, line: int) -> Path:
+    path = tmp_path / "train-v1.1.json"
+    text = json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": []}]}, indent=1)
+    path.write_text(text)
+    return _with_latin1_byte(path, line)
+
+
+@pytest.mark.parametrize("case", ["mnli_latin1", "mnli_random_bytes", "qqp_latin1",
+                                  "race_latin1", "squad_latin1"])
+def test_a_task_file_that_is_not_utf8_is_named_with_its_line(tmp_path, case):
+    """Regression: tasks/main.py said only "'utf-8' codec can't decode byte 0xe9 in position
+    718" (an offset into Python's read buffer), naming neither the file nor the line."""
+    from tasks.glue.data import read_mnli, read_qqp
+    from tasks.race.data import read_race_directory
+    from tasks.squad.reader import read_squad_examples
+
+    line, byte = (1, "0xff") if case == "mnli_random_bytes" else (3, "0xe9")
+    readers = {
+        "mnli_latin1": lambda: (read_mnli, _with_latin1_byte(
+            synthetic.write_mnli(tmp_path / "train.tsv", 8, seed=1), line)),
+        "mnli_random_bytes": lambda: (read_mnli, _random_bytes(tmp_path / "train.tsv")),
+        "qqp_latin1": lambda: (read_qqp, _with_latin1_byte(
+            synthetic.write_qqp(tmp_path / "train.tsv", 8, seed=1), line)),
+        "race_latin1": lambda: (lambda d: read_race_directory(d, _word_piece(tmp_path), 8, 32),
+                                _race_file(tmp_path, line)),
+        "squad_latin1": lambda: (lambda p: read_squad_examples(p, "1.1", True),
+                                 _squad_file(tmp_path, line)),
+    }
+    read, path = readers[case]()
+    where = Path(path) / "1.txt" if case == "race_latin1" else path
+    with pytest.raises(ValueError, match=re.escape(f"{where}:{line}: not UTF-8 text (byte {byte}")
+                       + r".* re-encode it"):
+        read(str(path))

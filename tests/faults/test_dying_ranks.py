@@ -12,6 +12,8 @@ layout      fault                    what ends the others
 TP=2        exception on rank 1      the failure record (fault.run_rank), naming rank 1
 PP=2        ``os._exit`` on rank 1   the broken connection; the watchdog's heartbeats name
                                      rank 1 (it recorded nothing itself)
+DP=2        ``os._exit`` on rank 0   the broken connection; no watchdog: the store rank 0
+                                     hosted stops answering, which names it (issue 29)
 DP=2        rank 1 sleeps forever    the watchdog on rank 1 (no collective for the bound),
             outside a collective     naming rank 1 and the call it is stuck in
 TP2xPP2xDP2 rank 5 sleeps forever    the same, in a world of eight (opt-in:
@@ -19,10 +21,12 @@ TP2xPP2xDP2 rank 5 sleeps forever    the same, in a world of eight (opt-in:
                                      about 50 s of CPU, over the suite's budget)
 ==========  ======================  =====================================================
 
-The watchdog's own decisions (a frozen peer, a wait in the wrong collective, the set-up not
-checked) are unit-tested in tests/training/test_watchdog.py without processes. The DP=2 cases
-of tests/training/test_fail_fast.py (exception, exit, SIGINT, workers) are not repeated. The watchdog's bound is 3 s here; the collective timeout stays at Megatron's 10
-minutes, so a pass cannot come from gloo's timeout.
+Without the watchdog, rank 1 vanishing (its process gone from this machine names it) is
+tests/training/test_fail_fast.py's case. The watchdog's own decisions (a frozen peer, a wait in
+the wrong collective, the set-up not checked) are unit-tested in tests/training/test_watchdog.py
+without processes. The DP=2 cases of tests/training/test_fail_fast.py (exception, exit, SIGINT,
+workers) are not repeated. The watchdog's bound is 3 s here; the collective timeout stays at
+Megatron's 10 minutes, so a pass cannot come from gloo's timeout.
 """
 
 from __future__ import annotations
@@ -129,6 +133,9 @@ def test_a_dead_or_hung_rank_ends_every_rank_naming_it(tmp_path):
         "tp2-raise": (2, "raise", 1, ["--tensor-model-parallel-size", "2"], False),
         "pp2-exit": (2, "exit", 1, ["--pipeline-model-parallel-size", "2"], True),
         "dp2-hang": (2, "hang", 1, [], True),
+        # Issue 29: without the watchdog (its default) a vanished rank 0 was named by no one
+        # (rank 1 vanishing: tests/training/test_fail_fast.py).
+        "dp2-exit-store-host": (2, "exit", 0, [], False),
     }
     jobs = {name: _start_world(tmp_path, name, *spec) for name, spec in worlds.items()}
     deadline = time.monotonic() + HANG_S
@@ -148,6 +155,10 @@ def test_a_dead_or_hung_rank_ends_every_rank_naming_it(tmp_path):
     # A rank that vanishes records nothing: its silent heartbeat names it.
     check("pp2-exit", 1, 3, r"FAULT exit")
     check("pp2-exit", 0, 1, r"^\[rank 0\] .*rank 1 failed: (stopped \(no heartbeat|no heartbeat)")
+    # Without the watchdog, rank 0 vanishes: the store it hosted (no torchrun) stops answering.
+    check("dp2-exit-store-host", 1, 1, r"^\[rank 1\] failed \(.*\) after another rank: rank 0 "
+                                       r"failed: gone \(the rendezvous store it hosts no longer "
+                                       r"answers")
     # A rank asleep outside any collective: its watchdog names it and where it is stuck.
     _check_hung(jobs["dp2-hang"], codes["dp2-hang"], 1)
 

@@ -38,32 +38,11 @@ from pathlib import Path
 import pytest
 
 from tests.faults import harness as h
-from tasks import finetune_sample_data as synthetic
 
 SEED = int(os.environ.get("FAULT_SEED", "0"))
 GPT_DP2 = {"save_interval": 3, "iters": 8, "extra": ["--use-distributed-optimizer"]}
 BERT = {"save_interval": 2, "iters": 6}
 FINETUNE_ITERS = 16  # 2 epochs of 64 samples, global batch 8
-
-
-def _finetune(data: Path, save: Path) -> list[str]:
-    """tasks/main.py flags: MNLI, a 2-layer hidden-32 BERT, one rank, 2 micro-batches a step,
-    dropout on, a save every 4 iterations (and at each epoch's end)."""
-    (data / "MNLI").mkdir(parents=True, exist_ok=True)
-    synthetic.write_vocab(data / "vocab.txt")
-    train = synthetic.write_mnli(data / "MNLI" / "train.tsv", 64, seed=1)
-    dev = synthetic.write_mnli(data / "MNLI" / "dev_matched.tsv", 16, seed=2)
-    return ["--task", "MNLI", "--train-data", train, "--valid-data", dev, "--epochs", 2,
-            "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
-            "--seq-length", 32, "--max-position-embeddings", 32,
-            "--make-vocab-size-divisible-by", 128, "--micro-batch-size", 4,
-            "--global-batch-size", 8, "--lr", "3e-3", "--min-lr", "3e-4",
-            "--lr-decay-style", "linear", "--lr-warmup-fraction", 0.1, "--weight-decay", 0.01,
-            "--clip-grad", 1.0, "--seed", 1234, "--hidden-dropout", 0.1,
-            "--attention-dropout", 0.1, "--tokenizer-type", "BertWordPieceLowerCase",
-            "--vocab-file", data / "vocab.txt", "--num-workers", 0, "--log-interval", 1,
-            "--eval-iters", 1, "--distributed-backend", "gloo", "--save", save,
-            "--save-interval", 4]
 
 
 def _gpt(save: Path, case: dict) -> list[str]:
@@ -89,7 +68,7 @@ def killed_and_resumed(shared_data, tmp_path_factory, pp2_reference):
     flags = {"gpt_dp2": _gpt(root / "gpt_dp2", GPT_DP2),
              "gpt_pp2": h.pp2_flags(root / "gpt_pp2"),
              "bert": _bert(vocab, root / "bert"),
-             "finetune": _finetune(root / "mnli", root / "finetune")}
+             "finetune": h.finetune_flags(root / "mnli", root / "finetune")}
     scripts = {"gpt_pp2": "pretrain_gpt.py", "gpt_dp2": "pretrain_gpt.py",
                "bert": "pretrain_bert.py", "finetune": "tasks/main.py"}
     nproc = {"gpt_pp2": 2, "gpt_dp2": 2, "bert": 1, "finetune": 1}

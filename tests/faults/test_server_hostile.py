@@ -13,7 +13,10 @@ repeated. What the injections found, each fixed:
 * a chunked body over ``--max-request-bytes`` answered 400 "not valid JSON" instead of 413;
 * nesting deeper than Python's recursion limit went through Flask's silent JSON path; a lone
   surrogate (``"\\ud800"``) in a prompt or stop string answered with Python's codec error,
-  naming no field.
+  naming no field;
+* a 5000-digit integer (over Python's 4300-digit conversion limit) and 30000-deep nesting
+  answered only "not valid JSON" (issue 29): now the field and "too large", resp. "nests too
+  deeply".
 """
 
 from __future__ import annotations
@@ -93,14 +96,17 @@ HOSTILE = [  # (method, path, body, status, text in the answer)
     ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": 2, "temperature": Infinity}',
      400, "temperature must be a finite number"),
     ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": 1' + b"0" * 5000 + b"}", 400,
-     "not valid JSON"),
+     "tokens_to_generate must be an integer in [0, 96]; got a 5001-digit integer, too large "
+     "for any field"),
+    ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": 2, "top_k": -' + b"9" * 5000
+     + b"}", 400, "top_k must be an integer in [0, 1000]; got a 5000-digit integer"),
     ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": 2, "top_p": 1e999}', 400,
      "top_p must be a finite number"),
     ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": -5}', 400,
      "tokens_to_generate must be an integer in [0, 96]; got -5"),
     ("PUT", "/api", b'{"prompts": ["hi"], "tokens_to_generate": 2, "random_seed": -1}', 400,
      "random_seed must be"),
-    ("PUT", "/api", _DEEP, 400, "not valid JSON"),
+    ("PUT", "/api", _DEEP, 400, "the request body nests arrays/objects too deeply"),
     ("PUT", "/api", b'{"prompts": ["a\\ud800b"], "tokens_to_generate": 2}', 400,
      "prompts[0] holds a lone surrogate U+D800 at character 1"),
     ("PUT", "/api", b'{"prompts": ["\xff\xfe\xc3("], "tokens_to_generate": 2}', 400,
@@ -118,7 +124,10 @@ HOSTILE = [  # (method, path, body, status, text in the answer)
      400, "logprobs must be an integer"),
     ("POST", "/v1/completions", b'{"prompt": [[[[]]]], "max_tokens": 2}', 400,
      "prompt is not a list of strings"),
-    ("POST", "/v1/completions", _DEEP.replace(b"prompts", b"prompt"), 400, "not valid JSON"),
+    ("POST", "/v1/completions", _DEEP.replace(b"prompts", b"prompt"), 400,
+     "the request body nests arrays/objects too deeply"),
+    ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "seed": ' + b"7" * 4400
+     + b"}", 400, "seed must be"),
 ]
 
 

@@ -16,6 +16,11 @@ logged:
 
 * SIGTERM during the final save (the end of training): the save finishes, exit 0 (regression).
 
+* SIGTERM to a finetuning rank's process group (``tasks/main.py --task MNLI``, 2 loader
+  workers), while it is paused before a periodic save: the workers ignore it (every loader is
+  built by ``megatron.data.loader``), the save finishes and the rank saves again and exits 0
+  at the next iteration (regression: the workers died of it and the rank failed unsaved).
+
 * ``pretrain_gpt.py`` under torchrun at PP=2 (the uninterrupted reference run): the iteration
   lines (with the loss) come from the last stage only, once per iteration, and the run exits 0.
 
@@ -36,6 +41,7 @@ ITERS = h.PP2_ITERS
 SAVE_INTERVAL = 2
 RESUMED = ("sigterm_torchrun",)  # the group case saves the same way: its checkpoint is checked
 FINAL = 5
+FINETUNE_PAUSE = 4  # a periodic save in the middle of the first epoch: its workers are alive
 # Loader workers on: torchrun and SLURM signal a rank's whole process group, workers included,
 # and a killed worker must not take the rank down before it saves (a blocker once).
 LOADER_WORKERS = ("--num-workers", 2)
@@ -63,12 +69,18 @@ def signalled(tmp_path_factory, pp2_reference):
     jobs["final_save"] = h.launch(
         "pretrain_gpt.py", _final_save_flags(final_save), root / "final_save.log", nproc=1,
         hooks={"FAULT_PAUSE_IN_SAVE": f"{FINAL}:before", "FAULT_PAUSE_UNTIL": str(go)})
+    jobs["finetune"] = h.launch(
+        "tasks/main.py", h.finetune_flags(root / "mnli", root / "finetune", "--exit-signal-handler",
+                                          *LOADER_WORKERS),
+        root / "finetune.log", nproc=1,
+        hooks={"FAULT_PAUSE_IN_SAVE": f"{FINETUNE_PAUSE}:before", "FAULT_PAUSE_UNTIL": str(go)})
     resumed = {}
     try:
         h.act_when_logged([(jobs[name], " iteration        3/", send)
                            for name, send in cases.items()] +
-                          [(jobs["final_save"], "FAULT-HOOK paused in save",
-                            lambda job: job.signal_group(signal.SIGTERM))])
+                          [(jobs[name], "FAULT-HOOK paused in save",
+                            lambda job: job.signal_group(signal.SIGTERM))
+                           for name in ("final_save", "finetune")])
         # A killed rank dies at once; give a handled signal time to land before the save
         # goes on.
         time.sleep(1.0)
@@ -139,6 +151,21 @@ def test_sigterm_during_the_final_save_lets_it_finish(signalled):
     assert signalled["trackers"]["final_save"] == FINAL
     assert signalled["codes"]["final_save"] == 0, job.tail()
     assert h.temp_files(signalled["root"] / "final_save") == []
+
+
+def test_sigterm_to_a_finetuning_process_group_saves_with_loader_workers(signalled):
+    """Regression (issue 29): the finetuning loaders were plain DataLoaders whose workers died
+    of the scheduler's SIGTERM, and torch failed the rank at once ("DataLoader worker ... is
+    killed by signal: Terminated"): no checkpoint, exit 1."""
+    job: h.Job = signalled["jobs"]["finetune"]
+    text = job.text()
+    assert "killed by signal" not in text, job.tail()
+    assert signalled["codes"]["finetune"] == 0, job.tail()
+    assert "exiting program after receiving SIGTERM" in text, job.tail()
+    # The paused save completes; the signal is acted on after the next iteration.
+    assert f"successfully saved checkpoint at iteration {FINETUNE_PAUSE:7d}" in text, job.tail()
+    assert signalled["trackers"]["finetune"] == FINETUNE_PAUSE + 1, job.tail()
+    assert h.temp_files(signalled["root"] / "finetune") == []
 
 
 def test_pretrain_gpt_under_torchrun_at_pp2_logs_from_the_last_stage(pp2_reference):

@@ -296,3 +296,58 @@ def test_merge_datasets(tmp_path, gpt2_args, reference, documents):
     assert read(tmp_path / "m") == expected
     os.remove(parts / "c1_text_document.idx")
     assert merge_datasets.main(["--input", str(parts), "--output-prefix", str(tmp_path / "m2")]) == 1
+
+
+def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
+    """Regression (issue 29): ``kill -9`` leaves no cleanup to run, and its temporary output
+    (6.4 MB in the report) stayed beside the prefix for good. The killed run reads a FIFO the
+    test holds open, so the kill lands while its temporary files exist; the next run on the
+    same prefix removes them, and leaves only its finished outputs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    flags = ["--output-prefix", str(out / "corpus"), "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "100", "--workers", "1", "--partitions", "2"]
+    killed = subprocess.Popen([sys.executable, preprocess_data.__file__, "--input", str(fifo),
+                               *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with open(fifo, "w") as writer:  # blocks until the tool opens its input
+            writer.write('{"text": "1 2 3"}\n')
+            writer.flush()
+            deadline = time.monotonic() + 120  # hang bound: a Python start-up on a busy machine
+            while len([p for p in out.glob("*.tmp*")] if out.exists() else []) < 2:
+                assert time.monotonic() < deadline and killed.poll() is None, "no temp file"
+                time.sleep(0.05)
+            killed.send_signal(signal.SIGKILL)
+            killed.wait(timeout=60)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    left = sorted(p.name for p in out.iterdir())
+    assert left and all(".tmp" in name for name in left), left
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "4 5"}])
+    assert run(["--input", src, *flags]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["corpus_text_document.bin",
+                                                     "corpus_text_document.idx"]
+
+
+def test_a_running_writers_temporary_files_are_left_alone(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {f"x_text_document.tmp{os.getppid()}-part0.bin": True,  # a live writer: kept
+             f"x_text_document.tmp{dead.pid}.idx": False,
+             "x_text_document.bin": True, "y_text_document.tmp1.bin": True}  # not ours
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert preprocess_data.remove_interrupted_temps([str(tmp_path / "x_text_document")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items()
+                                                                 if kept)

@@ -153,7 +153,8 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     * a corrupt sample on rank 0 (which hosts the rendezvous store): rank 1, waiting in a
       collective, stops at once, naming rank 0 and its error;
     * an error on rank 1: rank 0 stops, naming rank 1;
-    * rank 1 vanishes without a word (a crash): rank 0's collective fails, and it exits 1;
+    * rank 1 vanishes without a word (a crash): rank 0's collective fails, and it exits 1,
+      naming rank 1 (its process is gone);
     * rank 1 hangs and rank 0, blocked in a collective with it, gets SIGINT: rank 0 exits 130
       (Python cannot raise KeyboardInterrupt there) and rank 1 stops, naming it.
     """
@@ -192,7 +193,13 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     assert re.search(rf"^\[rank 0\] (stopping: |failed \(.*\) after another rank: ){raised}",
                      _text(logs["raise-on-1/rank0"]), re.M), _text(logs["raise-on-1/rank0"])
     check("exit-on-1/rank1", 3)
-    check("exit-on-1/rank0", 1, "[rank 0] failed: ")
+    # Issue 29: it used to say only gloo's "Connection reset by peer"; now it names rank 1,
+    # whose process is gone from this machine (no watchdog needed).
+    check("exit-on-1/rank0", 1)
+    assert re.search(r"^\[rank 0\] failed \(.*\) after another rank: rank 1 failed: gone \(its "
+                     r"process \d+ on .* ended without a report: killed or crashed\); rank 0 then "
+                     r"failed: RuntimeError: ", _text(logs["exit-on-1/rank0"]), re.M), \
+        _text(logs["exit-on-1/rank0"])[-3000:]
     check("hang-on-1/rank0", 130, "[rank 0] failed: interrupted (SIGINT)")
     check("hang-on-1/rank1", 1, "[rank 1] stopping: rank 0 failed: interrupted (SIGINT)")
     _assert_no_workers_left(tag)

@@ -73,15 +73,17 @@ class MegatronCheckpoint(ModelDescription):
         if not self.files:
             raise CheckpointError(f"{self.iteration_dir} holds no mp_rank_*/model_optim_rng.pt")
         self.verify = verify
+        self._verified: set[Path] = set()
         first = self._read(self.files[min(self.files)])
         if "args" not in first:
             raise CheckpointError(f"{self.files[min(self.files)]} holds no args: the "
                                   "architecture (num_layers, hidden_size...) is unknown")
         args = as_namespace(first["args"])
-        self.tp = 1 + max(t for t, _ in self.files)
-        self.pp = 1 + max(p for _, p in self.files)
+        self.tp, self.pp = _grid_size(args, self.files)
         self._check_grid()
         chunks = len(model_keys(first))
+        self._check_virtual_stages(args, chunks)
+        self._check_family(family, first)
         self.version = checkpoint_version(first)
         super().__init__(family=family, args=args, iteration=int(first.get(
             "iteration", first.get("total_iters", iteration)) if not release else 0),
@@ -116,9 +118,39 @@ class MegatronCheckpoint(ModelDescription):
                 f" {', '.join(missing)} (a TP {self.tp} x PP {self.pp} checkpoint needs every "
                 "mp_rank_TT[_PPP]/model_optim_rng.pt): incomplete copy or save")
 
+    def _check_virtual_stages(self, args: argparse.Namespace, chunks: int) -> None:
+        """The model chunks per shard are the virtual stages the args record."""
+        expected = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        if chunks != expected:
+            path = self.files[min(self.files)]
+            raise CheckpointError(
+                f"{path} holds {chunks} model chunk(s), but its args record "
+                f"virtual_pipeline_model_parallel_size {expected}: a damaged or mixed-up "
+                "checkpoint, not converted")
+
+    def _check_family(self, family: str, first: dict) -> None:
+        """``--model-type`` matches the model saved: BERT's last stage always holds a tensor
+        GPT's layout lacks (pooler, LM head, task head), and GPT's never does. Checked before
+        any stage is read, so a wrong ``--model-type`` writes nothing."""
+        path = self.files[(0, self.pp - 1)]
+        last = first if path == self.files[min(self.files)] else self._read(path)
+        keys = [key for name in model_keys(last) for key in flatten_model_state(last[name])]
+        bert_only = sorted(set(LAYOUTS["GPT"].unknown_keys(keys))
+                           - set(LAYOUTS["BERT"].unknown_keys(keys)))
+        if family == "BERT" and not bert_only:
+            raise CheckpointError(
+                f"--model-type BERT, but {path} holds no pooler, LM head or task head: it is "
+                "a GPT checkpoint; use --model-type GPT")
+        if family == "GPT" and bert_only:
+            raise CheckpointError(
+                f"--model-type GPT, but {path} holds BERT's {', '.join(bert_only[:3])}"
+                f"{' ...' if len(bert_only) > 3 else ''}: it is a BERT checkpoint; use "
+                "--model-type BERT")
+
     def _read(self, path: Path) -> dict:
-        if self.verify:
+        if self.verify and path not in self._verified:
             verify_checksum(path)
+            self._verified.add(path)  # hashing a shard once is enough (stages are re-read)
         return load_checkpoint_file(path, mmap=True)
 
     def _stage(self, pipeline_rank: int) -> None:
@@ -240,6 +272,22 @@ def _current_name(key: str) -> str:
 def _layer_of(key: str) -> int | None:
     found = _LAYER_NUMBER.search(key)
     return int(found.group(1)) if found else None
+
+
+def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> tuple[int, int]:
+    """(TP, PP) of the checkpoint: as its args record them (Megatron-LM's and ours do), else as
+    its directories suggest. A shard directory beyond the recorded grid is refused: the files
+    of two layouts mixed in one directory."""
+    found_tp = 1 + max(t for t, _ in files)
+    found_pp = 1 + max(p for _, p in files)
+    tp = getattr(args, "tensor_model_parallel_size", None) or found_tp
+    pp = getattr(args, "pipeline_model_parallel_size", None) or found_pp
+    extra = sorted(shard_dir_name(t, p, found_pp > 1) for t, p in files if t >= tp or p >= pp)
+    if extra:
+        raise CheckpointError(
+            f"{files[min(files)].parent.parent} holds {', '.join(extra)}, beyond the TP {tp} x "
+            f"PP {pp} its args record: files of two layouts mixed, not converted")
+    return tp, pp
 
 
 def _extras(sd: dict) -> dict:

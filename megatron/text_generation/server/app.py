@@ -27,8 +27,8 @@ from megatron.text_generation.api import GenerationResult, tokenize_prompts
 from megatron.text_generation.server.engine import (Cancelled, GenerationEngine, Job,
                                                     QueueFull)
 from megatron.text_generation.server.fields import (CompletionRequest, FieldError,
-                                                    check_prompt_lengths, parse_api_request,
-                                                    parse_completion_request)
+                                                    check_prompt_lengths, decode_json_body,
+                                                    parse_api_request, parse_completion_request)
 from megatron.text_generation.server.stream import CompletionText, stop_watch
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -105,10 +105,7 @@ class _Context:
             # ... except for a chunked body, which werkzeug cuts at the limit without a word
             # (it then answered 400 "not valid JSON").
             raise RequestEntityTooLarge()
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's
-            raise FieldError("the request body is not valid JSON") from None
+        return decode_json_body(raw)
 
     # PUT /api ------------------------------------------------------------------------------
     def megatron_api(self):

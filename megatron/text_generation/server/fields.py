@@ -8,6 +8,7 @@ that names the field (sent back as a 400).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -28,6 +29,43 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 class FieldError(ValueError):
     """A request field of the wrong type or out of range (HTTP 400)."""
+
+
+MAX_INTEGER_DIGITS = 64
+"""Longer integer literals are kept as :class:`HugeInteger` (the largest field, random_seed,
+has 19 digits). Python refuses to convert more than 4300 digits at all, and converting a long
+one costs time quadratic in its length."""
+
+
+class HugeInteger:
+    """An integer literal of the request too long to be any field's value: the field check
+    then names the field and says why ("got a 5001-digit integer, too large for any field")."""
+
+    def __init__(self, literal: str) -> None:
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit integer, too large for any field"
+
+
+def _integer_literal(literal: str) -> int | HugeInteger:
+    return int(literal) if len(literal) <= MAX_INTEGER_DIGITS else HugeInteger(literal)
+
+
+def decode_json_body(raw: bytes) -> Any:
+    """The request body's JSON value.
+
+    Raises:
+        FieldError: not JSON, or nested deeper than Python's parser goes (about a thousand
+            arrays/objects; a request needs three), each said as such.
+    """
+    try:
+        return json.loads(raw, parse_int=_integer_literal)
+    except RecursionError:
+        raise FieldError("the request body nests arrays/objects too deeply for the server's "
+                         "JSON parser (a request needs at most 3 levels)") from None
+    except ValueError:
+        raise FieldError("the request body is not valid JSON") from None
 
 
 def _is_int(value: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import types
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, CheckpointError, checkpoint_name,
-                                    qkv_from_current_order, save_file, tracker_path)
+                                    qkv_from_current_order, save_file, shard_files,
+                                    tracker_path)
 from tests.tools.checkpoint import helpers
 from tools.checkpoint import convert, loader_megatron
 
@@ -234,6 +236,68 @@ def test_missing_rank_directory_is_named(tp2_checkpoint):
         entry.unlink()
     (tp2_checkpoint / "iter_0000007" / "mp_rank_01_000").rmdir()
     _refused(tp2_checkpoint, "lacks the shard directory mp_rank_01_000")
+
+
+def _remove_shard_dir(iteration_dir: Path, name: str) -> None:
+    for entry in (iteration_dir / name).iterdir():
+        entry.unlink()
+    (iteration_dir / name).rmdir()
+
+
+def _partial_tp2(root: Path) -> Path:
+    """A TP=2 checkpoint without mp_rank_01: the directory alone looks like a whole TP=1 one."""
+    out = _convert(root / "src", root / "tp2", *_layout(2, 1))
+    _remove_shard_dir(out / "iter_0000007", "mp_rank_01")
+    return out
+
+
+def _partial_pp2(root: Path) -> Path:
+    """A PP=2 checkpoint without its second stage."""
+    out = _convert(root / "src", root / "pp2", *_layout(1, 2))
+    _remove_shard_dir(out / "iter_0000007", "mp_rank_00_001")
+    return out
+
+
+def _vpp_unrecorded(root: Path) -> Path:
+    """A PP=2 checkpoint with 2 virtual stages whose args lost them."""
+    out = _convert(root / "src", root / "vpp", *_layout(1, 2, 1))
+    for path in shard_files(out / "iter_0000007").values():
+        sd = helpers.load_checkpoint_file(path)
+        sd["args"].virtual_pipeline_model_parallel_size = None
+        save_file(sd, path)
+    return out
+
+
+@pytest.mark.parametrize("case", [
+    ("GPT", _partial_tp2, (), r"lacks the shard directory mp_rank_01 \(a TP 2 x PP 1"),
+    ("GPT", _partial_tp2, _layout(2, 1), r"lacks the shard directory mp_rank_01 "),
+    ("GPT", _partial_pp2, (), r"lacks the shard directory mp_rank_00_001 \(a TP 1 x PP 2"),
+    ("GPT", _vpp_unrecorded, (), r"holds 2 model chunk\(s\), but its args record "
+                                 r"virtual_pipeline_model_parallel_size 1"),
+    ("BERT", lambda root: root / "src", (), r"--model-type BERT, but .* it is a GPT checkpoint"),
+], ids=["tp2_without_rank_1_to_tp1", "tp2_without_rank_1_to_tp2", "pp2_without_stage_1",
+        "virtual_stages_unrecorded", "bert_on_gpt"])
+def test_a_partial_or_mismatched_source_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                             case):
+    """Regression (issue 29): these converted with exit 0 -- a TP=1 output holding shard 0 only
+    (attention weights half size, half the embedding rows zero), a BERT "conversion" of GPT."""
+    model_type, source, layout, message = case
+    model = helpers.gpt()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model))
+    src = source(tmp_path)
+    code = convert.main(["--model-type", model_type, "--load-dir", str(src), "--save-dir",
+                         str(tmp_path / "out"), *layout])
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpt_model_type_on_a_bert_checkpoint_is_refused(tmp_path):
+    model = helpers.bert()
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, bert_binary_head=True))
+    with pytest.raises(CheckpointError, match=r"--model-type GPT, but .* holds BERT's "
+                                              r".*use --model-type BERT"):
+        loader_megatron.load(tmp_path / "src", "GPT")
 
 
 def test_pickled_callable_is_refused_naming_the_file(tmp_path):
