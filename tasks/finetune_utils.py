@@ -88,8 +88,8 @@ from megatron.config.cli import build_parser, parse_args, parse_flags, validate_
 from megatron.config.core_configs import transformer_config
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
-from megatron.core.models.classification import (classification_model_stage,
-                                                 multiple_choice_model_stage)
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.classification import Classification, MultipleChoice
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 from megatron.training import log_line
@@ -226,16 +226,17 @@ def finetune_transformer_config(cfg: MegatronConfig):
 def classification_model_provider(num_classes: int) -> Callable[..., torch.nn.Module]:
     """Model provider of a BERT :class:`~megatron.core.models.classification.Classification`."""
     def provider(cfg, pre_process: bool = True, post_process: bool = True):
-        return classification_model_stage(finetune_transformer_config(cfg), num_classes,
-                                          pre_process=pre_process, post_process=post_process)
+        return build_model_stage(Classification, finetune_transformer_config(cfg),
+                                 pre_process=pre_process, post_process=post_process,
+                                 num_classes=num_classes)
     return provider
 
 
 def multiple_choice_model_provider() -> Callable[..., torch.nn.Module]:
     """Model provider of a BERT :class:`~megatron.core.models.classification.MultipleChoice`."""
     def provider(cfg, pre_process: bool = True, post_process: bool = True):
-        return multiple_choice_model_stage(finetune_transformer_config(cfg),
-                                           pre_process=pre_process, post_process=post_process)
+        return build_model_stage(MultipleChoice, finetune_transformer_config(cfg),
+                                 pre_process=pre_process, post_process=post_process)
     return provider
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatron.core import comm, parallel_state
 from megatron.core.models.classification import BertWithHead
 from megatron.core.models.language_model import replicated_linear
-from megatron.core.models.language_module import build_model_stage
+from megatron.core.models.builder import build_model_stage
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.config import TransformerConfig
 from tasks.finetune_utils import batch_to_device, finetune_transformer_config

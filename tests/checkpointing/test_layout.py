@@ -15,7 +15,7 @@ import torch
 from megatron.checkpointing import (GPT_LAYOUT, CheckpointError, PipelineStages, TensorRule,
                                     flatten_model_state, nest_model_state)
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.language_module import pipeline_stage_layers
+from megatron.core.models.builder import pipeline_stage_layers
 from megatron.core.transformer.config import TransformerConfig
 
 LAYERS = 4

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megatron.core import device as device_mod
 from megatron.core.models.language_model import parallel_lm_logits, replicated_linear
-from megatron.core.models.language_module import LanguageModule, build_model_stage
+from megatron.core.models.language_module import LanguageModule
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
                                                  set_tensor_model_parallel_attributes,
@@ -32,8 +32,7 @@ from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layernorm import LayerNorm
 
-__all__ = ["BertLMHead", "BertModel", "bert_extended_attention_mask", "bert_model_stage",
-           "bert_position_ids"]
+__all__ = ["BertLMHead", "BertModel", "bert_extended_attention_mask", "bert_position_ids"]
 
 
 def bert_extended_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
@@ -197,12 +196,3 @@ class BertModel(LanguageModule):
             out["binary_head"] = self.binary_head.state_dict()
         return out
 
-
-def bert_model_stage(config: TransformerConfig, *, add_binary_head: bool = True,
-                     pre_process: bool | None = None, post_process: bool | None = None,
-                     parallel_output: bool = True) -> BertModel:
-    """This rank's BERT pipeline stage from parallel_state's groups (see
-    :func:`~megatron.core.models.language_module.build_model_stage`; seed first)."""
-    return build_model_stage(BertModel, config, pre_process=pre_process,
-                             post_process=post_process, parallel_output=parallel_output,
-                             add_binary_head=add_binary_head)

@@ -37,18 +37,17 @@ import torch
 from megatron.core.log import log_rank_0
 from megatron.core.models.bert import bert_extended_attention_mask, bert_position_ids
 from megatron.core.models.language_model import replicated_linear
-from megatron.core.models.language_module import (LanguageModule, build_model_stage,
-                                                  flatten_checkpoint_state_dict)
+from megatron.core.checkpoint_keys import HEAD_COPY_SECTION, flatten_checkpoint_state_dict
+from megatron.core.models.language_module import LanguageModule
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.config import TransformerConfig
 
-__all__ = ["BertWithHead", "Classification", "MultipleChoice", "NUM_CHOICES",
-           "classification_model_stage", "multiple_choice_model_stage"]
+__all__ = ["BertWithHead", "Classification", "MultipleChoice", "NUM_CHOICES"]
 
 NUM_CHOICES = 4
 """Choices per RACE question."""
 
-_PRETRAINING_SECTIONS = ("lm_head", "binary_head", "word_embeddings_for_head")
+_PRETRAINING_SECTIONS = ("lm_head", "binary_head", HEAD_COPY_SECTION)
 """Checkpoint sections of a pretrained BERT that a finetuning model has no use for."""
 
 _OPTIONAL_BODY = ("language_model.pooler.", "language_model.embedding.tokentype_embeddings.")
@@ -212,17 +211,3 @@ class MultipleChoice(BertWithHead):
         scores = self.multichoice_head(self.head_dropout(pooled))  # [b c, 1]
         return scores.view(-1, self.num_choices)  # [b, c]
 
-
-def classification_model_stage(config: TransformerConfig, num_classes: int, *,
-                               pre_process: bool | None = None,
-                               post_process: bool | None = None) -> Classification:
-    """This rank's :class:`Classification` stage from parallel_state's groups (seed first)."""
-    return build_model_stage(Classification, config, pre_process=pre_process,
-                             post_process=post_process, num_classes=num_classes)
-
-
-def multiple_choice_model_stage(config: TransformerConfig, *, pre_process: bool | None = None,
-                                post_process: bool | None = None) -> MultipleChoice:
-    """This rank's :class:`MultipleChoice` stage from parallel_state's groups (seed first)."""
-    return build_model_stage(MultipleChoice, config, pre_process=pre_process,
-                             post_process=post_process)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 
 from megatron.core.models.language_model import is_plain_causal_mask, parallel_lm_logits
-from megatron.core.models.language_module import (LanguageModule, build_model_stage,
-                                                  flatten_checkpoint_state_dict)
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.models.language_module import LanguageModule
 
-__all__ = ["GPTModel", "flatten_checkpoint_state_dict", "gpt_model_stage"]
+__all__ = ["GPTModel"]
 
 
 class GPTModel(LanguageModule):
@@ -53,10 +51,3 @@ class GPTModel(LanguageModule):
         # The logits are a temporary nobody else reads: the loss overwrites them in place.
         return self.compute_language_model_loss(logits, labels)  # [b, s]
 
-
-def gpt_model_stage(config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, parallel_output: bool = True) -> GPTModel:
-    """This rank's GPT pipeline stage from parallel_state's groups (see
-    :func:`~megatron.core.models.language_module.build_model_stage`; seed first)."""
-    return build_model_stage(GPTModel, config, pre_process=pre_process,
-                             post_process=post_process, parallel_output=parallel_output)

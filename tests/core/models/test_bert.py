@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron.checkpointing import BERT_LAYOUT, PipelineStages, flatten_model_state
 from megatron.core.models.bert import BertModel, bert_extended_attention_mask
-from megatron.core.models.language_module import pipeline_stage_layers
+from megatron.core.models.builder import pipeline_stage_layers
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 

@@ -11,7 +11,8 @@ import torch
 
 from megatron.core import device
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt import GPTModel, flatten_checkpoint_state_dict
+from megatron.core.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.core.models.gpt import GPTModel
 from megatron.core.models.language_model import TransformerLanguageModel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.config import TransformerConfig

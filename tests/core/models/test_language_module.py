@@ -16,10 +16,11 @@ import torch
 from megatron.config import parse_args
 from megatron.core import device
 from megatron.core import parallel_state as ps
+from megatron.core.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.core.flops import num_floating_point_operations
-from megatron.core.models.gpt import GPTModel, gpt_model_stage
-from megatron.core.models.language_module import (LanguageModule,
-                                                  flatten_checkpoint_state_dict)
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.language_module import LanguageModule
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.config import TransformerConfig
 from megatron.config.core_configs import transformer_config
@@ -134,7 +135,7 @@ def _build_stages(rank, world_size, untie):
     torch.manual_seed(1234 + 100 * pp_rank)
     model_parallel_manual_seed(1234 + 100 * pp_rank, tp_rank)
     config = dataclasses.replace(CONFIG, untie_embeddings_and_output_weights=untie)
-    model = gpt_model_stage(config)
+    model = build_model_stage(GPTModel, config)
     weight = model.shared_embedding_or_output_weight()
     keys = _megatron_keys(model.state_dict_for_save_checkpoint())
     return {"pp": pp_rank, "tp": tp_rank, "pre": model.pre_process,
@@ -142,7 +143,7 @@ def _build_stages(rank, world_size, untie):
 
 
 def test_tied_copies_start_equal_across_stages():
-    """Built by gpt_model_stage at TP = 2, PP = 2, the last stage's copy of the tied weight is,
+    """Built by build_model_stage at TP = 2, PP = 2, the last stage's copy of the tied weight is,
     shard for shard, stage 0's word embedding (not zeros); each stage holds its layers only;
     untied, the last stage's output layer is its own (drawn, not copied)."""
     results = run_distributed(4, _build_stages, False)
@@ -271,7 +272,7 @@ def test_stage_layer_offsets_match_the_checkpoint_layout(layers, pp, vpp):
     pp_rank * L/(pp*vpp)``), as the checkpoint format's table has them: every layer on exactly
     one chunk."""
     from megatron.checkpointing.stages import PipelineStages
-    from megatron.core.models.language_module import pipeline_stage_layers
+    from megatron.core.models.builder import pipeline_stage_layers
 
     table = PipelineStages(layers, pp, vpp).chunks()
     seen = []
@@ -285,7 +286,7 @@ def test_stage_layer_offsets_match_the_checkpoint_layout(layers, pp, vpp):
 
 
 def test_stage_layers_refuse_an_uneven_split():
-    from megatron.core.models.language_module import pipeline_stage_layers
+    from megatron.core.models.builder import pipeline_stage_layers
 
     with pytest.raises(ValueError, match=r"num_layers \(8\).*\(3\)"):
         pipeline_stage_layers(8, 3, 0)
