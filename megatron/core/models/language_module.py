@@ -12,11 +12,13 @@ Pipeline stages (Megatron's ``initialize_word_embeddings``), with tied embedding
   embedding group so both start equal, and ``finalize_model_grads`` sums their gradients;
 * middle stages: no output weight.
 
-Subclasses add their head: override :meth:`LanguageModule.post_language_model_processing` (the
-last stage's hidden -> logits or loss), :meth:`LanguageModule.prepare_attention_mask`, and
-:meth:`LanguageModule.extra_state_dict_sections` for checkpoint sections beside
-``language_model`` (BERT's ``lm_head``, ``binary_head``; its pooler belongs inside
-``language_model``, key ``language_model.pooler.*``).
+Subclasses own their ``forward`` (the mask they build, the head on the last stage) and name
+their checkpoint sections beside ``language_model`` in
+:meth:`LanguageModule.extra_state_dict_sections` (BERT's ``lm_head``, ``binary_head``; its pooler
+belongs inside ``language_model``, key ``language_model.pooler.*``). A model without an output
+layer over the vocabulary (a finetuning head) sets :attr:`LanguageModule.has_lm_output` False:
+no tied weight, no head copy. Keys and their old names: :mod:`megatron.core.checkpoint_keys`;
+building a rank's stage: :mod:`megatron.core.models.builder`.
 
 Legend: s sequence, b batch, h hidden, V padded vocabulary, p TP size.
 """
@@ -54,6 +56,9 @@ class LanguageModule(torch.nn.Module):
     checkpoint_name: ClassVar[str] = "language model"
     """Names the model in loading errors ("GPT checkpoint does not fit the model")."""
     attn_mask_type: ClassVar[AttnMaskType] = "causal"
+    has_lm_output: ClassVar[bool] = True
+    """The last stage projects onto the vocabulary (GPT's logits, BERT's LM head); with tied
+    embeddings through the word embedding's weight. False: no such layer (a finetuning head)."""
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
@@ -65,7 +70,7 @@ class LanguageModule(torch.nn.Module):
         self.parallel_output = parallel_output
         # Read by finalize_model_grads (embedding-group all-reduce with PP > 1).
         self.share_embeddings_and_output_weights = \
-            not config.untie_embeddings_and_output_weights
+            self.has_lm_output and not config.untie_embeddings_and_output_weights
         self.language_model = TransformerLanguageModel(
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
@@ -123,49 +128,10 @@ class LanguageModule(torch.nn.Module):
         """Activation from the previous pipeline stage (``[s, b, h]``)."""
         self.language_model.set_input_tensor(input_tensor)
 
-    # Forward -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                tokentype_ids: torch.Tensor | None = None, inference_params=None):
-        """Run this stage: the language model, then (last stage) the subclass's head.
-
-        Args:
-            input_ids: ``[b, s]`` token ids (first stage).
-            position_ids: ``[b, s]``.
-            attention_mask: as :meth:`prepare_attention_mask` takes it.
-            labels: ``[b, s]`` target ids, or None.
-            tokentype_ids: ``[b, s]`` segment ids (models with ``num_tokentypes``).
-            inference_params: the generation KV cache
-                (:class:`~megatron.core.inference_params.InferenceParams`), or None.
-
-        Returns:
-            On a non-last pipeline stage the hidden states ``[s, b, h]``; else what
-            :meth:`post_language_model_processing` returns.
-        """
-        attention_mask = self.prepare_attention_mask(attention_mask)
-        hidden = self.language_model(input_ids, position_ids, attention_mask,
-                                     tokentype_ids, inference_params)  # [s, b, h]
-        if not self.post_process:
-            return hidden
-        if getattr(inference_params, "materialize_only_last_token_logits", False):
-            # Generation samples from the last position only: skip the others' vocab GEMM.
-            hidden = hidden[-1:]  # [1, b, h]
-        return self.post_language_model_processing(hidden, labels)
-
-    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
-                               ) -> torch.Tensor | None:
-        """The mask the attention layers get (bool ``[b|1, 1, s, s]``, True = masked)."""
-        return attention_mask
-
-    def post_language_model_processing(self, hidden: torch.Tensor,
-                                       labels: torch.Tensor | None):
-        """The last stage's head on the final hidden states ``[s, b, h]``."""
-        raise NotImplementedError(f"{type(self).__name__} defines no head")
-
-    def compute_language_model_loss(self, logits: torch.Tensor, labels: torch.Tensor
-                                    ) -> torch.Tensor:
-        """Unreduced vocab-parallel cross entropy ``[b, s]`` of ``logits [s, b, V/p]`` against
-        ``labels [b, s]``, in fp32 (or wider) unless ``fp16_lm_cross_entropy``.
+    # Loss ----------------------------------------------------------------------------------
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Unreduced vocab-parallel cross entropy of ``logits [..., V/p]`` against ``targets
+        [...]``, in fp32 (or wider) unless ``fp16_lm_cross_entropy``.
 
         ``logits`` are overwritten: pass a temporary nobody else reads (the output layer's
         backward needs only its input and weight).
@@ -176,9 +142,8 @@ class LanguageModule(torch.nn.Module):
             # The loss in fp32: the fused kernel reads the half logits and computes in fp32
             # (no fp32 copy of the [s, b, V/p] logits); the unfused path upcasts them.
             loss_dtype = torch.float32
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
-                                            inplace=True, loss_dtype=loss_dtype)  # [s, b]
-        return loss.transpose(0, 1).contiguous()  # [b, s]
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, inplace=True,
+                                            loss_dtype=loss_dtype)
 
     # Checkpoint layout ---------------------------------------------------------------------
     def state_dict_for_save_checkpoint(self) -> dict:

@@ -180,7 +180,10 @@ class _TaggerModel(LanguageModule):
                                                device=device.get_device())
             self.set_parameter_defaults()
 
-    def post_language_model_processing(self, hidden, labels):
+    def forward(self, input_ids, position_ids, labels=None, tokentype_ids=None):
+        hidden = self.language_model(input_ids, position_ids, None, tokentype_ids)
+        if not self.post_process:
+            return hidden
         logits = self.binary_head(hidden)  # [s, b, 2]
         if labels is None:
             return logits.transpose(0, 1)
@@ -194,7 +197,7 @@ class _TaggerModel(LanguageModule):
 
 
 def test_subclass_adds_head_and_checkpoint_sections():
-    """A subclass's head, mask type and checkpoint section go through the base's hooks: saved in
+    """A subclass's mask type and checkpoint section go through the base's hooks: saved in
     Megatron's order (language_model, the heads, word_embeddings_for_head), loaded back, and
     reported by name when missing; its parameters get the TP attributes."""
     config = dataclasses.replace(CONFIG, num_tokentypes=2)

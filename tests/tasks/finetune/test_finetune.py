@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
     """Overwrite a pipeline stage's weights with the one-process run's initial ones (stage k
     draws from ``seed + 100 k``, as Megatron's): the whole model built from ``--seed``."""
-    from megatron.core.models.classification import Classification
+    from megatron.core.models.bert_heads import Classification
 
     kwargs = {"num_classes": module.num_classes} if isinstance(module, Classification) else {}
     with torch.random.fork_rng(devices=[]):

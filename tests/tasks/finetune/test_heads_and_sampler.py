@@ -12,7 +12,7 @@ import torch
 from megatron.config import parse_args
 from megatron.core.models.bert import BertModel
 from megatron.core.models.builder import build_model_stage
-from megatron.core.models.classification import Classification, MultipleChoice
+from megatron.core.models.bert_heads import Classification, MultipleChoice
 from megatron.training.models import bert_transformer_config
 from tasks.finetune_utils import EpochBatchSampler, finetune_transformer_config
 from tasks.finetune_sample_data import write_vocab
