@@ -28,7 +28,7 @@ CONFIG = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEAD
 
 
 def _megatron_keys(layers: int, binary_head: bool) -> list[str]:
-    """Megatron-LM 23.06's BERT checkpoint keys (../shared/FORMATS.md 2d), in its order."""
+    """Megatron-LM 23.06's BERT checkpoint keys (docs/FORMATS.md 2d), in its order."""
     keys = ["language_model.embedding.word_embeddings.weight",
             "language_model.embedding.position_embeddings.weight"]
     if binary_head:

@@ -1,6 +1,6 @@
 """BERT-readiness of the shared language-model stack at TP = 2 and 4 against TP = 1 (float64):
 padding attention mask, token-type embeddings, both attention paths; and the checkpoint key of
-the token-type table (``../shared/FORMATS.md``)."""
+the token-type table (``docs/FORMATS.md``)."""
 
 from __future__ import annotations
 

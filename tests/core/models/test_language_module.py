@@ -36,7 +36,7 @@ CONFIG = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads
 LAYER_KEYS = {f"language_model.encoder.layers.0.{m}.{p}" for p in ("weight", "bias") for m in (
     "input_layernorm", "self_attention.query_key_value", "self_attention.dense",
     "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
-# Megatron-LM 23.06's keys of a 2-layer GPT split in two stages (../shared/FORMATS.md, 2d;
+# Megatron-LM 23.06's keys of a 2-layer GPT split in two stages (docs/FORMATS.md, 2d;
 # layer numbers are local to the stage).
 FIRST_STAGE_KEYS = LAYER_KEYS | {"language_model.embedding.word_embeddings.weight",
                                  "language_model.embedding.position_embeddings.weight"}
