@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 
 from megatron.config import parse_args  # noqa: E402
 from megatron.config.core_configs import transformer_config  # noqa: E402
-from megatron.core.models.gpt import gpt_model_stage  # noqa: E402
+from megatron.core.models.builder import build_model_stage  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.training.initialize import build_tokenizer_from_config  # noqa: E402
 from tasks.zeroshot_gpt import datasets  # noqa: E402
 from tasks.zeroshot_gpt.evaluate import LmData, evaluate  # noqa: E402
@@ -159,7 +160,7 @@ def main() -> None:
     cfg = parse_args(flags, world_size=1)
     tokenizer = build_tokenizer_from_config(cfg)
     torch.manual_seed(0)
-    model = gpt_model_stage(transformer_config(cfg), parallel_output=True)
+    model = build_model_stage(GPTModel, transformer_config(cfg), parallel_output=True)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.threads} threads; layers "
           f"{cfg.model.num_layers}, hidden {cfg.model.hidden_size}, seq {seq}, micro-batch {mbs}, "
           f"vocab {cfg.padded_vocab_size}")

@@ -31,7 +31,7 @@ Contract (types):
 * ``model_provider(cfg: MegatronConfig, pre_process: bool = True, post_process: bool = True)
   -> torch.nn.Module``: this rank's stage, TP-split, seeded by the caller (see
   :func:`classification_model_provider`, :func:`multiple_choice_model_provider`, and
-  :class:`megatron.core.models.classification.BertWithHead` for another head). Its
+  :class:`megatron.core.models.bert_heads.BertWithHead` for another head). Its
   ``load_state_dict(sd, strict=False)`` must take a pretrained BERT's model dict (heads it does
   not have dropped, its own new head left as initialized).
 * ``forward_step(data_iterator: Iterator[dict], model) -> (output, loss_func)``, the training
@@ -88,8 +88,8 @@ from megatron.config.cli import build_parser, parse_args, parse_flags, validate_
 from megatron.config.core_configs import transformer_config
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
-from megatron.core.models.classification import (classification_model_stage,
-                                                 multiple_choice_model_stage)
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.bert_heads import Classification, MultipleChoice
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 from megatron.training import log_line
@@ -224,18 +224,19 @@ def finetune_transformer_config(cfg: MegatronConfig):
 
 
 def classification_model_provider(num_classes: int) -> Callable[..., torch.nn.Module]:
-    """Model provider of a BERT :class:`~megatron.core.models.classification.Classification`."""
+    """Model provider of a BERT :class:`~megatron.core.models.bert_heads.Classification`."""
     def provider(cfg, pre_process: bool = True, post_process: bool = True):
-        return classification_model_stage(finetune_transformer_config(cfg), num_classes,
-                                          pre_process=pre_process, post_process=post_process)
+        return build_model_stage(Classification, finetune_transformer_config(cfg),
+                                 pre_process=pre_process, post_process=post_process,
+                                 num_classes=num_classes)
     return provider
 
 
 def multiple_choice_model_provider() -> Callable[..., torch.nn.Module]:
-    """Model provider of a BERT :class:`~megatron.core.models.classification.MultipleChoice`."""
+    """Model provider of a BERT :class:`~megatron.core.models.bert_heads.MultipleChoice`."""
     def provider(cfg, pre_process: bool = True, post_process: bool = True):
-        return multiple_choice_model_stage(finetune_transformer_config(cfg),
-                                           pre_process=pre_process, post_process=post_process)
+        return build_model_stage(MultipleChoice, finetune_transformer_config(cfg),
+                                 pre_process=pre_process, post_process=post_process)
     return provider
 
 

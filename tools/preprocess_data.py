@@ -5,7 +5,7 @@
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
 writes ``out/my-gpt2_text_document.{bin,idx}``, byte-identical to Megatron-LM's output for the
-same input and tokenizer (``../shared/FORMATS.md`` sections 2a and 2f). Differences from
+same input and tokenizer (``docs/FORMATS.md`` sections 2a and 2f). Differences from
 Megatron-LM, all deliberate:
 
 - ``--split-sentences`` splits and encodes in one run (no intermediate ``_ss`` file), offline

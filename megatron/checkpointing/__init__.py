@@ -2,8 +2,10 @@
 plain script, with no process group and no ``MegatronConfig``.
 
 * ``names``: ``iter_XXXXXXX`` / ``release`` directories, ``mp_rank_XX[_YYY]`` shards, the tracker
-  file; ``keys``: the model dict's nesting; ``versions``: ``checkpoint_version`` and the QKV row
-  orders of old versions (plain integers in, tensors out);
+  file; ``keys``: which top-level entries hold a model (the model dict's own keys, its
+  nesting and old names live in :mod:`megatron.core.checkpoint_keys`); ``versions``:
+  ``checkpoint_version`` and the QKV row orders of old versions (plain integers in, tensors
+  out);
 * ``layout``: how every tensor is split over TP ranks and which pipeline stage holds it, as a
   table per model family (:data:`GPT_LAYOUT`), with merge / split over TP and PP; ``stages``:
   the layers of each pipeline stage;
@@ -20,8 +22,7 @@ from megatron.checkpointing.files import (CHECKSUM_SUFFIX, HashingWriter, checks
                                           manifest_entry, manifest_path, publish_tracker,
                                           remove_stale_temp_files, save_file, verify_checksum,
                                           write_manifest)
-from megatron.checkpointing.keys import (LANGUAGE_MODEL_NESTED_SECTIONS, flatten_model_state,
-                                         model_keys, nest_model_state)
+from megatron.checkpointing.keys import model_keys
 from megatron.checkpointing.layout import (BERT_LAYOUT, GPT_LAYOUT, LANGUAGE_MODEL_RULES,
                                            LAYOUTS, CheckpointLayout, TensorRule)
 from megatron.checkpointing.names import (DISTRIB_OPTIM_FILENAME, MANIFEST_FILENAME,
@@ -33,6 +34,8 @@ from megatron.checkpointing.stages import PipelineStages, StageChunk
 from megatron.checkpointing.versions import (CHECKPOINT_VERSION, checkpoint_version,
                                              fix_query_key_value_ordering,
                                              qkv_from_current_order, qkv_to_current_order)
+from megatron.core.checkpoint_keys import (LANGUAGE_MODEL_NESTED_SECTIONS, flatten_model_state,
+                                           nest_model_state)
 
 __all__ = [
     "BERT_LAYOUT", "CHECKPOINT_VERSION", "CHECKSUM_SUFFIX", "DISTRIB_OPTIM_FILENAME", "GPT_LAYOUT",

@@ -2,10 +2,10 @@
 and pipeline-parallel ranks, usable from a plain script (no process group, no config).
 
 A model family's :class:`CheckpointLayout` is a table of key patterns (dotted model-dict keys,
-``keys.flatten_model_state``) -> :class:`TensorRule`: the dimension split over TP ranks (or
-none: every TP rank holds the whole tensor) and the pipeline stage that holds the tensor (the
-first, the last, or the one holding its layer). Megatron's legacy language models (GPT, and
-BERT's shared part):
+``checkpoint_keys.flatten_model_state``) -> :class:`TensorRule`: the dimension split over TP
+ranks (or none: every TP rank holds the whole tensor) and the pipeline stage that holds the
+tensor (the first, the last, or the one holding its layer). Megatron's legacy language models
+(GPT, and BERT's shared part):
 
 =========================================================  =======  =============================
 key                                                        TP dim   stage
@@ -50,8 +50,8 @@ from typing import Literal
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.keys import LANGUAGE_MODEL_NESTED_SECTIONS
 from megatron.checkpointing.stages import PipelineStages, StageChunk
+from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, LANGUAGE_MODEL_NESTED_SECTIONS
 
 Stage = Literal["first", "last", "layers"]
 
@@ -112,7 +112,7 @@ class CheckpointLayout:
     family: str
     rules: tuple[TensorRule, ...]
     nested_sections: tuple[str, ...] = LANGUAGE_MODEL_NESTED_SECTIONS
-    """Model-dict sections holding sections (``keys.nest_model_state``)."""
+    """Model-dict sections holding sections (``checkpoint_keys.nest_model_state``)."""
 
     def extended(self, family: str, rules: Iterable[TensorRule]) -> CheckpointLayout:
         """Another family's layout: this table plus ``rules`` (tried after these)."""
@@ -304,7 +304,7 @@ LANGUAGE_MODEL_RULES: tuple[TensorRule, ...] = (
                "last", "final layer norm"),
     TensorRule(_OUTPUT_LAYER, 0, "last", "untied output layer (column-parallel)",
                padded_vocab=True),
-    TensorRule("word_embeddings_for_head.weight", 0, "last",
+    TensorRule(HEAD_COPY_WEIGHT, 0, "last",
                "the last stage's copy of the tied word embedding", padded_vocab=True,
                copy_of=_WORD_EMBEDDINGS, copy_unless=_OUTPUT_LAYER),
 )

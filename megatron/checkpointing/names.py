@@ -1,4 +1,4 @@
-"""Names of a Megatron-LM checkpoint on disk (``--ckpt-format torch``; FORMATS.md 2d)::
+"""Names of a Megatron-LM checkpoint on disk (``--ckpt-format torch``; docs/FORMATS.md 2d)::
 
     <root>/latest_checkpointed_iteration.txt        the tracker: an iteration number, or "release"
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt         PP == 1: mp_rank_{tp:02d}

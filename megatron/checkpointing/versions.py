@@ -1,6 +1,6 @@
 """``checkpoint_version`` and what changed with it: the row order of the fused QKV weight.
 
-QKV rows by version (FORMATS.md 2d; Megatron-LM's ``fix_query_key_value_ordering``), for ``np``
+QKV rows by version (docs/FORMATS.md 2d; Megatron-LM's ``fix_query_key_value_ordering``), for ``np``
 heads of ``hn`` rows each and ``num_splits`` = 3 (``query_key_value``) or 2 (``key_value``):
 
 * 0 (or no version key): ``[num_splits, np, hn]`` — all q rows, then all k, then all v;

@@ -1,7 +1,7 @@
 """BERT masked-LM samples with Megatron-Core v0.13's ``BERTMaskedWordPieceDataset`` semantics.
 
 For the same ``_text_sentence`` .bin/.idx, split, seed and flags the samples equal
-Megatron-Core's item for item (``../shared/FORMATS.md`` section 2c). Item ``idx``:
+Megatron-Core's item for item (``docs/FORMATS.md`` section 2c). Item ``idx``:
 
 1. row ``idx`` of the shuffled samples mapping: sentences ``[first, end)`` of one document and a
    target length (``seq_length - 3``, or shorter with ``--short-seq-prob``);

@@ -1,7 +1,7 @@
 """GPT pretraining samples with Megatron-Core's GPTDataset index semantics.
 
 For the same prefix, split, sequence length, seed and sample count the document index, sample
-index and shuffle index equal Megatron-Core's (``../shared/FORMATS.md`` section 2b), so a run can
+index and shuffle index equal Megatron-Core's (``docs/FORMATS.md`` section 2b), so a run can
 move between the two frameworks without changing its data order.
 
 Legend: ``s`` = sequence length, ``E`` = epochs, ``T`` = tokens per epoch of the split.

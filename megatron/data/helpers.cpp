@@ -1,6 +1,6 @@
 // Index builders for the GPT, BERT and blended datasets, compiled by setup.py into
 // megatron.data.helpers_cpp (pybind11). Semantics match Megatron-Core's helpers.cpp
-// (see ../shared/FORMATS.md sections 2b and 2c); megatron/data/helpers.py holds a numpy
+// (see docs/FORMATS.md sections 2b and 2c); megatron/data/helpers.py holds a numpy
 // fallback that must return identical arrays.
 
 #include <pybind11/numpy.h>

@@ -4,7 +4,7 @@ The C++ module is compiled by ``pip install -e .`` (setup.py), never at run time
 absent (e.g. a source checkout without a build) every function here falls back to numpy code
 that returns *identical* arrays (tests/data/test_helpers.py checks this), with one warning.
 
-Semantics follow Megatron-Core's ``helpers.cpp`` (``../shared/FORMATS.md`` sections 2b, 2c).
+Semantics follow Megatron-Core's ``helpers.cpp`` (``docs/FORMATS.md`` sections 2b, 2c).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Megatron's mmap indexed dataset (``MMIDIDX``): a ``.bin`` of raw tokens plus an ``.idx`` index.
 
-Format (``../shared/FORMATS.md`` section 2a), all little-endian, C order, no padding::
+Format (``docs/FORMATS.md`` section 2a), all little-endian, C order, no padding::
 
     .idx: magic b"MMIDIDX\\x00\\x00" | uint64 version=1 | uint8 dtype code | uint64 S | uint64 D
           | int32 lengths[S] | int64 byte pointers[S] | int64 document_indices[D] (| int8 modes[S])

@@ -8,7 +8,7 @@ sample) is Megatron-Core's ``build_mapping`` (:func:`megatron.data.helpers.build
 cached as ``{md5}-{Class}-{description.txt|sample_index.npy}`` (no split in the name: the md5
 covers it), and the n-gram masking draws from a per-sample ``numpy.random.RandomState`` in
 Megatron-Core's order, so a sample is identical to Megatron-Core v0.13's item for item
-(``../shared/FORMATS.md`` section 2c).
+(``docs/FORMATS.md`` section 2c).
 
 Two input checks run before any index is built (on every rank, so no rank waits at a barrier
 for a failed build):

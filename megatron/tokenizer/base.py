@@ -10,7 +10,7 @@ def megatron_identifiers(class_name: str, *paths: str | os.PathLike | None, **op
     """A tokenizer's ``unique_identifiers`` as Megatron-Core's ``MegatronTokenizer`` builds them:
     ``{"class": <Megatron's class name>, "tokenizer_path": [paths as given], <option>: str(value)
     ...}``. Dataset cache descriptions embed this dict, so equal identifiers give the md5 cache
-    file names Megatron-Core computes for the same run (FORMATS.md 2b)."""
+    file names Megatron-Core computes for the same run (docs/FORMATS.md 2b)."""
     out: dict = {"class": class_name,
                  "tokenizer_path": [None if p is None else os.fspath(p) for p in paths]}
     out.update({name: str(value) for name, value in options.items()})

@@ -13,16 +13,17 @@ import dataclasses
 
 from megatron.config.core_configs import transformer_config
 from megatron.core.flops import num_floating_point_operations
-from megatron.core.models.bert import BertModel, bert_model_stage
-from megatron.core.models.gpt import GPTModel, gpt_model_stage
+from megatron.core.models.bert import BertModel
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.gpt import GPTModel
 
 
 def gpt_model_from(cfg, pre_process: bool | None = None, post_process: bool | None = None,
                    ) -> GPTModel:
     """This rank's GPT stage from a validated ``MegatronConfig`` (groups from parallel_state;
-    see :func:`~megatron.core.models.gpt.gpt_model_stage`, and seed first)."""
-    return gpt_model_stage(transformer_config(cfg), pre_process=pre_process,
-                           post_process=post_process)
+    see :func:`~megatron.core.models.builder.build_model_stage`, and seed first)."""
+    return build_model_stage(GPTModel, transformer_config(cfg), pre_process=pre_process,
+                             post_process=post_process)
 
 
 def gpt_flops_per_sample(cfg) -> float:
@@ -43,10 +44,10 @@ def bert_model_from(cfg, pre_process: bool | None = None, post_process: bool | N
                     ) -> BertModel:
     """This rank's BERT stage from a validated ``MegatronConfig`` (groups from parallel_state;
     ``--bert-no-binary-head`` drops the pooler, the binary head and the token types; see
-    :func:`~megatron.core.models.bert.bert_model_stage`, and seed first)."""
-    return bert_model_stage(bert_transformer_config(cfg),
-                            add_binary_head=cfg.model.bert_binary_head,
-                            pre_process=pre_process, post_process=post_process)
+    :func:`~megatron.core.models.builder.build_model_stage`, and seed first)."""
+    return build_model_stage(BertModel, bert_transformer_config(cfg),
+                             add_binary_head=cfg.model.bert_binary_head,
+                             pre_process=pre_process, post_process=post_process)
 
 
 def bert_flops_per_sample(cfg) -> float:

@@ -9,7 +9,8 @@ Megatron-LM never shipped SQuAD; the pieces here follow Google's recipe step for
 * :mod:`tasks.squad.postprocess`: start/end logits -> n-best answers -> ``predictions.json``
   (and ``null_odds.json`` for 2.0).
 * :mod:`tasks.squad.metric`: the official ``evaluate-v1.1.py`` / ``evaluate-v2.0.py`` scores.
-* :mod:`tasks.squad.model` and :mod:`tasks.squad.finetune`: the span head and the
+* :mod:`tasks.squad.model` and :mod:`tasks.squad.finetune`: the span model's provider and loss
+  (the head itself is :class:`megatron.core.models.bert_heads.QuestionAnswering`) and the
   ``tasks/main.py --task SQUAD`` runner.
 
 The library modules (reader, features, postprocess, metric) need no model and no process group.

@@ -1,13 +1,12 @@
-"""The SQuAD span head on BERT (Google's ``create_model`` in ``run_squad.py``; HF's
-``BertForQuestionAnswering``): ``Linear(h, 2)`` over every position of the final hidden states
-gives a start and an end logit per token; the loss is the mean of the two cross entropies.
+"""SQuAD's model and loss for ``finetune``: the span head on BERT
+(:class:`~megatron.core.models.bert_heads.QuestionAnswering`, with the other finetuning heads)
+built from the task's config, and the loss, the mean of the start and end cross entropies (as
+Google's ``run_squad.py`` and HF's ``BertForQuestionAnswering``).
 
-No pooler (the span head reads every position, not [CLS]'s pooled vector) and no dropout
-before the head (as both recipes). Checkpoint section ``qa_head`` (replicated on the TP ranks).
 Loading a pretrained BERT (``--pretrained-checkpoint``) drops its pooler and pretraining heads
-and keeps the new head's initialization (:class:`~megatron.core.models.classification.BertWithHead`).
+and keeps the new head's initialization (:class:`~megatron.core.models.bert_heads.BertWithHead`).
 
-Legend: b batch, s sequence, h hidden.
+Legend: b batch, s sequence.
 """
 
 from __future__ import annotations
@@ -19,29 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import comm, parallel_state
-from megatron.core.models.classification import BertWithHead
-from megatron.core.models.language_model import replicated_linear
-from megatron.core.models.language_module import build_model_stage
+from megatron.core.models.bert_heads import QuestionAnswering
+from megatron.core.models.builder import build_model_stage
 from megatron.core.tensor_parallel.utils import ProcessGroup
-from megatron.core.transformer.config import TransformerConfig
 from tasks.finetune_utils import batch_to_device, finetune_transformer_config
-
-
-class QuestionAnswering(BertWithHead):
-    """BERT -> ``logits [b, s, 2]`` (start, end) from each position's final hidden state."""
-
-    head_key = "qa_head"
-
-    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
-                 **kwargs) -> None:
-        super().__init__(config, tp_group, add_pooler=False, **kwargs)
-
-    def build_head(self, config: TransformerConfig) -> None:
-        self.qa_head = replicated_linear(config.hidden_size, 2, config)
-
-    def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
-        logits = self.qa_head(hidden)  # [s, b, 2]
-        return logits.transpose(0, 1).contiguous()  # [b, s, 2]
 
 
 def squad_model_provider(cfg, pre_process: bool = True,

@@ -23,7 +23,8 @@ from megatron.config import parse_args
 from megatron.config.core_configs import transformer_config
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
-from megatron.core.models.gpt import gpt_model_stage
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training.inference import (WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load,
                                          check_checkpoint_vocabulary, load_model_for_inference)
@@ -130,8 +131,8 @@ def check_run(cfg, ex: TaskFlags) -> None:
 def model_provider(cfg, pre_process: bool = True, post_process: bool = True, *,
                    metric: str = "loss") -> torch.nn.Module:
     """Megatron's choice: vocabulary-parallel logits for the loss, gathered ones for argmax."""
-    return gpt_model_stage(transformer_config(cfg), pre_process=pre_process,
-                           post_process=post_process, parallel_output=metric == "loss")
+    return build_model_stage(GPTModel, transformer_config(cfg), pre_process=pre_process,
+                             post_process=post_process, parallel_output=metric == "loss")
 
 
 # Data ---------------------------------------------------------------------------------------

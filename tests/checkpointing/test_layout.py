@@ -15,7 +15,7 @@ import torch
 from megatron.checkpointing import (GPT_LAYOUT, CheckpointError, PipelineStages, TensorRule,
                                     flatten_model_state, nest_model_state)
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.language_module import pipeline_stage_layers
+from megatron.core.models.builder import pipeline_stage_layers
 from megatron.core.transformer.config import TransformerConfig
 
 LAYERS = 4
@@ -28,7 +28,7 @@ VARIANTS = {
     "tied_no_bias": {"add_bias_linear": False},
     "untied_no_bias": {"untie_embeddings_and_output_weights": True, "add_bias_linear": False},
 }
-# Megatron-LM 23.06's keys of a GPT checkpoint (../shared/FORMATS.md 2d), and the older names
+# Megatron-LM 23.06's keys of a GPT checkpoint (docs/FORMATS.md 2d), and the older names
 # (``transformer``, ``.attention.``) its loader still maps.
 MEGATRON_KEYS = [
     "language_model.embedding.word_embeddings.weight",

@@ -1,6 +1,6 @@
 """A plain, slow restatement of Megatron-Core v0.13's BERT samples, to check the dataset against.
 
-Written from the algorithm as ``../shared/FORMATS.md`` section 2c and Megatron-Core's
+Written from the algorithm as ``docs/FORMATS.md`` section 2c and Megatron-Core's
 ``helpers.cpp`` / ``masked_dataset.py`` / ``bert_dataset.py`` describe it, step by step and
 without any of the production code's shortcuts: pure-Python Mersenne Twisters (32 and 64 bit),
 the two-pass mapping loop, nested n-gram lists shuffled as lists, ``RandomState.choice`` for n.

@@ -1,5 +1,5 @@
 """GPTDataset / BlendedDataset index properties on real text, and a reference rebuild of
-Megatron-Core's index algorithm written independently from FORMATS.md 2b."""
+Megatron-Core's index algorithm written independently from docs/FORMATS.md 2b."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def corpus(shared_data, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------------------
-# Independent reference (FORMATS.md 2b), plain Python loops
+# Independent reference (docs/FORMATS.md 2b), plain Python loops
 # --------------------------------------------------------------------------------------------
 
 def reference_indices(lengths, docs, num_samples, seq, seed):

@@ -1,4 +1,5 @@
-"""MMIDIDX reader/builder against an independent writer that follows FORMATS.md 2a byte by byte."""
+"""MMIDIDX reader/builder against an independent writer that follows docs/FORMATS.md 2a byte
+by byte."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_builder_is_byte_identical_to_reference(tmp_path, code):
 
 
 def test_add_document_and_megatron_example(tmp_path):
-    # FORMATS.md: lengths [16,16,3], doc_idx [0,1,2,2,3] for 4 docs, the 3rd empty.
+    # docs/FORMATS.md: lengths [16,16,3], doc_idx [0,1,2,2,3] for 4 docs, the 3rd empty.
     b = MMapIndexedDatasetBuilder(tmp_path / "x.bin", dtype=optimal_dtype(50257))
     b.add_document(list(range(16)), [16])
     b.add_doc(np.arange(16), [16])

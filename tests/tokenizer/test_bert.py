@@ -82,7 +82,7 @@ def test_code_point_sweep_equals_reference(pair):
 
 def test_megatron_special_ids(shared_data):
     tok = BertWordPieceTokenizer(shared_data / "tokenizers" / "bert-base-uncased-vocab.txt")
-    # FORMATS.md 2c: [BOS] and [EOS] are appended; eod is [EOS].
+    # docs/FORMATS.md 2c: [BOS] and [EOS] are appended; eod is [EOS].
     assert tok.vocab_size == 30524
     assert (tok.cls, tok.sep, tok.mask, tok.pad, tok.eod) == (101, 102, 103, 0, 30523)
     assert tok.bos_token_id == 30522 and tok.inv_vocab[30523] == "[EOS]"

@@ -21,7 +21,7 @@ EOD = 50256
 
 def megatron_dataset_bytes(docs: list[list[list[int]]], dtype_code: int,
                            np_dtype: str) -> tuple[bytes, bytes]:
-    """(.bin, .idx) of ``docs`` (documents of sentences of ids), written from FORMATS.md 2a
+    """(.bin, .idx) of ``docs`` (documents of sentences of ids), written from docs/FORMATS.md 2a
     with struct, independently of megatron.data."""
     sizes = [len(s) for doc in docs for s in doc]
     itemsize = np.dtype(np_dtype).itemsize

@@ -9,9 +9,9 @@ writes it, then loaded, and training must go on with the losses of the uninterru
   groups, not per parameter; no torch-only group options such as ``decoupled_weight_decay``);
 * ``rng_state``: CUDA-sized generator states, as a GPU run leaves them (skipped with a warning
   on the CPU; dropout then draws from the seeded streams);
-* ``model``: the nested ``language_model.embedding / encoder`` dicts (FORMATS.md 2d).
+* ``model``: the nested ``language_model.embedding / encoder`` dicts (docs/FORMATS.md 2d).
 
-QKV row order by ``checkpoint_version`` (FORMATS.md 2d): the same checkpoint with its QKV rows
+QKV row order by ``checkpoint_version`` (docs/FORMATS.md 2d): the same checkpoint with its QKV rows
 permuted into the version-0 ``[3, np, hn]`` (and no version key, as the oldest ones) and the
 version-1.0 ``[np, hn, 3]`` orders loads to the same losses (TP=1 and, per TP shard, TP=2); an
 unknown version is refused.

@@ -11,7 +11,6 @@ only the pipeline stage being read is open, one stage at a time.
 from __future__ import annotations
 
 import argparse
-import re
 import types
 from pathlib import Path
 
@@ -23,13 +22,12 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
+from megatron.core.checkpoint_keys import current_key, layer_of, with_layer
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import ModelDescription
 
 TOLERATED_EXTRA_KEYS = ("word_embeddings.weight",)
 """Keys some converters write beside the LM head that Megatron-LM's legacy model ignores."""
-
-_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def find_iteration_dir(load_dir: Path) -> tuple[Path, int, bool]:
@@ -197,7 +195,7 @@ class MegatronCheckpoint(ModelDescription):
             if key in flat and chunk.pre_process and chunk.post_process:
                 del flat[key]
         self.layout.check_keys(flat, str(path))
-        return {_current_name(k): v for k, v in flat.items()}
+        return {current_key(k): v for k, v in flat.items()}
 
     def _stage_position(self, index: int) -> int:
         """Open chunk ``index``'s stage; its position among the stage's chunks."""
@@ -221,9 +219,8 @@ class MegatronCheckpoint(ModelDescription):
             local = layer - self.plan[index].first_layer
 
             def renumbered(merged: dict) -> dict:
-                return {_LAYER_NUMBER.sub(f".layers.{layer}.", k, count=1): v
-                        for k, v in merged.items()}
-            return index, lambda k: _layer_of(k) == local, renumbered
+                return {with_layer(k, layer): v for k, v in merged.items()}
+            return index, lambda k: layer_of(k) == local, renumbered
         index = next(i for i, c in enumerate(self.plan) if c.post_process)
 
         def keep(key: str) -> bool:
@@ -256,22 +253,6 @@ class MegatronCheckpoint(ModelDescription):
 
     def close(self) -> None:
         self._flat, self._optimizer_flat, self._open_stage = [], [], None
-
-
-_LEGACY_NAMES = (("language_model.transformer.", "language_model.encoder."),
-                 (".attention.", ".self_attention."))
-
-
-def _current_name(key: str) -> str:
-    """Older checkpoints' ``transformer`` / ``.attention.`` -> today's names."""
-    for old, new in _LEGACY_NAMES:
-        key = key.replace(old, new)
-    return key
-
-
-def _layer_of(key: str) -> int | None:
-    found = _LAYER_NUMBER.search(key)
-    return int(found.group(1)) if found else None
 
 
 def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> tuple[int, int]:

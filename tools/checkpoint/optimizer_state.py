@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import CheckpointError
+from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT
 from megatron.core.distributed.grad_buffer import compute_layout
 
 MAIN = "param"
 """The fp32 main params' state key (``distrib_optim.pt``'s name)."""
-HEAD_COPY = "word_embeddings_for_head.weight"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 SGD_KEYS = ("momentum_buffer",)
 DECAY, NO_DECAY = "decay", "no_decay"
@@ -52,7 +52,7 @@ def parameter_order(keys: Sequence[str]) -> list[str]:
     def section(key: str) -> int:
         if key.startswith("language_model."):
             return 0
-        return 1 if key == HEAD_COPY else 2
+        return 1 if key == HEAD_COPY_WEIGHT else 2
     return sorted(keys, key=section)  # stable: the checkpoint order within a section
 
 

@@ -14,7 +14,6 @@ otherwise load the result with ``--no-load-optim`` or ``--finetune``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,11 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     manifest_entry, nest_model_state, publish_tracker, save_file,
                                     tracker_path, write_manifest)
 from megatron.checkpointing.names import checkpoint_dir
+from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
                                                 ModelDescription, padded_vocab_size,
                                                 repad_vocab)
-
-_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
-HEAD_COPY = "word_embeddings_for_head.weight"
 
 
 @dataclass(frozen=True)
@@ -109,8 +106,8 @@ def _divisible_by(md: ModelDescription, target: TargetLayout, vocab: int) -> int
 
 def _local(key: str, first_layer: int) -> str:
     """Global layer number -> the chunk's own numbering."""
-    return _LAYER_NUMBER.sub(lambda m: f".layers.{int(m.group(1)) - first_layer}.", key,
-                             count=1)
+    layer = layer_of(key)
+    return key if layer is None else with_layer(key, layer - first_layer)
 
 
 def _repadded(piece: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
@@ -140,10 +137,10 @@ def _chunk_pieces(md: ModelDescription, chunk, vocab: int):
         if not chunk.pre_process and OUTPUT_LAYER not in head:
             # Tied output layer on another stage: the last stage keeps its own copy, trained
             # with the same (all-reduced) gradients: its optimizer state is the embedding's.
-            head[HEAD_COPY] = repad_vocab(md.embeddings()[WORD_EMBEDDINGS], vocab)
+            head[HEAD_COPY_WEIGHT] = repad_vocab(md.embeddings()[WORD_EMBEDDINGS], vocab)
             if state is not None:
                 for name, tensors in _optimizer_piece(md, "embeddings").items():
-                    state[name][HEAD_COPY] = repad_vocab(tensors[WORD_EMBEDDINGS], vocab)
+                    state[name][HEAD_COPY_WEIGHT] = repad_vocab(tensors[WORD_EMBEDDINGS], vocab)
         yield head, state
 
 

@@ -10,7 +10,9 @@ taken after the LayerNorm -- which, layer after layer, is exactly the original B
 ``LN(x + f(x))`` (the first layer's input LayerNorm plays BERT's embedding LayerNorm and the
 final LayerNorm the last layer's output LayerNorm).
 
-Parameter names are Megatron-LM's checkpoint keys: ``language_model.*`` (with
+:class:`BertBody` is the part every BERT model shares (the finetuning heads of
+:mod:`~megatron.core.models.bert_heads` build on it too); :class:`BertModel` adds the pretraining
+heads. Parameter names are Megatron-LM's checkpoint keys: ``language_model.*`` (with
 ``language_model.embedding.tokentype_embeddings.weight`` and ``language_model.pooler.dense.*``),
 ``lm_head.{bias, dense.*, layernorm.*}``, ``binary_head.{weight, bias}``.
 
@@ -24,15 +26,14 @@ import torch.nn.functional as F
 
 from megatron.core import device as device_mod
 from megatron.core.models.language_model import parallel_lm_logits, replicated_linear
-from megatron.core.models.language_module import LanguageModule, build_model_stage
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.models.language_module import LanguageModule
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
                                                  set_tensor_model_parallel_attributes,
                                                  tp_world_size)
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layernorm import LayerNorm
 
-__all__ = ["BertLMHead", "BertModel", "bert_extended_attention_mask", "bert_model_stage",
+__all__ = ["BertBody", "BertLMHead", "BertModel", "bert_extended_attention_mask",
            "bert_position_ids"]
 
 
@@ -90,8 +91,52 @@ class BertLMHead(torch.nn.Module):
                                   parallel_output, bias=self.bias)
 
 
-class BertModel(LanguageModule):
-    """Megatron-LM's ``BertModel`` on one pipeline stage, split over TP ranks.
+class BertBody(LanguageModule):
+    """The body every BERT model shares (pretraining, :mod:`~megatron.core.models.bert_heads`):
+    word + position + token-type embeddings, the padding-masked bidirectional encoder, the final
+    LayerNorm and, with ``add_pooler``, the pooler. Subclasses add their heads and ``forward``,
+    running :meth:`encode` first.
+
+    Args: see :class:`~megatron.core.models.language_module.LanguageModule`.
+    """
+
+    checkpoint_name = "BERT"
+    attn_mask_type = "padding"
+
+    def encode(self, input_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
+               tokentype_ids: torch.Tensor | None = None):
+        """Run the body on this stage.
+
+        Args:
+            input_ids: ``[b, s]`` token ids (first stage; None elsewhere).
+            padding_mask: ``[b, s]``, 1 = real token (or a ready bool ``[b, 1, s, s]`` mask).
+            tokentype_ids: ``[b, s]`` segment ids (with ``num_tokentypes`` > 0).
+
+        Returns:
+            On the last stage ``(hidden [s, b, h], pooled [b, h] or None without a pooler)``;
+            elsewhere the hidden ``[s, b, h]`` for the next stage.
+        """
+        mask = self.prepare_attention_mask(padding_mask)
+        position_ids = None if input_ids is None else bert_position_ids(input_ids)
+        output = self.language_model(input_ids, position_ids, mask, tokentype_ids)
+        if not self.post_process:
+            return output  # [s, b, h]
+        return output if self.language_model.pooler is not None else (output, None)
+
+    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
+                               ) -> torch.Tensor | None:
+        """Padding mask ``[b, s]`` -> bool ``[b, 1, s, s]`` (a 4-d mask passes through); None
+        when nothing is padded, so attention takes its unmasked (fastest) path."""
+        if attention_mask is None or attention_mask.dim() == 4:
+            return attention_mask
+        if bool(attention_mask.all()):
+            return None
+        return bert_extended_attention_mask(attention_mask)
+
+
+class BertModel(BertBody):
+    """Megatron-LM's ``BertModel`` on one pipeline stage, split over TP ranks: the
+    :class:`BertBody` and the pretraining heads.
 
     ``forward(bert_model_input, attention_mask, tokentype_ids=None, lm_labels=None)`` (Megatron's
     signature): ``bert_model_input`` token ids ``[b, s]``; ``attention_mask`` the padding mask
@@ -109,13 +154,10 @@ class BertModel(LanguageModule):
         kwargs: see :class:`LanguageModule` (``pre_process``, ``post_process``, ...).
     """
 
-    checkpoint_name = "BERT"
-    attn_mask_type = "padding"
-
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  add_binary_head: bool = True, **kwargs) -> None:
         super().__init__(config, tp_group, add_pooler=add_binary_head, **kwargs)
-        self.add_binary_head = add_binary_head
+        self.add_binary_head = add_binary_head  # read by pretrain_bert.py's forward step
         self.lm_head = None
         self.binary_head = None
         if self.post_process:
@@ -131,36 +173,15 @@ class BertModel(LanguageModule):
                 tokentype_ids: torch.Tensor | None = None,
                 lm_labels: torch.Tensor | None = None):
         """See the class docstring."""
-        mask = self.prepare_attention_mask(attention_mask)
-        position_ids = None
-        if bert_model_input is not None:
-            position_ids = bert_position_ids(bert_model_input)
-        output = self.language_model(bert_model_input, position_ids, mask, tokentype_ids)
+        output = self.encode(bert_model_input, attention_mask, tokentype_ids)
         if not self.post_process:
             return output  # [s, b, h]
-        hidden, pooled = output if self.add_binary_head else (output, None)
-        return self.post_language_model_processing(hidden, lm_labels, pooled)
-
-    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
-                               ) -> torch.Tensor | None:
-        """Padding mask ``[b, s]`` -> bool ``[b, 1, s, s]`` (a 4-d mask passes through); None
-        when nothing is padded, so attention takes its unmasked (fastest) path."""
-        if attention_mask is None or attention_mask.dim() == 4:
-            return attention_mask
-        if bool(attention_mask.all()):
-            return None
-        return bert_extended_attention_mask(attention_mask)
-
-    def post_language_model_processing(self, hidden: torch.Tensor,
-                                       labels: torch.Tensor | None,
-                                       pooled: torch.Tensor | None = None):
-        """The LM head on ``hidden [s, b, h]`` (with ``labels``: the loss) and the binary head
-        on ``pooled [b, h]``."""
+        hidden, pooled = output
         binary_logits = self.binary_head(pooled) if self.binary_head is not None else None
-        if labels is None:
+        if lm_labels is None:
             logits = self.lm_head(hidden, self.output_weight())  # [s, b, V/p]
             return logits.transpose(0, 1).contiguous(), binary_logits  # [b, s, V/p]
-        return self.masked_lm_loss(hidden, labels), binary_logits
+        return self.masked_lm_loss(hidden, lm_labels), binary_logits
 
     def masked_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross entropy ``[b, s]`` (fp32 unless ``fp16_lm_cross_entropy``) of the LM head at
@@ -176,14 +197,8 @@ class BertModel(LanguageModule):
         rows = torch.nonzero(labels_sb >= 0).squeeze(1)  # [n]; the same on every TP rank
         selected = hidden.reshape(s * b, h).index_select(0, rows)  # [n, h]
         logits = self.lm_head(selected, self.output_weight(), parallel_output=True)  # [n, V/p]
-        loss_dtype = None
-        if logits.dtype in (torch.float16, torch.bfloat16) and \
-                not self.config.fp16_lm_cross_entropy:
-            loss_dtype = torch.float32  # the fused kernel reads half logits, no fp32 copy
         # The logits are a temporary nobody else reads: the loss overwrites them in place.
-        picked = vocab_parallel_cross_entropy(logits, labels_sb.index_select(0, rows),
-                                              self.tp_group, inplace=True,
-                                              loss_dtype=loss_dtype)  # [n]
+        picked = self.cross_entropy(logits, labels_sb.index_select(0, rows))  # [n]
         loss = torch.zeros(s * b, dtype=picked.dtype, device=picked.device)
         loss = loss.index_copy(0, rows, picked)  # [s b]
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
@@ -197,12 +212,3 @@ class BertModel(LanguageModule):
             out["binary_head"] = self.binary_head.state_dict()
         return out
 
-
-def bert_model_stage(config: TransformerConfig, *, add_binary_head: bool = True,
-                     pre_process: bool | None = None, post_process: bool | None = None,
-                     parallel_output: bool = True) -> BertModel:
-    """This rank's BERT pipeline stage from parallel_state's groups (see
-    :func:`~megatron.core.models.language_module.build_model_stage`; seed first)."""
-    return build_model_stage(BertModel, config, pre_process=pre_process,
-                             post_process=post_process, parallel_output=parallel_output,
-                             add_binary_head=add_binary_head)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 
 from megatron.core.models.language_model import is_plain_causal_mask, parallel_lm_logits
-from megatron.core.models.language_module import (LanguageModule, build_model_stage,
-                                                  flatten_checkpoint_state_dict)
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.models.language_module import LanguageModule
 
-__all__ = ["GPTModel", "flatten_checkpoint_state_dict", "gpt_model_stage"]
+__all__ = ["GPTModel"]
 
 
 class GPTModel(LanguageModule):
@@ -37,26 +35,41 @@ class GPTModel(LanguageModule):
     checkpoint_name = "GPT"
     attn_mask_type = "causal"
 
-    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
-                               ) -> torch.Tensor | None:
-        if attention_mask is not None and is_plain_causal_mask(attention_mask):
-            return None
-        return attention_mask
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None, inference_params=None):
+        """Run this stage: the language model, then (last stage) the logits and the loss.
 
-    def post_language_model_processing(self, hidden: torch.Tensor,
-                                       labels: torch.Tensor | None) -> torch.Tensor:
+        Args:
+            input_ids: ``[b, s]`` token ids (first stage).
+            position_ids: ``[b, s]``.
+            attention_mask: bool ``[b|1, 1, s, s]``, True = masked; None = plain causal.
+            labels: ``[b, s]`` target ids, or None.
+            tokentype_ids: ``[b, s]`` segment ids (with ``num_tokentypes``).
+            inference_params: the generation KV cache
+                (:class:`~megatron.core.inference_params.InferenceParams`), or None.
+
+        Returns:
+            See the class docstring.
+        """
+        if attention_mask is not None and is_plain_causal_mask(attention_mask):
+            attention_mask = None  # the fast causal path
+        hidden = self.language_model(input_ids, position_ids, attention_mask,
+                                     tokentype_ids, inference_params)  # [s, b, h]
+        if not self.post_process:
+            return hidden
+        if getattr(inference_params, "materialize_only_last_token_logits", False):
+            # Generation samples from the last position only: skip the others' vocab GEMM.
+            hidden = hidden[-1:]  # [1, b, h]
+        return self._logits_or_loss(hidden, labels)
+
+    def _logits_or_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None
+                        ) -> torch.Tensor:
         """Logits on the (tied) output weight, then the loss if ``labels`` are given."""
         logits = parallel_lm_logits(hidden, self.output_weight(), self.tp_group,
                                     self.parallel_output or labels is not None)  # [s, b, V/p]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/p]
         # The logits are a temporary nobody else reads: the loss overwrites them in place.
-        return self.compute_language_model_loss(logits, labels)  # [b, s]
-
-
-def gpt_model_stage(config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, parallel_output: bool = True) -> GPTModel:
-    """This rank's GPT pipeline stage from parallel_state's groups (see
-    :func:`~megatron.core.models.language_module.build_model_stage`; seed first)."""
-    return build_model_stage(GPTModel, config, pre_process=pre_process,
-                             post_process=post_process, parallel_output=parallel_output)
+        loss = self.cross_entropy(logits, labels.transpose(0, 1))  # [s, b]
+        return loss.transpose(0, 1).contiguous()  # [b, s]

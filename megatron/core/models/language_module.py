@@ -12,11 +12,13 @@ Pipeline stages (Megatron's ``initialize_word_embeddings``), with tied embedding
   embedding group so both start equal, and ``finalize_model_grads`` sums their gradients;
 * middle stages: no output weight.
 
-Subclasses add their head: override :meth:`LanguageModule.post_language_model_processing` (the
-last stage's hidden -> logits or loss), :meth:`LanguageModule.prepare_attention_mask`, and
-:meth:`LanguageModule.extra_state_dict_sections` for checkpoint sections beside
-``language_model`` (BERT's ``lm_head``, ``binary_head``; its pooler belongs inside
-``language_model``, key ``language_model.pooler.*``).
+Subclasses own their ``forward`` (the mask they build, the head on the last stage) and name
+their checkpoint sections beside ``language_model`` in
+:meth:`LanguageModule.extra_state_dict_sections` (BERT's ``lm_head``, ``binary_head``; its pooler
+belongs inside ``language_model``, key ``language_model.pooler.*``). A model without an output
+layer over the vocabulary (a finetuning head) sets :attr:`LanguageModule.has_lm_output` False:
+no tied weight, no head copy. Keys and their old names: :mod:`megatron.core.checkpoint_keys`;
+building a rank's stage: :mod:`megatron.core.models.builder`.
 
 Legend: s sequence, b batch, h hidden, V padded vocabulary, p TP size.
 """
@@ -24,25 +26,17 @@ Legend: s sequence, b batch, h hidden, V padded vocabulary, p TP size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 
-from megatron.core import comm, parallel_state
+from megatron.core import comm
+from megatron.core.checkpoint_keys import HEAD_COPY_SECTION, flatten_checkpoint_state_dict
 from megatron.core.models.language_model import TransformerLanguageModel
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
-
-LEGACY_RENAMES = (("language_model.transformer.", "language_model.encoder."),
-                  (".attention.", ".self_attention."))
-"""Older checkpoints' names -> current ones (Megatron-LM renamed both in 2021)."""
-
-HEAD_COPY_KEY = "word_embeddings_for_head"
-"""Checkpoint key of the last stage's copy of the tied word embedding."""
-
-ModelT = TypeVar("ModelT", bound="LanguageModule")
 
 
 class LanguageModule(torch.nn.Module):
@@ -62,6 +56,9 @@ class LanguageModule(torch.nn.Module):
     checkpoint_name: ClassVar[str] = "language model"
     """Names the model in loading errors ("GPT checkpoint does not fit the model")."""
     attn_mask_type: ClassVar[AttnMaskType] = "causal"
+    has_lm_output: ClassVar[bool] = True
+    """The last stage projects onto the vocabulary (GPT's logits, BERT's LM head); with tied
+    embeddings through the word embedding's weight. False: no such layer (a finetuning head)."""
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
@@ -73,7 +70,7 @@ class LanguageModule(torch.nn.Module):
         self.parallel_output = parallel_output
         # Read by finalize_model_grads (embedding-group all-reduce with PP > 1).
         self.share_embeddings_and_output_weights = \
-            not config.untie_embeddings_and_output_weights
+            self.has_lm_output and not config.untie_embeddings_and_output_weights
         self.language_model = TransformerLanguageModel(
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
@@ -131,49 +128,10 @@ class LanguageModule(torch.nn.Module):
         """Activation from the previous pipeline stage (``[s, b, h]``)."""
         self.language_model.set_input_tensor(input_tensor)
 
-    # Forward -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                tokentype_ids: torch.Tensor | None = None, inference_params=None):
-        """Run this stage: the language model, then (last stage) the subclass's head.
-
-        Args:
-            input_ids: ``[b, s]`` token ids (first stage).
-            position_ids: ``[b, s]``.
-            attention_mask: as :meth:`prepare_attention_mask` takes it.
-            labels: ``[b, s]`` target ids, or None.
-            tokentype_ids: ``[b, s]`` segment ids (models with ``num_tokentypes``).
-            inference_params: the generation KV cache
-                (:class:`~megatron.core.inference_params.InferenceParams`), or None.
-
-        Returns:
-            On a non-last pipeline stage the hidden states ``[s, b, h]``; else what
-            :meth:`post_language_model_processing` returns.
-        """
-        attention_mask = self.prepare_attention_mask(attention_mask)
-        hidden = self.language_model(input_ids, position_ids, attention_mask,
-                                     tokentype_ids, inference_params)  # [s, b, h]
-        if not self.post_process:
-            return hidden
-        if getattr(inference_params, "materialize_only_last_token_logits", False):
-            # Generation samples from the last position only: skip the others' vocab GEMM.
-            hidden = hidden[-1:]  # [1, b, h]
-        return self.post_language_model_processing(hidden, labels)
-
-    def prepare_attention_mask(self, attention_mask: torch.Tensor | None
-                               ) -> torch.Tensor | None:
-        """The mask the attention layers get (bool ``[b|1, 1, s, s]``, True = masked)."""
-        return attention_mask
-
-    def post_language_model_processing(self, hidden: torch.Tensor,
-                                       labels: torch.Tensor | None):
-        """The last stage's head on the final hidden states ``[s, b, h]``."""
-        raise NotImplementedError(f"{type(self).__name__} defines no head")
-
-    def compute_language_model_loss(self, logits: torch.Tensor, labels: torch.Tensor
-                                    ) -> torch.Tensor:
-        """Unreduced vocab-parallel cross entropy ``[b, s]`` of ``logits [s, b, V/p]`` against
-        ``labels [b, s]``, in fp32 (or wider) unless ``fp16_lm_cross_entropy``.
+    # Loss ----------------------------------------------------------------------------------
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Unreduced vocab-parallel cross entropy of ``logits [..., V/p]`` against ``targets
+        [...]``, in fp32 (or wider) unless ``fp16_lm_cross_entropy``.
 
         ``logits`` are overwritten: pass a temporary nobody else reads (the output layer's
         backward needs only its input and weight).
@@ -184,9 +142,8 @@ class LanguageModule(torch.nn.Module):
             # The loss in fp32: the fused kernel reads the half logits and computes in fp32
             # (no fp32 copy of the [s, b, V/p] logits); the unfused path upcasts them.
             loss_dtype = torch.float32
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
-                                            inplace=True, loss_dtype=loss_dtype)  # [s, b]
-        return loss.transpose(0, 1).contiguous()  # [b, s]
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, inplace=True,
+                                            loss_dtype=loss_dtype)
 
     # Checkpoint layout ---------------------------------------------------------------------
     def state_dict_for_save_checkpoint(self) -> dict:
@@ -195,7 +152,7 @@ class LanguageModule(torch.nn.Module):
         out = {"language_model": self.language_model.state_dict_for_save_checkpoint()}
         out.update(self.extra_state_dict_sections())
         if self.word_embeddings is not None:
-            out[HEAD_COPY_KEY] = self.word_embeddings.state_dict()
+            out[HEAD_COPY_SECTION] = self.word_embeddings.state_dict()
         return out
 
     def extra_state_dict_sections(self) -> dict[str, dict]:
@@ -245,30 +202,6 @@ def checkpoint_fit_problems(flat: Mapping[str, torch.Tensor], own: Mapping[str, 
     return problems
 
 
-def flatten_checkpoint_state_dict(state_dict: Mapping) -> dict[str, torch.Tensor]:
-    """Megatron-LM's nested model dict -> flat module names; flat dicts pass through. Old names
-    (``transformer`` for ``encoder``, ``.attention.`` for ``.self_attention.``) are mapped, and
-    ``word_embeddings_for_head`` becomes the module name ``word_embeddings``."""
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, node) -> None:
-        if isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(f"{prefix}{key}.", value)
-        else:
-            flat[prefix[:-1]] = node
-
-    walk("", state_dict)
-    out = {}
-    for key, value in flat.items():
-        for old, new in LEGACY_RENAMES:
-            key = key.replace(old, new)
-        if key.startswith(HEAD_COPY_KEY + "."):
-            key = "word_embeddings." + key[len(HEAD_COPY_KEY) + 1:]
-        out[key] = value
-    return out
-
-
 def initialize_word_embeddings(model: LanguageModule, embedding_group: ProcessGroup | None
                                ) -> None:
     """Make the last stage's copy of the tied word embedding equal to stage 0's (Megatron's
@@ -282,70 +215,3 @@ def initialize_word_embeddings(model: LanguageModule, embedding_group: ProcessGr
     if weight is None:
         return  # a middle stage: not in the embedding group
     comm.all_reduce(weight.data, embedding_group, "sum")
-
-
-def pipeline_stage_layers(num_layers: int, pipeline_size: int, pipeline_rank: int,
-                          virtual_size: int | None = None, virtual_rank: int | None = None
-                          ) -> tuple[int, int]:
-    """``(layers on the model chunk, global index of its first layer)``: an even split.
-
-    Without virtual stages chunk ``pipeline_rank`` holds ``L / pp`` layers from
-    ``pipeline_rank * L / pp``. With ``virtual_size`` chunks per stage (the interleaved schedule)
-    the model is cut into ``pp * vp`` chunks of ``L / (pp * vp)`` layers dealt round-robin: chunk
-    ``virtual_rank`` of stage ``pipeline_rank`` starts at Megatron's
-    ``virtual_rank * (L / vp) + pipeline_rank * L / (pp * vp)``.
-
-    Raises:
-        ValueError: the layers do not split evenly over the chunks.
-    """
-    chunks = pipeline_size * (virtual_size or 1)
-    if num_layers % chunks != 0:
-        what = f"the pipeline size ({pipeline_size})" if virtual_size is None else \
-            f"the pipeline size ({pipeline_size}) x virtual stages ({virtual_size})"
-        raise ValueError(f"num_layers ({num_layers}) is not divisible by {what}: give every "
-                         "model chunk the same number of layers")
-    per_chunk = num_layers // chunks
-    if virtual_size is None:
-        return per_chunk, pipeline_rank * per_chunk
-    return per_chunk, (virtual_rank or 0) * (num_layers // virtual_size) + \
-        pipeline_rank * per_chunk
-
-
-def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
-                      pre_process: bool | None = None, post_process: bool | None = None,
-                      **kwargs) -> ModelT:
-    """This rank's pipeline stage of ``model_cls`` with parallel_state's groups (one process
-    when they are not initialized), its tied output weight equal on the first and last stage.
-
-    Seed first, identically on all TP ranks (Megatron: ``torch.manual_seed(seed + 100 * pp_rank)``
-    and :func:`~megatron.core.tensor_parallel.model_parallel_manual_seed`): the weights are drawn
-    from torch's default generator.
-
-    Args:
-        model_cls: a :class:`LanguageModule` subclass.
-        config: the model's settings (all layers: this stage gets its even share; with virtual
-            stages, the chunk of ``parallel_state``'s current virtual rank).
-        pre_process: holds the embedding (default: the first pipeline stage).
-        post_process: holds the head (default: the last pipeline stage).
-        kwargs: passed on to ``model_cls`` (e.g. ``parallel_output``).
-    """
-    tp_group = None  # this rank alone: a single process without parallel_state's groups
-    if parallel_state.model_parallel_is_initialized():
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    vpp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
-    num_layers, layer_offset = pipeline_stage_layers(config.num_layers, pp, pp_rank, vpp,
-                                                     vpp_rank)
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
-    model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
-                      num_layers=num_layers, layer_offset=layer_offset, **kwargs)
-    # With virtual stages only the chunk holding the embedding (chunk 0 of stage 0) or the head
-    # (last chunk of the last stage) is in the group; each member rank joins the sum once.
-    if pp > 1 and parallel_state.is_rank_in_embedding_group() and (pre_process or post_process):
-        initialize_word_embeddings(model, parallel_state.get_embedding_group())
-    return model

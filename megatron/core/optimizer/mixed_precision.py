@@ -6,7 +6,7 @@ main grads (an alias when the DDP buffer is already fp32), runs the shared step 
 :class:`~megatron.core.optimizer.optimizer.MegatronOptimizer` (unscale + inf check with fp16),
 and copies the main params back into the model (rounding to fp16/bf16).
 
-State dict (Megatron-LM FORMATS 2d): ``{"optimizer": torch state dict, "grad_scaler": scaler
+State dict (docs/FORMATS.md 2d): ``{"optimizer": torch state dict, "grad_scaler": scaler
 state (fp16 only), "fp32_from_fp16_params": list (per group) of lists of fp32 main params}``.
 """
 

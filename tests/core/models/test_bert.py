@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron.checkpointing import BERT_LAYOUT, PipelineStages, flatten_model_state
 from megatron.core.models.bert import BertModel, bert_extended_attention_mask
-from megatron.core.models.language_module import pipeline_stage_layers
+from megatron.core.models.builder import pipeline_stage_layers
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 
@@ -28,7 +28,7 @@ CONFIG = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEAD
 
 
 def _megatron_keys(layers: int, binary_head: bool) -> list[str]:
-    """Megatron-LM 23.06's BERT checkpoint keys (../shared/FORMATS.md 2d), in its order."""
+    """Megatron-LM 23.06's BERT checkpoint keys (docs/FORMATS.md 2d), in its order."""
     keys = ["language_model.embedding.word_embeddings.weight",
             "language_model.embedding.position_embeddings.weight"]
     if binary_head:

@@ -1,6 +1,6 @@
 """BERT-readiness of the shared language-model stack at TP = 2 and 4 against TP = 1 (float64):
 padding attention mask, token-type embeddings, both attention paths; and the checkpoint key of
-the token-type table (``../shared/FORMATS.md``)."""
+the token-type table (``docs/FORMATS.md``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from megatron.core import device
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt import GPTModel, flatten_checkpoint_state_dict
+from megatron.core.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.core.models.gpt import GPTModel
 from megatron.core.models.language_model import TransformerLanguageModel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.config import TransformerConfig

@@ -16,10 +16,11 @@ import torch
 from megatron.config import parse_args
 from megatron.core import device
 from megatron.core import parallel_state as ps
+from megatron.core.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.core.flops import num_floating_point_operations
-from megatron.core.models.gpt import GPTModel, gpt_model_stage
-from megatron.core.models.language_module import (LanguageModule,
-                                                  flatten_checkpoint_state_dict)
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.language_module import LanguageModule
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.config import TransformerConfig
 from megatron.config.core_configs import transformer_config
@@ -35,7 +36,7 @@ CONFIG = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads
 LAYER_KEYS = {f"language_model.encoder.layers.0.{m}.{p}" for p in ("weight", "bias") for m in (
     "input_layernorm", "self_attention.query_key_value", "self_attention.dense",
     "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
-# Megatron-LM 23.06's keys of a 2-layer GPT split in two stages (../shared/FORMATS.md, 2d;
+# Megatron-LM 23.06's keys of a 2-layer GPT split in two stages (docs/FORMATS.md, 2d;
 # layer numbers are local to the stage).
 FIRST_STAGE_KEYS = LAYER_KEYS | {"language_model.embedding.word_embeddings.weight",
                                  "language_model.embedding.position_embeddings.weight"}
@@ -134,7 +135,7 @@ def _build_stages(rank, world_size, untie):
     torch.manual_seed(1234 + 100 * pp_rank)
     model_parallel_manual_seed(1234 + 100 * pp_rank, tp_rank)
     config = dataclasses.replace(CONFIG, untie_embeddings_and_output_weights=untie)
-    model = gpt_model_stage(config)
+    model = build_model_stage(GPTModel, config)
     weight = model.shared_embedding_or_output_weight()
     keys = _megatron_keys(model.state_dict_for_save_checkpoint())
     return {"pp": pp_rank, "tp": tp_rank, "pre": model.pre_process,
@@ -142,7 +143,7 @@ def _build_stages(rank, world_size, untie):
 
 
 def test_tied_copies_start_equal_across_stages():
-    """Built by gpt_model_stage at TP = 2, PP = 2, the last stage's copy of the tied weight is,
+    """Built by build_model_stage at TP = 2, PP = 2, the last stage's copy of the tied weight is,
     shard for shard, stage 0's word embedding (not zeros); each stage holds its layers only;
     untied, the last stage's output layer is its own (drawn, not copied)."""
     results = run_distributed(4, _build_stages, False)
@@ -179,7 +180,10 @@ class _TaggerModel(LanguageModule):
                                                device=device.get_device())
             self.set_parameter_defaults()
 
-    def post_language_model_processing(self, hidden, labels):
+    def forward(self, input_ids, position_ids, labels=None, tokentype_ids=None):
+        hidden = self.language_model(input_ids, position_ids, None, tokentype_ids)
+        if not self.post_process:
+            return hidden
         logits = self.binary_head(hidden)  # [s, b, 2]
         if labels is None:
             return logits.transpose(0, 1)
@@ -193,7 +197,7 @@ class _TaggerModel(LanguageModule):
 
 
 def test_subclass_adds_head_and_checkpoint_sections():
-    """A subclass's head, mask type and checkpoint section go through the base's hooks: saved in
+    """A subclass's mask type and checkpoint section go through the base's hooks: saved in
     Megatron's order (language_model, the heads, word_embeddings_for_head), loaded back, and
     reported by name when missing; its parameters get the TP attributes."""
     config = dataclasses.replace(CONFIG, num_tokentypes=2)
@@ -271,7 +275,7 @@ def test_stage_layer_offsets_match_the_checkpoint_layout(layers, pp, vpp):
     pp_rank * L/(pp*vpp)``), as the checkpoint format's table has them: every layer on exactly
     one chunk."""
     from megatron.checkpointing.stages import PipelineStages
-    from megatron.core.models.language_module import pipeline_stage_layers
+    from megatron.core.models.builder import pipeline_stage_layers
 
     table = PipelineStages(layers, pp, vpp).chunks()
     seen = []
@@ -285,7 +289,7 @@ def test_stage_layer_offsets_match_the_checkpoint_layout(layers, pp, vpp):
 
 
 def test_stage_layers_refuse_an_uneven_split():
-    from megatron.core.models.language_module import pipeline_stage_layers
+    from megatron.core.models.builder import pipeline_stage_layers
 
     with pytest.raises(ValueError, match=r"num_layers \(8\).*\(3\)"):
         pipeline_stage_layers(8, 3, 0)

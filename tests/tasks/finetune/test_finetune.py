@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
     """Overwrite a pipeline stage's weights with the one-process run's initial ones (stage k
     draws from ``seed + 100 k``, as Megatron's): the whole model built from ``--seed``."""
-    from megatron.core.models.classification import Classification
+    from megatron.core.models.bert_heads import Classification
 
     kwargs = {"num_classes": module.num_classes} if isinstance(module, Classification) else {}
     with torch.random.fork_rng(devices=[]):
@@ -252,14 +252,15 @@ def _write_pretrained_bert(root: Path, model_argv: list[str]) -> dict[str, torch
     """A pretrained BERT checkpoint (binary head, iteration 100) as pretrain_bert.py saves
     one; returns its language-model weights."""
     from megatron.config import parse_args
-    from megatron.core.models.bert import bert_model_stage
+    from megatron.core.models.bert import BertModel
+    from megatron.core.models.builder import build_model_stage
     from megatron.training.checkpointing import TRACKER_FILENAME, get_checkpoint_name
     from megatron.training.models import bert_transformer_config
     from tasks.flags import TOOL_SECTIONS
 
     cfg = parse_args(model_argv, tool_sections=TOOL_SECTIONS)
     torch.manual_seed(99)
-    bert = bert_model_stage(bert_transformer_config(cfg), add_binary_head=True)
+    bert = build_model_stage(BertModel, bert_transformer_config(cfg), add_binary_head=True)
     name = get_checkpoint_name(root, 100, pipeline_parallel=False, tensor_rank=0)
     name.parent.mkdir(parents=True)
     args = cfg.to_namespace()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.core.models.bert import bert_model_stage
-from megatron.core.models.classification import (classification_model_stage,
-                                                 multiple_choice_model_stage)
+from megatron.core.models.bert import BertModel
+from megatron.core.models.builder import build_model_stage
+from megatron.core.models.bert_heads import Classification, MultipleChoice
 from megatron.training.models import bert_transformer_config
 from tasks.finetune_utils import EpochBatchSampler, finetune_transformer_config
 from tasks.finetune_sample_data import write_vocab
@@ -38,7 +38,7 @@ def _inputs(b, s, *lead):
 
 def test_classification_keys_and_shapes(cfg):
     torch.manual_seed(1)
-    model = classification_model_stage(finetune_transformer_config(cfg), 3)
+    model = build_model_stage(Classification, finetune_transformer_config(cfg), num_classes=3)
     sd = model.state_dict_for_save_checkpoint()
     assert set(sd) == {"language_model", "classification_head"}  # no LM head, no tied copy
     assert set(sd["classification_head"]) == {"weight", "bias"}
@@ -51,7 +51,7 @@ def test_classification_keys_and_shapes(cfg):
 
 def test_multiple_choice_scores_each_choice_alone(cfg):
     torch.manual_seed(1)
-    model = multiple_choice_model_stage(finetune_transformer_config(cfg)).eval()
+    model = build_model_stage(MultipleChoice, finetune_transformer_config(cfg)).eval()
     assert set(model.state_dict_for_save_checkpoint()) == {"language_model", "multichoice_head"}
     ids, mask, types = _inputs(4, 8, 3)  # [b=3, c=4, s=8]
     logits = model(ids, mask, tokentype_ids=types)
@@ -66,13 +66,13 @@ def _pretrained_bert(cfg, binary_head: bool):
     config = bert_transformer_config(cfg)
     if not binary_head:
         config = type(config)(**{**config.__dict__, "num_tokentypes": 0})
-    return bert_model_stage(config, add_binary_head=binary_head)
+    return build_model_stage(BertModel, config, add_binary_head=binary_head)
 
 
 def test_pretrained_bert_loads_into_a_new_head(cfg, caplog):
     bert = _pretrained_bert(cfg, binary_head=True)
     torch.manual_seed(1)
-    model = classification_model_stage(finetune_transformer_config(cfg), 2)
+    model = build_model_stage(Classification, finetune_transformer_config(cfg), num_classes=2)
     head = {k: v.clone() for k, v in model.classification_head.state_dict().items()}
     with caplog.at_level(logging.INFO):
         model.load_state_dict(bert.state_dict_for_save_checkpoint(), strict=False)
@@ -91,7 +91,7 @@ def test_pretrained_bert_loads_into_a_new_head(cfg, caplog):
 def test_bert_without_binary_head_keeps_a_fresh_pooler(cfg, caplog):
     bert = _pretrained_bert(cfg, binary_head=False)
     torch.manual_seed(1)
-    model = multiple_choice_model_stage(finetune_transformer_config(cfg))
+    model = build_model_stage(MultipleChoice, finetune_transformer_config(cfg))
     pooler = model.language_model.pooler.dense.weight.clone()
     with caplog.at_level(logging.INFO):
         model.load_state_dict(bert.state_dict_for_save_checkpoint(), strict=False)
@@ -109,16 +109,17 @@ def test_pretrained_bert_of_another_depth_is_refused(cfg):
                           "--micro-batch-size", "2", "--tokenizer-type", "BertWordPieceLowerCase",
                           "--vocab-file", cfg.tokenizer.vocab_file])
     torch.manual_seed(7)
-    one_layer = bert_model_stage(bert_transformer_config(shallow), add_binary_head=True)
-    two_layers = classification_model_stage(finetune_transformer_config(cfg), 2)
+    one_layer = build_model_stage(BertModel, bert_transformer_config(shallow),
+                                  add_binary_head=True)
+    two_layers = build_model_stage(Classification, finetune_transformer_config(cfg), num_classes=2)
     with pytest.raises(ValueError, match="missing body weights: language_model.encoder.layers.1"):
         two_layers.load_state_dict(one_layer.state_dict_for_save_checkpoint(), strict=False)
-    one_layer_head = multiple_choice_model_stage(finetune_transformer_config(shallow))
+    one_layer_head = build_model_stage(MultipleChoice, finetune_transformer_config(shallow))
     with pytest.raises(ValueError, match="does not have: language_model.encoder.layers.1"):
         one_layer_head.load_state_dict(_pretrained_bert(cfg, True).state_dict_for_save_checkpoint(),
                                        strict=False)
     # A model finetuned on another task (its head ignored) still starts a new one, as Megatron.
-    race = multiple_choice_model_stage(finetune_transformer_config(cfg))
+    race = build_model_stage(MultipleChoice, finetune_transformer_config(cfg))
     two_layers.load_state_dict(race.state_dict_for_save_checkpoint(), strict=False)
     torch.testing.assert_close(two_layers.language_model.pooler.dense.weight,
                                race.language_model.pooler.dense.weight, rtol=0, atol=0)
@@ -126,8 +127,8 @@ def test_pretrained_bert_of_another_depth_is_refused(cfg):
 
 def test_shape_mismatch_is_refused_even_when_not_strict(cfg):
     torch.manual_seed(1)
-    three = classification_model_stage(finetune_transformer_config(cfg), 3)
-    two = classification_model_stage(finetune_transformer_config(cfg), 2)
+    three = build_model_stage(Classification, finetune_transformer_config(cfg), num_classes=3)
+    two = build_model_stage(Classification, finetune_transformer_config(cfg), num_classes=2)
     with pytest.raises(ValueError, match="classification_head.weight: checkpoint \\(3, 16\\) "
                                          "vs model \\(2, 16\\)"):
         two.load_state_dict(three.state_dict_for_save_checkpoint(), strict=False)

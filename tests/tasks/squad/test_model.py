@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.config import parse_args
-from megatron.core.models.bert import bert_model_stage
+from megatron.core.models.bert import BertModel
+from megatron.core.models.builder import build_model_stage
 from megatron.training.models import bert_transformer_config
 from tasks.squad.model import QuestionAnswering, span_loss_func, squad_model_provider
 
@@ -52,7 +53,7 @@ def test_span_head_keys_shapes_and_loss(cfg):
 
 def test_pretrained_bert_body_loads_into_the_span_model(cfg, caplog):
     torch.manual_seed(7)
-    bert = bert_model_stage(bert_transformer_config(cfg), add_binary_head=True)
+    bert = build_model_stage(BertModel, bert_transformer_config(cfg), add_binary_head=True)
     torch.manual_seed(1)
     model = squad_model_provider(cfg)
     head = {k: v.clone() for k, v in model.qa_head.state_dict().items()}

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from megatron.checkpointing import flatten_model_state
+from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT as HEAD_COPY
 from megatron.core.models.bert import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import get_param_groups
 from tests.tools.checkpoint import helpers
 from tools.checkpoint import convert
-from tools.checkpoint.optimizer_state import HEAD_COPY, param_groups, parameter_order
+from tools.checkpoint.optimizer_state import param_groups, parameter_order
 
 
 def _checkpoint_name(name: str) -> str:

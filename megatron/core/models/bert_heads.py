@@ -1,14 +1,20 @@
-"""BERT with a finetuning head instead of its pretraining heads (Megatron-LM's
-``megatron/model/classification.py`` and ``multiple_choice.py``).
+"""BERT with a finetuning head instead of its pretraining heads: every task head, in one place
+(Megatron-LM's ``megatron/model/classification.py`` and ``multiple_choice.py``; SQuAD's span
+head as Google's ``run_squad.py`` and HF's ``BertForQuestionAnswering``).
 
-* :class:`Classification`: pooler -> dropout(``hidden_dropout``) -> ``Linear(h, classes)``;
-  checkpoint key ``classification_head``.
-* :class:`MultipleChoice`: inputs ``[b, choices, s]`` run as ``[b choices, s]``; pooler ->
-  dropout -> ``Linear(h, 1)`` -> ``view(-1, choices)``; checkpoint key ``multichoice_head``.
+* :class:`Classification` (GLUE): pooler -> dropout(``hidden_dropout``) ->
+  ``Linear(h, classes)``; checkpoint key ``classification_head``.
+* :class:`MultipleChoice` (RACE): inputs ``[b, choices, s]`` run as ``[b choices, s]``; pooler
+  -> dropout -> ``Linear(h, 1)`` -> ``view(-1, choices)``; checkpoint key ``multichoice_head``.
+* :class:`QuestionAnswering` (SQuAD): ``Linear(h, 2)`` over every position of the final hidden
+  states, a start and an end logit per token; no pooler (the span head reads every position,
+  not [CLS]'s pooled vector) and no dropout before the head (as both recipes); checkpoint key
+  ``qa_head``.
 
-Both are a :class:`BertWithHead`: the BERT body (embedding with token types, padding-masked
-encoder, final LayerNorm, pooler; ``language_model.*`` as in a pretrained BERT checkpoint) and a
-replicated head on the last stage. There is no masked-LM head, so no tied output weight either.
+Each is a :class:`BertWithHead`: the :class:`~megatron.core.models.bert.BertBody` (embedding
+with token types, padding-masked encoder, final LayerNorm, pooler; ``language_model.*`` as in a
+pretrained BERT checkpoint) and a replicated head on the last stage. There is no masked-LM head,
+so no tied output weight either (``has_lm_output = False``).
 
 Loading (``load_state_dict``) has two modes, as Megatron-LM's finetuning uses them:
 
@@ -21,9 +27,9 @@ Loading (``load_state_dict``) has two modes, as Megatron-LM's finetuning uses th
   Megatron-LM's strict body load; another task's head is ignored. Shape mismatches are errors
   in both modes.
 
-Another span-level head (SQuAD's ``Linear(h, 2)`` over the sequence) subclasses
-:class:`BertWithHead` the same way: build the head in ``build_head``, apply it in ``head``,
-name its checkpoint section in ``head_key`` (``pooled`` is None with ``add_pooler=False``).
+Another head subclasses :class:`BertWithHead` the same way: build the head in ``build_head``,
+apply it in ``head``, name its checkpoint section in ``head_key`` (``pooled`` is None with
+``add_pooler=False``).
 
 Legend: b batch, c choices, s sequence, h hidden, k classes.
 """
@@ -34,21 +40,20 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron.core.checkpoint_keys import HEAD_COPY_SECTION, flatten_checkpoint_state_dict
 from megatron.core.log import log_rank_0
-from megatron.core.models.bert import bert_extended_attention_mask, bert_position_ids
+from megatron.core.models.bert import BertBody
 from megatron.core.models.language_model import replicated_linear
-from megatron.core.models.language_module import (LanguageModule, build_model_stage,
-                                                  flatten_checkpoint_state_dict)
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.config import TransformerConfig
 
 __all__ = ["BertWithHead", "Classification", "MultipleChoice", "NUM_CHOICES",
-           "classification_model_stage", "multiple_choice_model_stage"]
+           "QuestionAnswering"]
 
 NUM_CHOICES = 4
 """Choices per RACE question."""
 
-_PRETRAINING_SECTIONS = ("lm_head", "binary_head", "word_embeddings_for_head")
+_PRETRAINING_SECTIONS = ("lm_head", "binary_head", HEAD_COPY_SECTION)
 """Checkpoint sections of a pretrained BERT that a finetuning model has no use for."""
 
 _OPTIONAL_BODY = ("language_model.pooler.", "language_model.embedding.tokentype_embeddings.")
@@ -56,7 +61,7 @@ _OPTIONAL_BODY = ("language_model.pooler.", "language_model.embedding.tokentype_
 (a head without pooler); every other body weight must be in the checkpoint."""
 
 
-class BertWithHead(LanguageModule):
+class BertWithHead(BertBody):
     """The BERT body (with pooler unless ``add_pooler=False``) and one task head on the last
     stage; ``forward(input_ids [b, s], padding_mask [b, s], tokentype_ids [b, s])``.
 
@@ -69,15 +74,13 @@ class BertWithHead(LanguageModule):
     """
 
     checkpoint_name = "BERT finetuning"
-    attn_mask_type = "padding"
+    has_lm_output = False
     head_key = "head"
     """The head's checkpoint section (Megatron-LM's ``_classification_head_key``...)."""
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  add_pooler: bool = True, **kwargs) -> None:
         super().__init__(config, tp_group, add_pooler=add_pooler, **kwargs)
-        # No LM head: nothing reads the word embedding as an output weight, on any stage.
-        self.share_embeddings_and_output_weights = False
         self.head_dropout = None
         if self.post_process:
             # A plain Dropout on the replicated pooled output: the default generator, which
@@ -85,9 +88,6 @@ class BertWithHead(LanguageModule):
             self.head_dropout = torch.nn.Dropout(config.hidden_dropout)
             self.build_head(config)
         self.set_parameter_defaults()
-
-    def _init_word_embeddings(self):
-        return None  # no tied output weight (see __init__)
 
     def build_head(self, config: TransformerConfig) -> None:
         """Create the head's modules (last stage only)."""
@@ -105,13 +105,10 @@ class BertWithHead(LanguageModule):
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids``, ``padding_mask`` (1 = real token), ``tokentype_ids``: ``[b, s]``.
         Returns the head's logits on the last stage, the hidden ``[s, b, h]`` elsewhere."""
-        mask = None if bool(padding_mask.all()) else bert_extended_attention_mask(padding_mask)
-        position_ids = bert_position_ids(input_ids) if input_ids is not None else None
-        output = self.language_model(input_ids, position_ids, mask, tokentype_ids)
+        output = self.encode(input_ids, padding_mask, tokentype_ids)
         if not self.post_process:
             return output
-        hidden, pooled = output if self.language_model.pooler is not None else (output, None)
-        return self.head(hidden, pooled)
+        return self.head(*output)
 
     def extra_state_dict_sections(self) -> dict[str, dict]:
         if not self.post_process:
@@ -189,7 +186,6 @@ class MultipleChoice(BertWithHead):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
                  **kwargs) -> None:
         super().__init__(config, tp_group, add_pooler=True, **kwargs)
-        self.num_choices: int | None = None
 
     def build_head(self, config: TransformerConfig) -> None:
         self.multichoice_head = replicated_linear(config.hidden_size, 1, config)
@@ -197,32 +193,37 @@ class MultipleChoice(BertWithHead):
     def forward(self, input_ids: torch.Tensor | None, padding_mask: torch.Tensor,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids``, ``padding_mask``, ``tokentype_ids``: ``[b, c, s]``; the choices run
-        as ``b c`` sequences of the batch."""
+        as ``b c`` sequences of the batch. Returns ``[b, c]`` on the last stage."""
         if padding_mask.dim() != 3:
             raise ValueError(f"MultipleChoice takes [batch, choices, seq] inputs; the padding "
                              f"mask has shape {tuple(padding_mask.shape)}")
-        self.num_choices = padding_mask.size(1)
+        num_choices = padding_mask.size(1)
 
         def flat(t):
             return None if t is None else t.reshape(-1, t.size(-1))  # [b c, s]
 
-        return super().forward(flat(input_ids), flat(padding_mask), flat(tokentype_ids))
+        output = super().forward(flat(input_ids), flat(padding_mask), flat(tokentype_ids))
+        if not self.post_process:
+            return output  # [s, b c, h]
+        return output.view(-1, num_choices)  # [b c, 1] -> [b, c]
 
     def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
-        scores = self.multichoice_head(self.head_dropout(pooled))  # [b c, 1]
-        return scores.view(-1, self.num_choices)  # [b, c]
+        """One score per sequence, ``[b c, 1]`` (:meth:`forward` groups them by question)."""
+        return self.multichoice_head(self.head_dropout(pooled))  # [b c, 1]
 
 
-def classification_model_stage(config: TransformerConfig, num_classes: int, *,
-                               pre_process: bool | None = None,
-                               post_process: bool | None = None) -> Classification:
-    """This rank's :class:`Classification` stage from parallel_state's groups (seed first)."""
-    return build_model_stage(Classification, config, pre_process=pre_process,
-                             post_process=post_process, num_classes=num_classes)
+class QuestionAnswering(BertWithHead):
+    """BERT -> ``logits [b, s, 2]`` (start, end) from each position's final hidden state."""
 
+    head_key = "qa_head"
 
-def multiple_choice_model_stage(config: TransformerConfig, *, pre_process: bool | None = None,
-                                post_process: bool | None = None) -> MultipleChoice:
-    """This rank's :class:`MultipleChoice` stage from parallel_state's groups (seed first)."""
-    return build_model_stage(MultipleChoice, config, pre_process=pre_process,
-                             post_process=post_process)
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
+                 **kwargs) -> None:
+        super().__init__(config, tp_group, add_pooler=False, **kwargs)
+
+    def build_head(self, config: TransformerConfig) -> None:
+        self.qa_head = replicated_linear(config.hidden_size, 2, config)
+
+    def head(self, hidden: torch.Tensor, pooled: torch.Tensor | None) -> torch.Tensor:
+        logits = self.qa_head(hidden)  # [s, b, 2]
+        return logits.transpose(0, 1).contiguous()  # [b, s, 2]
