@@ -1,0 +1,31 @@
+"""Which compiled kernels run by default, per device: only those that beat the PyTorch path
+(``kernels.FASTER_THAN_PYTORCH``; the CUDA layer norm lost 20-30x to ATen's on an H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fusions import fused_layer_norm, fused_softmax, kernels
+
+
+def test_cuda_runs_atens_layer_norm_and_the_softmax_kernels():
+    assert kernels.preferred("layer_norm", "cuda") is None  # whatever is built
+    assert "layer_norm" not in kernels.FASTER_THAN_PYTORCH["cuda"]
+    assert {"softmax_causal", "softmax_masked", "softmax_plain"} <= \
+        kernels.FASTER_THAN_PYTORCH["cuda"]
+
+
+def test_a_device_without_a_listed_kernel_takes_the_pytorch_path():
+    x = torch.randn(4, 8, device="meta")
+    w, b = torch.ones(8, device="meta"), torch.zeros(8, device="meta")
+    assert fused_layer_norm.fused_layer_norm(x, w, b, 1e-5) is None
+    assert fused_softmax.fused_scale_mask_softmax(torch.randn(1, 2, 4, 4, device="meta"), None,
+                                                  True, 1.0) is None
+
+
+def test_the_cpu_keeps_its_kernels_where_built():
+    if kernels.extension("cpu") is None:
+        pytest.skip("megatron.fused_kernels._cpu is not built (the fallback tests cover that)")
+    for name in ("layer_norm", "softmax_causal", "softmax_masked", "softmax_plain"):
+        assert kernels.preferred(name, "cpu") is kernels.extension("cpu")
