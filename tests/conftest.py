@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -47,3 +48,26 @@ def megatron_flags_md() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} is absent")
     return path
+
+
+@pytest.fixture
+def megatron_log():
+    """Records of the framework's logger at INFO and above (it may not propagate to pytest's
+    handlers)."""
+    from megatron.core.log import get_logger
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = get_logger()
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -35,7 +35,6 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.core.log import get_logger
 from megatron.checkpointing import files as checkpoint_files
 from megatron.training.checkpointing import (MODEL_FILENAME, TRACKER_FILENAME, CheckpointError,
                                              check_fresh_start, load_checkpoint,
@@ -79,26 +78,6 @@ def _load(root: Path, *extra: str, model: torch.nn.Module | None = None):
 def _temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if ".tmp-" in p.name]
 
-
-@pytest.fixture
-def megatron_log():
-    """Records of the framework's logger (it may not propagate to pytest's handlers)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep(logging.DEBUG)
-    logger = get_logger()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 class _Disk:
