@@ -332,13 +332,13 @@ def stage_eval_cpu(c: Check):
 def stage_convert(c: Check):
     dst = os.path.join(c.ck, "gpt_tp2")
     shutil.rmtree(dst, ignore_errors=True)
-    out = c.sh("convert", [PY, "tools/checkpoint/convert.py", "--model-type", "GPT",
-                           "--loader", "megatron", "--saver", "megatron",
-                           "--load-dir", os.path.join(c.ck, "gpt"), "--save-dir", dst,
-                           "--target-tensor-parallel-size", "2"])
-    if c.gpu and "cuda" in out.lower() and "initialized" in out.lower():
-        raise StageFailed("the converter touched CUDA")
-    return 0, "GPT TP1 -> TP2 on the CPU"
+    # No GPU needed to convert: run it with none visible, on the GPU machine too.
+    c.sh("convert", [PY, "tools/checkpoint/convert.py", "--model-type", "GPT",
+                     "--loader", "megatron", "--saver", "megatron",
+                     "--load-dir", os.path.join(c.ck, "gpt"), "--save-dir", dst,
+                     "--target-tensor-parallel-size", "2"],
+         env=dict(c.env, CUDA_VISIBLE_DEVICES=""))
+    return 0, "GPT TP1 -> TP2, no GPU visible"
 
 
 def generate(c: Check, stage: str, load: str, nproc: int, extra: list[str]) -> str:
