@@ -57,16 +57,17 @@ def _layers_and_chunks(args: argparse.Namespace, pp: int, rank: int, vpp: int):
         torch.manual_seed(1000 + stage)
         layers = [TransformerLayer(config, stage * per_chunk + i + 1, None)
                   for i in range(per_chunk)]
-        chunks.append(_Chunk(layers, first=stage == 0))
+        chunks.append(_Chunk(layers, config, first=stage == 0))
     return chunks
 
 
 class _Chunk(torch.nn.Module):
     """A few layers behind Megatron's chunk interface (``set_input_tensor``)."""
 
-    def __init__(self, layers: list, first: bool) -> None:
+    def __init__(self, layers: list, config, first: bool) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(layers)
+        self.config = config  # the schedules read the hidden size and dtype sent between stages
         self.first = first
         self.input_tensor = None
 
@@ -117,7 +118,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, m: int, vpp: int):
         schedule(forward_step_func=_forward_step,
                  data_iterator=[iter(batches) for _ in chunks], model=chunks,
                  num_microbatches=m, seq_length=shape[0], micro_batch_size=shape[1],
-                 hidden_size=shape[2], dtype=torch.float32, timers=timers)
+                 timers=timers)
         elapsed = time.perf_counter() - start
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)

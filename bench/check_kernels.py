@@ -115,9 +115,10 @@ def cases(ext, dev: str, dtype: torch.dtype, small: bool):
 
 def fusion_checks(dev: str, small: bool, reps: int) -> list[dict]:
     """The two fusions that are PyTorch code rather than extension kernels: the compiled cross
-    entropy (``tensor_parallel/cross_entropy.py``) against the unfused path, and the fp32
+    entropy (``fusions/fused_cross_entropy.py``) against the unfused path, and the fp32
     weight-gradient accumulation (``tensor_parallel/layers.py``) against ``mm`` then ``add_``;
     each against float64, and timed (forward + backward for the loss)."""
+    from megatron.core.fusions import fused_cross_entropy
     from megatron.core.tensor_parallel import cross_entropy, layers
 
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -126,11 +127,11 @@ def fusion_checks(dev: str, small: bool, reps: int) -> list[dict]:
     logits = (4 * torch.randn(tokens, vocab, generator=gen, device=dev)).to(torch.bfloat16)
     target = torch.randint(0, vocab, (tokens,), generator=gen, device=dev)
     grad = torch.rand(tokens, generator=gen, device=dev)
-    compiled = cross_entropy.CompiledKernels()
+    compiled = fused_cross_entropy.CompiledKernels()
 
     def via(provider):
         def loss_fn(x):
-            return cross_entropy._FusedVocabParallelCrossEntropy.apply(
+            return fused_cross_entropy._FusedVocabParallelCrossEntropy.apply(
                 provider, x, target, None, 0.0, False)
         return loss_fn
 

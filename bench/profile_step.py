@@ -34,8 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.device import tune_host_allocator
+from megatron.core.fusions import fused_cross_entropy as cross_entropy
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import cross_entropy
 from megatron.core.transformer import layernorm
 from megatron.core.transformer.config import TransformerConfig
 

@@ -3,7 +3,7 @@ text clean-up, ``[CLS] a [SEP] b [SEP]`` token/type/padding rows, and the sample
 
 A sample is ``{"text": int64 [s], "types": int64 [s], "padding_mask": int64 [s] (1 = real
 token), "label": int, "uid": int}`` (RACE: ``[choices, s]`` rows); torch's default collation
-turns a list of them into the batch :func:`tasks.finetune_utils.cross_entropy_forward_step`
+turns a list of them into the batch :data:`tasks.forward_step.cross_entropy_forward_step`
 reads.
 """
 

@@ -4,8 +4,8 @@ step, log line, TensorBoard and checkpoints).
 
 A task supplies four things and calls :func:`finetune`::
 
-    from tasks.finetune_utils import (finetune, classification_model_provider,
-                                      accuracy_func_provider)
+    from tasks.eval_utils import accuracy_func_provider
+    from tasks.finetune_utils import finetune, classification_model_provider
 
     def train_valid_datasets_provider(cfg, tokenizer):
         # torch Datasets whose items are dicts of tensors / numpy arrays / ints; the default
@@ -36,20 +36,23 @@ Contract (types):
   not have dropped, its own new head left as initialized).
 * ``forward_step(data_iterator: Iterator[dict], model) -> (output, loss_func)``, the training
   schedule's contract; ``loss_func(output) -> (loss: scalar tensor, {name: tensor[1]})``
-  (logged values averaged over data-parallel ranks). Default :func:`cross_entropy_forward_step`:
-  cross entropy of the model's logits against ``batch["label"]``, logged as ``lm loss``.
+  (logged values averaged over data-parallel ranks). Default
+  :data:`tasks.forward_step.cross_entropy_forward_step`: cross entropy of the model's logits
+  against ``batch["label"]``, logged as ``lm loss``.
 * ``end_of_epoch_callback_provider(cfg: MegatronConfig, tokenizer) -> callback`` with
   ``callback(model: list[torch.nn.Module], epoch: int) -> dict[str, float]``: named metrics,
   the **first** of which (higher = better) ranks the epochs in the final summary. ``epoch`` is
   Megatron's: 0-based, the epoch just finished (or in progress, at an ``--eval-interval``
-  point); -1 with ``--epochs 0``. It runs on every rank (the model is this rank's TP shard and
-  pipeline stage: every rank must call it, since the forward has TP collectives and pipeline
-  sends) and should return the same metrics on every rank. Use :func:`evaluation_loader` for
-  this rank's slice of a data set and :func:`forward_outputs` to run it through the
-  forward-only schedule (the outputs exist on the last pipeline stage only), then
-  :func:`share_from_last_stage` to reduce a tensor of results over data-parallel ranks and
-  hand it to every stage.
+  point); -1 with ``--epochs 0``. It runs on every rank and should return the same metrics on
+  every rank: :mod:`tasks.eval_utils` has the pieces (and the accuracy callback).
 * ``task_collate_fn``: the loaders' ``collate_fn`` (default: torch's default collation).
+* ``check_flags(flags: MegatronConfig)``: the task's own flag checks (raise ``ValueError``), run
+  first on the flags as parsed.
+
+The command line is parsed once (:func:`tasks.registry.parse_task_flags`); the run's config
+(``--train-iters`` = epochs x iterations per epoch) and the pretrained weights' config
+(``--finetune --no-load-rng``) are derived from it with ``dataclasses.replace``
+(:func:`megatron.config.cli.replace_flags`).
 
 Both providers run *before* ``torch.distributed`` starts (every rank reads the data itself), so
 a ``ValueError`` they raise (a malformed input file, naming the file and line) ends the run with
@@ -73,41 +76,37 @@ refused, as in Megatron-LM's tasks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from megatron.config import MegatronConfig
-from megatron.config.cli import build_parser, parse_args, parse_flags, validate_or_exit
+from megatron.config.cli import replace_flags
 from megatron.config.core_configs import transformer_config
-from megatron.core import comm, device, parallel_state
+from megatron.core import parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
-from megatron.core.models.builder import build_model_stage
 from megatron.core.models.bert_heads import Classification, MultipleChoice
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.models.builder import build_model_stage
 from megatron.core.timers import Timers
 from megatron.training import log_line
 from megatron.training.checkpointing import checkpoint_dir, load_checkpoint
 from megatron.training.inference import check_checkpoint_to_load
-from megatron.training.initialize import (apply_checkpoint_args, build_tokenizer_from_config,
-                                          initialize_megatron)
+from megatron.training.initialize import (build_tokenizer_from_config, initialize_from_config,
+                                          validated_config)
 from megatron.training.loop import Trainer, TrainState
 from megatron.training.pretrain import (build_microbatch_calculator, build_model,
                                         setup_model_and_optimizer)
 from megatron.training.signals import DistributedSignalHandler
-from tasks.finetune_loaders import (EpochBatchSampler, evaluation_loader,  # noqa: F401
-                                    make_loader)
-from tasks.flags import TOOL_SECTIONS, TaskFlags
+from tasks.finetune_loaders import EpochBatchSampler, make_loader
+from tasks.flags import TaskFlags
+from tasks.forward_step import cross_entropy_forward_step
+from tasks.registry import PROG, parse_task_flags
 
-PROG = "tasks/main.py"
-
-EvalCallback = Callable[[list[torch.nn.Module], int], dict[str, float]]
+PRETRAINED_WEIGHTS = {"finetune": True, "no_load_rng": True}
+"""The checkpoint flags of ``--pretrained-checkpoint``'s load (``--finetune --no-load-rng``):
+its weights only, no iteration, optimizer or RNG state."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,84 +136,6 @@ class FinetuneResult:
     exited_early: bool = False
 
 
-# The default forward step ------------------------------------------------------------------
-def batch_to_device(batch: dict) -> dict[str, torch.Tensor]:
-    """A collated batch on the compute device; ``padding_mask`` as long (1 = real token)."""
-    dev = device.get_device()
-    return {key: torch.as_tensor(value, device="cpu").to(dev, non_blocking=True)
-            for key, value in batch.items()}
-
-
-def cross_entropy_loss_func(labels: torch.Tensor, logits: torch.Tensor):
-    """Cross entropy (fp32) of ``logits [b, k]`` against ``labels [b]``; reported as Megatron's
-    finetuning does (``lm loss``, averaged over data-parallel ranks)."""
-    loss = F.cross_entropy(logits.contiguous().float(), labels.long())
-    reported = loss.detach().clone().view(1)
-    comm.all_reduce(reported, parallel_state.get_data_parallel_group(), op="avg")
-    return loss, {"lm loss": reported}
-
-
-def cross_entropy_forward_step(data_iterator: Iterator[dict], model):
-    """Megatron's ``_cross_entropy_forward_step``: ``model(text, padding_mask, types)`` ->
-    logits, cross entropy against ``label``."""
-    batch = batch_to_device(next(data_iterator))
-    logits = model(batch["text"].long(), batch["padding_mask"].long(),
-                   tokentype_ids=batch["types"].long())
-    return logits, functools.partial(cross_entropy_loss_func, batch["label"])
-
-
-def _collect_forward_step(data_iterator: Iterator[dict], model):
-    """The evaluation forward step: the model's output and, on the last stage, ``(output,
-    batch)`` collected by the schedule as non-loss data."""
-    batch = batch_to_device(next(data_iterator))
-    output = model(batch["text"].long(), batch["padding_mask"].long(),
-                   tokentype_ids=batch["types"].long())
-
-    def collect(output_tensor, non_loss_data: bool = False):
-        del non_loss_data  # only called with it: evaluation computes no loss
-        return output_tensor.detach(), batch
-
-    return output, collect
-
-
-def forward_outputs(model: Sequence[torch.nn.Module], loader,
-                    forward_step: Callable = _collect_forward_step) -> list:
-    """Every batch of ``loader`` through this rank's model chunk with the forward-only schedule
-    (no dropout, no gradients), as Megatron's evaluation does at any pipeline size.
-
-    ``forward_step(data_iterator, model) -> (output, collect)`` where ``collect(output,
-    non_loss_data=True)`` returns what to keep (default: ``(logits, batch)`` on the device).
-
-    Returns:
-        On the last pipeline stage what ``collect`` returned for each batch, in order;
-        elsewhere ``[]`` (every stage reads the same batches: each needs the padding mask).
-    """
-    num_batches = len(loader)
-    if num_batches == 0:
-        return []
-    with eval_mode(model):
-        # The shapes travel with the activations (variable_seq_lengths): a partial last batch
-        # or a multiple-choice batch [s, b x choices, h] is not [seq, micro-batch, h].
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(loader), model=list(model),
-            num_microbatches=num_batches, seq_length=1, micro_batch_size=1,
-            forward_only=True, collect_non_loss_data=True, variable_seq_lengths=True)
-
-
-def share_from_last_stage(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (this rank's results on the last pipeline stage, ignored elsewhere) summed over
-    the data-parallel ranks of the last stage, then given to every stage (Megatron reduces on
-    the last stage and prints from the last rank; here every rank also returns the metrics).
-    Returns a tensor on the compute device."""
-    values = values.to(device.get_device())
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        values = torch.zeros_like(values)
-    comm.all_reduce(values, parallel_state.get_data_parallel_group())
-    # Only the last stage holds non-zeros: the sum over the pipeline is its values.
-    comm.all_reduce(values, parallel_state.get_pipeline_model_parallel_group())
-    return values
-
-
 # Models ------------------------------------------------------------------------------------
 def finetune_transformer_config(cfg: MegatronConfig):
     """BERT's transformer config for a finetuning model: two token types (Megatron-LM's
@@ -238,138 +159,6 @@ def multiple_choice_model_provider() -> Callable[..., torch.nn.Module]:
         return build_model_stage(MultipleChoice, finetune_transformer_config(cfg),
                                  pre_process=pre_process, post_process=post_process)
     return provider
-
-
-@contextlib.contextmanager
-def eval_mode(model: Sequence[torch.nn.Module]):
-    """No dropout and no gradients inside; the chunks' training mode restored after."""
-    modes = [chunk.training for chunk in model]
-    for chunk in model:
-        chunk.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for chunk, mode in zip(model, modes):
-            chunk.train(mode)
-
-
-# Accuracy (RACE, GLUE) -----------------------------------------------------------------------
-def count_correct(model: Sequence[torch.nn.Module], loader,
-                  predictions: list | None = None) -> tuple[int, int]:
-    """``(correct, total)`` of ``argmax(model(text, padding_mask, types))`` against ``label``
-    over this rank's loader, summed over data-parallel ranks (the same on every rank, whatever
-    its pipeline stage). With ``predictions`` (a list), on the last pipeline stage this rank's
-    ``(softmax, label, uid)`` of every sample are appended to it."""
-    correct = torch.zeros(2, dtype=torch.long, device="cpu")  # summed here, shared on device
-    for logits, batch in forward_outputs(model, loader):
-        predicted = logits.argmax(dim=-1).cpu()
-        labels = batch["label"].cpu()
-        correct[0] += int((predicted == labels).sum())
-        correct[1] += predicted.numel()
-        if predictions is not None:
-            probs = torch.softmax(logits.float(), dim=-1).cpu().tolist()
-            predictions.extend(zip(probs, labels.tolist(), batch["uid"].cpu().tolist()))
-    correct = share_from_last_stage(correct)
-    return int(correct[0]), int(correct[1])
-
-
-def _save_predictions(path: str, named: list[tuple[str, list]]) -> None:
-    """Megatron's evaluation-only ``predictions.pt``: ``[(name, (softmaxes, labels, uids))]``
-    per data set, every data-parallel rank's samples (ordered by uid), written by the last rank
-    (as Megatron's ``is_last_rank()``: the last pipeline stage, which holds the outputs)."""
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return  # no outputs here; the gather below runs over the last stage's DP group only
-    dp_group = parallel_state.get_data_parallel_group()
-    out = []
-    for name, mine in named:
-        every = sorted((p for part in comm.all_gather_object(mine, dp_group) for p in part),
-                       key=lambda p: p[2])
-        out.append((name, ([p[0] for p in every], [p[1] for p in every],
-                           [p[2] for p in every])))
-    world = comm.world_group()
-    if comm.rank(world) == comm.world_size(world) - 1:
-        torch.save(out, path)
-        log_rank_last(f" > predictions of {len(out)} data set(s) written to {path}")
-
-
-def accuracy_func_provider(named_datasets: Sequence[tuple[str, Any]], micro_batch_size: int,
-                           collate_fn=None, predictions_path: str | None = None) -> EvalCallback:
-    """Megatron's ``accuracy_func_provider``: the accuracy of every ``(name, dataset)`` and all
-    of them together, logged as Megatron does (``|epoch: e| metrics for NAME: correct / total
-    = c / t = p %`` and ``|epoch: e| overall: ...``). With ``predictions_path``, the
-    evaluation-only call (epoch -1) also writes Megatron's ``predictions.pt`` there.
-
-    Returns:
-        ``callback(model, epoch) -> {"accuracy": overall, "accuracy NAME": ..., ...}``
-        (fractions in [0, 1]).
-    """
-    def callback(model, epoch: int) -> dict[str, float]:
-        log_rank_last("calculating metrics ...")
-        metrics, correct, total, named = {}, 0, 0, []
-        for name, dataset in named_datasets:
-            kept = [] if predictions_path is not None and epoch == -1 else None
-            c, t = count_correct(model, evaluation_loader(dataset, micro_batch_size, collate_fn),
-                                 kept)
-            log_rank_last(f" > |epoch: {epoch}| metrics for {name}: correct / total = {c} / {t} "
-                          f"= {100.0 * c / max(t, 1):.4f} %")
-            metrics[f"accuracy {name}"] = c / max(t, 1)
-            correct, total = correct + c, total + t
-            if kept is not None:
-                named.append((name, kept))
-        log_rank_last(f" >> |epoch: {epoch}| overall: correct / total = {correct} / {total} = "
-                      f"{100.0 * correct / max(total, 1):.4f} %")
-        if named:
-            _save_predictions(predictions_path, named)
-        return {"accuracy": correct / max(total, 1), **metrics}
-    return callback
-
-
-def predictions_path(cfg: MegatronConfig) -> str | None:
-    """Where Megatron's evaluation-only mode writes ``predictions.pt``: in ``--load``."""
-    load = cfg.checkpoint.load
-    return os.path.join(load, "predictions.pt") if load is not None else None
-
-
-class LabelledDatasets:
-    """A labelled task's datasets for :func:`finetune`: the training set, and each
-    ``--valid-data`` path read once, for both the validation loss and the accuracy.
-
-    Args:
-        build: ``build(name, paths, tokenizer, seq_length)`` -> the dataset of ``paths``.
-        name_of: a ``--valid-data`` path -> its name in the results lines.
-    """
-
-    def __init__(self, build: Callable[[str, list[str], Any, int], Any],
-                 name_of: Callable[[str], str]) -> None:
-        self.build, self.name_of = build, name_of
-        self.cache: dict[str, Any] = {}
-
-    def one(self, cfg: MegatronConfig, tokenizer, path: str):
-        if path not in self.cache:
-            self.cache[path] = self.build(self.name_of(path), [path], tokenizer,
-                                          cfg.data.seq_length)
-        return self.cache[path]
-
-    def train_valid(self, cfg: MegatronConfig, tokenizer):
-        """``finetune``'s ``train_valid_datasets_provider``."""
-        ex = cfg.section(TaskFlags)
-        train = self.build("training", ex.train_data, tokenizer, cfg.data.seq_length)
-        valid = None
-        if ex.valid_data:
-            valid = torch.utils.data.ConcatDataset(
-                [self.one(cfg, tokenizer, path) for path in ex.valid_data])
-        return train, valid
-
-    def metrics(self, cfg: MegatronConfig, tokenizer):
-        """``finetune``'s ``end_of_epoch_callback_provider``: accuracy per ``--valid-data``."""
-        ex = cfg.section(TaskFlags)
-        if not ex.valid_data:
-            return None  # training only: no accuracy of nothing ranks the epochs
-        named = [(self.name_of(path), self.one(cfg, tokenizer, path)) for path in ex.valid_data]
-        return accuracy_func_provider(
-            named, ex.eval_micro_batch_size or cfg.training.micro_batch_size,
-            predictions_path=predictions_path(cfg))
 
 
 # Flags ---------------------------------------------------------------------------------------
@@ -444,21 +233,12 @@ def _or_exit(check, *args):
         raise SystemExit(f"{PROG}: error: {err}") from None
 
 
-def _validated(argv: Sequence[str]) -> MegatronConfig:
-    """``argv`` parsed and validated as :func:`initialize_megatron` does, starting nothing."""
-    parser = build_parser(prog=PROG, tool_sections=TOOL_SECTIONS)
-    flags = parse_flags(parser, argv, TOOL_SECTIONS)
-    if flags.checkpoint.use_checkpoint_args:
-        apply_checkpoint_args(flags)
-    return validate_or_exit(flags, parser=parser)
-
-
 # The loop ------------------------------------------------------------------------------------
 def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
              forward_step: Callable = cross_entropy_forward_step,
              end_of_epoch_callback_provider: Callable | None = None,
              task_collate_fn: Callable | None = None, *, argv: Sequence[str],
-             task: str = "finetuning") -> FinetuneResult:
+             task: str = "finetuning", check_flags: Callable | None = None) -> FinetuneResult:
     """Finetune (or with ``--epochs 0`` evaluate) a model on ``argv``'s flags; see the module
     docstring for the providers' types. ``task`` names the task in error messages.
 
@@ -469,10 +249,11 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
         SystemExit: bad flags or data (one line naming the flag/file), before any process group.
         CheckpointError: an unusable ``--load`` or ``--pretrained-checkpoint``.
     """
-    argv = list(argv)
-    flags = parse_args(argv, validate_config=False, prog=PROG, tool_sections=TOOL_SECTIONS)
+    flags, parser = parse_task_flags(argv)
+    if check_flags is not None:
+        _or_exit(check_flags, flags)
     _or_exit(check_finetune_flags, flags, task)
-    setup_cfg = _validated(argv)
+    setup_cfg = validated_config(flags, parser)
     _or_exit(check_finetune_config, setup_cfg)
     ex = setup_cfg.section(TaskFlags)
     tokenizer = build_tokenizer_from_config(setup_cfg)
@@ -486,11 +267,11 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
         callback = _or_exit(end_of_epoch_callback_provider, setup_cfg, tokenizer)
     weights_cfg = None
     if ex.pretrained_checkpoint is not None:
-        weights_cfg = _validated(argv + ["--finetune", "--no-load-rng"])
-    train_iters = ex.epochs * iterations_per_epoch
-    run_argv = argv + (["--train-iters", str(train_iters)] if ex.epochs > 0 else [])
-    cfg = initialize_megatron(run_argv, require_train_length=ex.epochs > 0,
-                              tool_sections=TOOL_SECTIONS)
+        weights_cfg = validated_config(replace_flags(flags, checkpoint=PRETRAINED_WEIGHTS), parser)
+    run_flags = flags
+    if ex.epochs > 0:
+        run_flags = replace_flags(flags, training={"train_iters": ex.epochs * iterations_per_epoch})
+    cfg = initialize_from_config(run_flags, parser, require_train_length=ex.epochs > 0)
     if ex.epochs == 0:
         return _evaluate_only(cfg, weights_cfg, model_provider, callback)
     run = _FinetuneRun(cfg, model_provider, forward_step, callback, task_collate_fn,

@@ -1,7 +1,8 @@
 """Megatron-LM's ``tasks`` flag section (``tasks/main.py``'s ``get_tasks_args``), typed.
 
-Every task reads it with ``cfg.section(TaskFlags)``; a task that needs more flags adds them here
-(Megatron-LM has one section for all tasks) and documents which tasks read them.
+Every task reads it with ``cfg.section(TaskFlags)``. A flag several tasks read goes here
+(Megatron-LM has one section for all tasks); a task with a recipe of its own registers its own
+section with the task (:mod:`tasks.registry`, e.g. SQuAD's :class:`tasks.squad.flags.SquadFlags`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.config.base import spec
-from tasks.squad.flags import SquadFlags  # SQuAD's recipe flags (--task SQUAD)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,5 +41,3 @@ class TaskFlags:
     eval_micro_batch_size: int | None = None
     """Evaluation batch size per model instance (default: --micro-batch-size)."""
 
-
-TOOL_SECTIONS = [(TaskFlags, "tasks"), (SquadFlags, "squad")]

@@ -21,12 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron.config import parse_args  # noqa: E402
 from megatron.training import fault  # noqa: E402
-from tasks.flags import TOOL_SECTIONS, TaskFlags  # noqa: E402
-from tasks.registry import get_task  # noqa: E402
-
-PROG = "tasks/main.py"
+from tasks.flags import TaskFlags  # noqa: E402
+from tasks.registry import PROG, get_task, parse_task_flags  # noqa: E402
 
 
 def run(argv: list[str] | None = None):
@@ -36,7 +33,7 @@ def run(argv: list[str] | None = None):
         SystemExit: no or an unknown ``--task`` (and any bad flag), with a one-line message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = parse_args(argv, validate_config=False, prog=PROG, tool_sections=TOOL_SECTIONS)
+    flags, _ = parse_task_flags(argv)  # the task parses argv again: it owns its configuration
     name = flags.section(TaskFlags).task
     if name is None:
         raise SystemExit(f"{PROG}: error: --task is required")

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron.config import parse_args  # noqa: E402
 from megatron.config.base import spec  # noqa: E402
+from megatron.config.cli import parse_command_line  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
@@ -28,9 +28,9 @@ from megatron.text_generation import (  # noqa: E402
 from megatron.training import fault  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.inference import (  # noqa: E402
-    WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load)
+    check_checkpoint_to_load, weights_only)
 from megatron.training.initialize import (  # noqa: E402
-    build_tokenizer_from_config, initialize_megatron)
+    build_tokenizer_from_config, initialize_from_config)
 from megatron.training.models import gpt_model_from  # noqa: E402
 
 _PROG = "tools/generate.py"
@@ -96,12 +96,11 @@ def generate(argv: list[str] | None = None) -> list[str]:
             one-line message, before the model is built.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
+    flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
     _or_exit(check_generation_flags, flags.section(GenerationFlags), flags.checkpoint.load,
              flags.checkpoint.ckpt_step, flags.checkpoint.random_weights)
     # Weights only: refuse to start from random weights if the checkpoint vanished meanwhile.
-    extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
-    cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    cfg = initialize_from_config(weights_only(flags), parser)
     ex = cfg.section(GenerationFlags)
     tokenizer = build_tokenizer_from_config(cfg)
     prompts = [p if p else tokenizer.detokenize([tokenizer.eod]) for p in ex.prompt or [""]]

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron.config import parse_args  # noqa: E402
+from megatron.config.cli import parse_command_line  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation.api import (follow_requests, lead_request,  # noqa: E402
@@ -31,10 +31,10 @@ from megatron.text_generation.server.engine import GenerationEngine  # noqa: E40
 from megatron.training import fault  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.initialize import (  # noqa: E402
-    build_tokenizer_from_config, initialize_megatron)
+    build_tokenizer_from_config, initialize_from_config)
 from megatron.training.models import gpt_model_from  # noqa: E402
 from megatron.training.inference import (  # noqa: E402
-    WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load)
+    check_checkpoint_to_load, weights_only)
 
 _PROG = "tools/run_text_generation_server.py"
 
@@ -82,15 +82,14 @@ def check_server_flags(ex: ServerFlags) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = parse_args(argv, validate_config=False, prog=_PROG, tool_sections=TOOL_SECTIONS)
+    flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
     try:
         check_server_flags(flags.section(ServerFlags))
         check_checkpoint_to_load(flags.checkpoint.load, flags.checkpoint.ckpt_step,
                                  flags.checkpoint.random_weights, purpose="serve")
     except ValueError as err:
         raise SystemExit(f"{_PROG}: error: {err}") from None
-    extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
-    cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    cfg = initialize_from_config(weights_only(flags), parser)
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         raise SystemExit(f"{_PROG}: error: --num-layers-per-virtual-pipeline-stage is for "
                          "training (the interleaved schedule): serve without it")

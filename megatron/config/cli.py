@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -129,6 +130,31 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None = No
     cfg.extra = argparse.Namespace(**{k: v for k, v in values.items() if k not in owned})
     _fill_extra_defaults(parser, cfg.extra)
     return cfg
+
+
+def parse_command_line(argv: Sequence[str] | None = None, prog: str | None = None,
+                       tool_sections: Sequence[ToolSection] = (),
+                       extra_args_provider: ExtraArgsProvider | None = None,
+                       ) -> tuple[MegatronConfig, argparse.ArgumentParser]:
+    """``argv`` parsed once: the flags as given (writable, not validated) and the parser, whose
+    usage line and ``prog`` later errors print (:func:`validate_or_exit`)."""
+    parser = build_parser(extra_args_provider, prog=prog, tool_sections=tool_sections)
+    return parse_flags(parser, argv, tool_sections), parser
+
+
+def replace_flags(flags: MegatronConfig, **sections: dict[str, Any]) -> MegatronConfig:
+    """A copy of the parsed, not yet validated ``flags`` with some fields changed, as if their
+    flags had been given: ``replace_flags(flags, training={"train_iters": 100})``. Each named
+    section is rebuilt with ``dataclasses.replace``; the others are shared with ``flags``
+    (:func:`validate` copies before it derives anything), and ``flags`` itself is unchanged.
+
+    A script derives its configs this way from one parse (a finetuning run's length, a weights
+    only load) instead of parsing its argv again with flag strings appended.
+    """
+    derived = copy.copy(flags)
+    for name, changes in sections.items():
+        setattr(derived, name, dataclasses.replace(getattr(flags, name), **changes))
+    return derived
 
 
 def parse_args(argv: Sequence[str] | None = None,

@@ -16,7 +16,9 @@ Megatron-Core's item for item (``docs/FORMATS.md`` section 2c). Item ``idx``:
 
 Each item is a dict of numpy int64 arrays ``text``, ``types``, ``labels`` (-1 where not
 predicted), ``padding_mask`` (1 = real token), ``loss_mask`` (1 = predicted), all
-``[seq_length]``, and int64 scalars ``is_random`` and ``truncated``.
+``[seq_length]``, and Python ints ``is_random`` and ``truncated`` (0/1), as Megatron-Core's
+items carry them (so an item goes through ``json.dumps`` once its arrays are lists; torch's
+default collation makes int64 tensors of both alike).
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
         loss_mask = np.zeros(seq, dtype=np.int64)
         loss_mask[positions] = 1
         return {"text": text, "types": types_, "labels": labels,
-                "is_random": np.int64(is_random), "padding_mask": padding_mask,
-                "loss_mask": loss_mask, "truncated": np.int64(truncated)}
+                "is_random": int(is_random), "padding_mask": padding_mask,
+                "loss_mask": loss_mask, "truncated": int(truncated)}
 
     def _get_token_mask(self, rng: np.random.RandomState) -> int | None:
         """80% [MASK]; else half the time a random id of the whole vocabulary (special

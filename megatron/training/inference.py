@@ -1,9 +1,8 @@
 """This rank's model for inference (evaluation, zero-shot tasks): built without the optimizer,
 gradient buffers or data-parallel wrapper that training needs, weights read from ``--load``.
 
-    check_checkpoint_to_load(cfg.checkpoint.load, cfg.checkpoint.ckpt_step, random_weights)
-    cfg = initialize_megatron(argv + ["--no-load-optim", "--no-load-rng",
-                                      "--exit-on-missing-checkpoint"], ...)
+    check_checkpoint_to_load(flags.checkpoint.load, flags.checkpoint.ckpt_step, random_weights)
+    cfg = initialize_from_config(weights_only(flags), parser)
     check_checkpoint_vocabulary(cfg)
     model = load_model_for_inference(cfg, model_provider)
 """
@@ -15,14 +14,23 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.config.cli import replace_flags
 from megatron.core import device, parallel_state
 from megatron.core.log import log_rank_0
 from megatron.training.checkpointing import (get_checkpoint_tracker_filename, load_checkpoint,
                                              read_checkpoint_args)
 
-WEIGHTS_ONLY_FLAGS = ["--no-load-optim", "--no-load-rng", "--exit-on-missing-checkpoint"]
-"""What an inference script adds to its flags: weights only, and never random weights because
-the checkpoint vanished between the check and the load."""
+WEIGHTS_ONLY = {"no_load_optim": True, "no_load_rng": True, "exit_on_missing_checkpoint": True}
+"""What an inference script sets in its checkpoint flags (``--no-load-optim --no-load-rng
+--exit-on-missing-checkpoint``): weights only, and never random weights because the checkpoint
+vanished between the check and the load."""
+
+
+def weights_only(flags, **checkpoint):
+    """The parsed ``flags`` of an inference script with :data:`WEIGHTS_ONLY` set (unless it asked
+    for ``--random-weights``) and any other ``checkpoint`` fields given (e.g. ``load``)."""
+    changes = {} if flags.checkpoint.random_weights else dict(WEIGHTS_ONLY)
+    return replace_flags(flags, checkpoint={**changes, **checkpoint})
 
 
 def check_checkpoint_to_load(load: str | None, ckpt_step: int | None, random_weights: bool,

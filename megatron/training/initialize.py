@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import copy
 import random
 from collections.abc import Sequence
 
@@ -9,7 +11,7 @@ import numpy as np
 import torch
 
 from megatron.config import MegatronConfig
-from megatron.config.cli import (ExtraArgsProvider, ToolSection, build_parser, parse_flags,
+from megatron.config.cli import (ExtraArgsProvider, ToolSection, parse_command_line,
                                  validate_or_exit)
 from megatron.core import device, parallel_state
 from megatron.core.log import log_rank_0
@@ -23,29 +25,60 @@ def initialize_megatron(argv: Sequence[str] | None = None,
                         require_train_length: bool = False,
                         tool_sections: Sequence[ToolSection] = (),
                         require_data: bool = False) -> MegatronConfig:
-    """Validate flags (before any process group exists), then initialize everything.
+    """Parse ``argv`` and initialize from it: :func:`initialize_from_config` of the flags.
 
     Args:
         argv: the flags (``sys.argv[1:]`` when None).
         extra_args_provider: a Megatron-LM style hook adding untyped flags (``cfg.extra``).
-        require_model: the architecture flags must be present.
-        require_train_length: the script trains: a run length is required.
-        require_data: the script reads the --data-path flags: a data source is required.
+        require_model, require_train_length, require_data: as :func:`validated_config`.
         tool_sections: the script's typed flag sections (``cfg.section(cls)``).
 
     Returns:
         The validated, read-only configuration.
     """
-    parser = build_parser(extra_args_provider, tool_sections=tool_sections)
-    flags = parse_flags(parser, argv, tool_sections)
-    if flags.checkpoint.use_checkpoint_args:
-        apply_checkpoint_args(flags)
-    cfg = validate_or_exit(flags, require_model=require_model,
-                           require_train_length=require_train_length, parser=parser,
-                           require_data=require_data)
+    flags, parser = parse_command_line(argv, tool_sections=tool_sections,
+                                       extra_args_provider=extra_args_provider)
+    return initialize_from_config(flags, parser, require_model=require_model,
+                                  require_train_length=require_train_length,
+                                  require_data=require_data)
+
+
+def initialize_from_config(flags: MegatronConfig, parser: argparse.ArgumentParser | None = None,
+                           *, require_model: bool = True, require_train_length: bool = False,
+                           require_data: bool = False) -> MegatronConfig:
+    """The config entry point: validate parsed ``flags`` (:func:`validated_config`), before any
+    process group exists, then start torch.distributed, build the groups and seed the RNGs.
+
+    A script that parsed its flags once derives the run's flags from them
+    (:func:`megatron.config.cli.replace_flags`) and passes those here.
+
+    Returns:
+        The validated, read-only configuration.
+    """
+    cfg = validated_config(flags, parser, require_model=require_model,
+                           require_train_length=require_train_length, require_data=require_data)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg
+
+
+def validated_config(flags: MegatronConfig, parser: argparse.ArgumentParser | None = None, *,
+                     require_model: bool = True, require_train_length: bool = False,
+                     require_data: bool = False) -> MegatronConfig:
+    """``flags`` (as parsed; left unchanged) with ``--use-checkpoint-args`` applied, validated;
+    starts nothing. A bad combination exits with ``parser``'s usage and a one-line error.
+
+    Args:
+        require_model: the architecture flags must be present.
+        require_train_length: the script trains: a run length is required.
+        require_data: the script reads the --data-path flags: a data source is required.
+    """
+    if flags.checkpoint.use_checkpoint_args:
+        flags = copy.deepcopy(flags)  # the checkpoint's values go into a copy
+        apply_checkpoint_args(flags)
+    return validate_or_exit(flags, require_model=require_model,
+                            require_train_length=require_train_length, parser=parser,
+                            require_data=require_data)
 
 
 def initialize_distributed(cfg: MegatronConfig) -> None:

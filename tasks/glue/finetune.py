@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 
-from tasks.finetune_utils import LabelledDatasets, classification_model_provider, finetune
+from tasks.eval_utils import LabelledDatasets
+from tasks.finetune_utils import classification_model_provider, finetune
 from tasks.glue.data import READERS, dataset_name_from_path, glue_dataset
 
 

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from tasks.finetune_utils import LabelledDatasets, finetune, multiple_choice_model_provider
+from tasks.eval_utils import LabelledDatasets
+from tasks.finetune_utils import finetune, multiple_choice_model_provider
 from tasks.race.data import RaceDataset, dataset_name_from_path
 
 

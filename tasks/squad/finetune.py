@@ -23,12 +23,12 @@ import os
 import numpy as np
 import torch
 
-from megatron.config import parse_args
 from megatron.core import comm
 from megatron.core.log import log_rank_0, log_rank_last
-from tasks.finetune_utils import (PROG, evaluation_loader, finetune, forward_outputs,
-                                  share_from_last_stage)
-from tasks.flags import TOOL_SECTIONS, TaskFlags
+from tasks.eval_utils import forward_outputs, share_from_last_stage
+from tasks.finetune_loaders import evaluation_loader
+from tasks.finetune_utils import finetune
+from tasks.flags import TaskFlags
 from tasks.squad import metric
 from tasks.squad.features import SquadFeature, convert_examples_to_features
 from tasks.squad.flags import SquadFlags, check_squad_flags
@@ -202,10 +202,6 @@ def check_squad_run(flags) -> None:
 def run_squad(argv: list[str]):
     """``--task SQUAD``: finetune (or with ``--epochs 0`` evaluate); returns the
     :class:`~tasks.finetune_utils.FinetuneResult`."""
-    flags = parse_args(argv, validate_config=False, prog=PROG, tool_sections=TOOL_SECTIONS)
-    try:
-        check_squad_run(flags)
-    except ValueError as err:
-        raise SystemExit(f"{PROG}: error: {err}") from None
     return finetune(train_valid_datasets, squad_model_provider, span_forward_step,
-                    end_of_epoch_callback_provider=metrics_provider, argv=argv, task="SQUAD")
+                    end_of_epoch_callback_provider=metrics_provider, argv=argv, task="SQUAD",
+                    check_flags=check_squad_run)

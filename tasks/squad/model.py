@@ -12,16 +12,16 @@ Legend: b batch, s sequence.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core import comm, parallel_state
+from megatron.core import parallel_state
 from megatron.core.models.bert_heads import QuestionAnswering
 from megatron.core.models.builder import build_model_stage
 from megatron.core.tensor_parallel.utils import ProcessGroup
-from tasks.finetune_utils import batch_to_device, finetune_transformer_config
+from tasks.finetune_utils import finetune_transformer_config
+from tasks.forward_step import bert_forward_step, reported_loss
 
 
 def squad_model_provider(cfg, pre_process: bool = True,
@@ -38,16 +38,14 @@ def span_loss_func(start_positions: torch.Tensor, end_positions: torch.Tensor,
     start_logits, end_logits = logits.float().unbind(dim=-1)  # [b, s] each
     loss = (F.cross_entropy(start_logits, start_positions.long())
             + F.cross_entropy(end_logits, end_positions.long())) / 2
-    reported = loss.detach().clone().view(1)
-    comm.all_reduce(reported, dp_group, op="avg")
-    return loss, {"lm loss": reported}
+    return loss, reported_loss(loss, dp_group)
 
 
-def span_forward_step(data_iterator: Iterator[dict], model):
-    """The schedule's forward step: ``model(text, padding_mask, types)`` -> start/end logits,
-    loss against the batch's ``start``/``end`` positions."""
-    batch = batch_to_device(next(data_iterator))
-    logits = model(batch["text"].long(), batch["padding_mask"].long(),
-                   tokentype_ids=batch["types"].long())
-    return logits, functools.partial(span_loss_func, batch["start"], batch["end"],
-                                     parallel_state.get_data_parallel_group())
+def span_loss(batch: dict, logits: torch.Tensor):
+    """:func:`span_loss_func` against the batch's ``start``/``end`` positions."""
+    return span_loss_func(batch["start"], batch["end"],
+                          parallel_state.get_data_parallel_group(), logits)
+
+
+span_forward_step = functools.partial(bert_forward_step, loss_func=span_loss)
+"""The schedule's forward step: start/end logits, the span loss."""

@@ -19,21 +19,20 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from megatron.config import parse_args
 from megatron.config.core_configs import transformer_config
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.models.builder import build_model_stage
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.training.inference import (WEIGHTS_ONLY_FLAGS, check_checkpoint_to_load,
-                                         check_checkpoint_vocabulary, load_model_for_inference)
-from megatron.training.initialize import build_tokenizer_from_config, initialize_megatron
-from tasks.flags import TOOL_SECTIONS, TaskFlags
+from megatron.training.inference import (check_checkpoint_to_load, check_checkpoint_vocabulary,
+                                         load_model_for_inference, weights_only)
+from megatron.training.initialize import build_tokenizer_from_config, initialize_from_config
+from tasks.flags import TaskFlags
+from tasks.registry import PROG, parse_task_flags
 from tasks.zeroshot_gpt import datasets
 from tasks.zeroshot_gpt.detokenizer import detokenizer_name
 
-PROG = "tasks/main.py"
 # What each metric sums over the whole data set (the last stage's loss function returns them).
 SUMS = {"loss": ("nll", "targets", "sequences"), "accuracy": ("correct", "examples", "targets")}
 
@@ -49,13 +48,12 @@ def run_lambada(argv: list[str]) -> dict:
 
 
 def _run(argv: list[str], task: str, metric: str) -> dict:
-    flags = parse_args(argv, validate_config=False, prog=PROG, tool_sections=TOOL_SECTIONS)
-    argv = list(argv) + _or_exit(check_task_flags, flags, task)
+    flags, parser = parse_task_flags(argv)
+    load = _or_exit(check_task_flags, flags, task)
     path = flags.section(TaskFlags).valid_data[0]
     scan = _or_exit(datasets.scan_word_level_file, path, detokenizer_name(path)) \
         if task == "WIKITEXT103" else None
-    extra = [] if flags.checkpoint.random_weights else WEIGHTS_ONLY_FLAGS
-    cfg = initialize_megatron(argv + extra, tool_sections=TOOL_SECTIONS)
+    cfg = initialize_from_config(weights_only(flags, load=load), parser)
     # Every rank has its groups before any can refuse the data below and tear them down (a rank
     # still connecting them would see its peer vanish instead of the refusal).
     comm.barrier(comm.world_group())
@@ -78,9 +76,10 @@ def _run(argv: list[str], task: str, metric: str) -> dict:
     return _or_exit(report, task, metric, sums, data)
 
 
-def check_task_flags(flags, task: str) -> list[str]:
-    """The task flags, before any process group starts; returns flags to add (``--load`` from
-    ``--pretrained-checkpoint``).
+def check_task_flags(flags, task: str) -> str | None:
+    """The task flags, before any process group starts; returns the checkpoint to load:
+    ``--load``, or ``--pretrained-checkpoint`` without it (Megatron-LM's zero-shot tasks read
+    ``--load`` only: both work here), or None (``--random-weights``).
 
     Raises:
         ValueError: naming the flag, the value and the fix.
@@ -96,18 +95,17 @@ def check_task_flags(flags, task: str) -> list[str]:
         detokenizer_name(ex.valid_data[0])
     if ex.eval_micro_batch_size is not None and ex.eval_micro_batch_size < 1:
         raise ValueError(f"--eval-micro-batch-size must be >= 1, got {ex.eval_micro_batch_size}")
-    ck, added = flags.checkpoint, []
-    load = ck.load
-    if ex.pretrained_checkpoint is not None:
-        if load is not None and os.path.abspath(load) != os.path.abspath(ex.pretrained_checkpoint):
-            raise ValueError(f"--load {load} and --pretrained-checkpoint "
-                             f"{ex.pretrained_checkpoint} name different checkpoints: give one")
-        if load is None:  # Megatron-LM's zero-shot tasks read --load only: both work here
-            load = ex.pretrained_checkpoint
-            added = ["--load", load]
-    flag = "--load" if ck.load is not None or not added else "--pretrained-checkpoint"
-    check_checkpoint_to_load(load, ck.ckpt_step, ck.random_weights, flag)
-    return added
+    ck, pretrained = flags.checkpoint, ex.pretrained_checkpoint
+    if pretrained is not None and ck.load is not None \
+            and os.path.abspath(ck.load) != os.path.abspath(pretrained):
+        raise ValueError(f"--load {ck.load} and --pretrained-checkpoint {pretrained} name "
+                         "different checkpoints: give one")
+    if ck.load is None and pretrained is not None:
+        check_checkpoint_to_load(pretrained, ck.ckpt_step, ck.random_weights,
+                                 "--pretrained-checkpoint")
+        return pretrained
+    check_checkpoint_to_load(ck.load, ck.ckpt_step, ck.random_weights, "--load")
+    return ck.load
 
 
 def check_run(cfg, ex: TaskFlags) -> None:

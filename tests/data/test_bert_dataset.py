@@ -275,6 +275,16 @@ def test_without_the_binary_head_one_segment_and_at_most_seq_minus_one(corpus, t
     assert longest == SEQ - 1
 
 
+def test_items_carry_is_random_and_truncated_as_python_ints(corpus, tok):
+    # Megatron-Core's types: an item whose arrays are made lists goes through json.dumps.
+    train = build_train_valid_test_datasets(_config(tok, corpus / "pp_text_sentence"),
+                                            [20, 10, 5])[0]
+    for idx in range(20):
+        s = train[idx]
+        assert type(s["is_random"]) is int and type(s["truncated"]) is int
+        json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in s.items()})
+
+
 # --------------------------------------------------------------------------------------------
 # Megatron's document rules, bad input
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import cross_entropy
-from megatron.core.tensor_parallel.cross_entropy import (fused_kernel_for,
-                                                         vocab_parallel_cross_entropy)
+from megatron.core.fusions import fused_cross_entropy as cross_entropy
+from megatron.core.fusions.fused_cross_entropy import fused_kernel_for
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tests.multiprocess import run_distributed
 
 VOCAB = 4099 * 2  # TP=2 splits it into two odd halves of 4099
@@ -102,7 +102,7 @@ def test_fused_tp2_equals_the_single_process_unfused_loss():
     assert run_distributed(2, _tp_equivalence) == [True, True]
 
 
-# The compiled cross entropy of CUDA (tensor_parallel/cross_entropy.py): its PyTorch functions,
+# The compiled cross entropy of CUDA (fusions/fused_cross_entropy.py): its PyTorch functions,
 # run uncompiled here and compiled once below (inductor compiles for the CPU too), in place of
 # the CPU kernels.
 class _Uncompiled(cross_entropy.CompiledKernels):

@@ -10,8 +10,6 @@ import torch
 
 from megatron.core.fusions import kernels
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 class _FusedLayerNormAffine(torch.autograd.Function):
 
@@ -37,7 +35,7 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """Layer norm of ``x`` over its last dim (weight and bias ``[h]`` of ``x``'s dtype), or
     ``None`` when no kernel covers the inputs or ATen's is faster on the device (CUDA: see
     :data:`kernels.FASTER_THAN_PYTORCH`); the caller then runs ``F.layer_norm``."""
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
+    if x.dtype not in kernels.KERNEL_DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
         return None
     ext = kernels.preferred("layer_norm", x.device.type)
     if ext is None:

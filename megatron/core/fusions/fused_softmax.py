@@ -22,8 +22,6 @@ import torch
 
 from megatron.core.fusions import kernels
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 class _ScaledSoftmax(torch.autograd.Function):
     """One of the forward kernels; the backward is ``scale * y * (dy - sum(dy * y))`` (over the
@@ -61,7 +59,7 @@ class _ScaledSoftmax(torch.autograd.Function):
 def kernel_for(scores: torch.Tensor, kind: str) -> ModuleType | None:
     """The extension that runs the ``kind`` (causal/masked/plain) softmax over ``scores``, or
     ``None`` (dtype or device not covered, extension missing, or eager is faster there)."""
-    if scores.dtype not in _DTYPES or scores.dim() != 4:
+    if scores.dtype not in kernels.KERNEL_DTYPES or scores.dim() != 4:
         return None
     return kernels.preferred(f"softmax_{kind}", scores.device.type)
 

@@ -19,8 +19,8 @@ import torch
 from megatron.core.log import log_rank_0
 
 EXTENSIONS = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kernels._cuda"}
-# The storage dtypes every CPU kernel takes (computing in fp32).
-CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The storage dtypes every kernel takes, CPU, CUDA or compiled (each computes in fp32).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The rule that picks every default, per device type: a kernel runs only where it beats the
 # PyTorch path it replaces (forward + backward, at the shapes the models use). On an H200
@@ -53,10 +53,10 @@ def preferred(kernel: str, device_type: str) -> ModuleType | None:
 
 def cpu_kernel(name: str, *tensors: torch.Tensor) -> ModuleType | None:
     """The CPU extension when it exports ``name`` and every tensor is a CPU tensor of one dtype
-    of :data:`CPU_KERNEL_DTYPES`, else ``None``. An extension built before a kernel existed
+    of :data:`KERNEL_DTYPES`, else ``None``. An extension built before a kernel existed
     still serves the others."""
     dtypes = {t.dtype for t in tensors}
-    if (len(dtypes) != 1 or not dtypes <= set(CPU_KERNEL_DTYPES)
+    if (len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES)
             or any(t.device.type != "cpu" for t in tensors)):
         return None
     ext = extension("cpu")
@@ -73,9 +73,9 @@ def _import(device_type: str) -> ModuleType | None:
         module = importlib.import_module(name)
     except ImportError as exc:  # not built (isolated build, no toolchain) or a broken binary
         log_rank_0(f"> fused kernels: {name} unavailable ({type(exc).__name__}: {exc}); using "
-                   "the PyTorch implementations of the masked softmax, layer norm, cross entropy and "
-                   "bias-GeLU. Build it "
-                   "with `pip install --no-build-isolation -e .` (scripts/bootstrap.sh does).")
+                   "the PyTorch implementations of the masked softmax, layer norm, cross entropy, "
+                   "bias-GeLU and few-row linear. Build it with "
+                   "`pip install --no-build-isolation -e .` (scripts/bootstrap.sh does).")
         return None
     log_rank_0(f"> fused kernels: using {name}")
     return module

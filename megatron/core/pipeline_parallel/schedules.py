@@ -110,18 +110,14 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc,
                                    collect_non_loss_data: bool = False,
                                    grad_scale_func: Callable | None = None,
                                    timers: Timers | None = None,
-                                   hidden_size: int | None = None,
-                                   dtype: torch.dtype | None = None,
-                                   sequence_parallel: bool | None = None,
-                                   variable_seq_lengths: bool = False,
-                                   batch_p2p_comm: bool = True,
-                                   p2p_communicator: P2PCommunicator | None = None) -> list:
+                                   variable_seq_lengths: bool = False) -> list:
     """Run every micro-batch forward then backward on one model chunk.
 
     Gradient reduction across data-parallel ranks is suppressed (``model.no_sync()``) for all but
-    the last micro-batch, so an overlapping DDP reduces each bucket once per step. The pipelined
-    schedules' options (``hidden_size`` to ``p2p_communicator``) are accepted and unused, so a
-    caller passes the same arguments whatever :func:`get_forward_backward_func` returned.
+    the last micro-batch, so an overlapping DDP reduces each bucket once per step. The shape
+    arguments of the pipelined schedules (``seq_length``, ``micro_batch_size``,
+    ``variable_seq_lengths``) are accepted and unused, so a caller passes the same arguments
+    whatever :func:`get_forward_backward_func` returned.
 
     Returns:
         One entry per micro-batch: the loss function's reduced-loss dict.
@@ -174,31 +170,25 @@ def _set_input_tensor_func(chunk: torch.nn.Module) -> Callable | None:
     return None
 
 
-def _tensor_shape(chunk: torch.nn.Module, seq_length: int | None, micro_batch_size: int | None,
-                  hidden_size: int | None, sequence_parallel: bool | None) -> Shape:
-    """``(s, b, h)`` of the activations between stages (s split over TP with sequence
-    parallelism), from the arguments or the chunk's transformer config."""
+def _tensor_shape(chunk: torch.nn.Module, seq_length: int | None,
+                  micro_batch_size: int | None) -> Shape:
+    """``(s, b, h)`` of the activations between stages: h from the chunk's transformer
+    config, s split over TP where that config asks for sequence parallelism."""
     config = _unwrapped_config(chunk)
-    if hidden_size is None:
-        if config is None:
-            raise ValueError("pipelined schedules need the activations' hidden size: pass "
-                             "hidden_size= or give the model a config with hidden_size")
-        hidden_size = config.hidden_size
+    if config is None:
+        raise ValueError("pipelined schedules need the activations' hidden size: give the "
+                         "model chunk a config with hidden_size")
     if seq_length is None or micro_batch_size is None:
         raise ValueError("pipelined schedules need seq_length and micro_batch_size (the shape "
                          "of the tensors sent between stages)")
-    if sequence_parallel is None:
-        sequence_parallel = bool(getattr(config, "sequence_parallel", False))
-    if sequence_parallel:
+    if getattr(config, "sequence_parallel", False):
         seq_length //= parallel_state.get_tensor_model_parallel_world_size()
-    return (seq_length, micro_batch_size, hidden_size)
+    return (seq_length, micro_batch_size, config.hidden_size)
 
 
-def _pipeline_dtype(chunk: torch.nn.Module, dtype: torch.dtype | None) -> torch.dtype:
+def _pipeline_dtype(chunk: torch.nn.Module) -> torch.dtype:
     """Megatron's ``pipeline_dtype``: the parameters' dtype (fp32 with
     ``--fp32-residual-connection``, whose hidden states stay fp32)."""
-    if dtype is not None:
-        return dtype
     config = _unwrapped_config(chunk)
     if config is None:
         return torch.float32
@@ -318,14 +308,12 @@ def _as_list(value) -> list:
 
 
 def _communicator(p2p_communicator: P2PCommunicator | None, chunk: torch.nn.Module,
-                  dtype: torch.dtype | None, variable_seq_lengths: bool, batch_p2p_comm: bool,
-                  timers: Timers | None) -> P2PCommunicator:
+                  variable_seq_lengths: bool, timers: Timers | None) -> P2PCommunicator:
     if p2p_communicator is not None:
         return p2p_communicator
     return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(),
-                           dtype=_pipeline_dtype(chunk, dtype),
-                           variable_seq_lengths=variable_seq_lengths,
-                           batch_p2p_comm=batch_p2p_comm, timers=timers)
+                           dtype=_pipeline_dtype(chunk),
+                           variable_seq_lengths=variable_seq_lengths, timers=timers)
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -334,22 +322,18 @@ def forward_backward_pipelining_without_interleaving(
         seq_length: int | None = None, micro_batch_size: int | None = None,
         forward_only: bool = False, collect_non_loss_data: bool = False,
         grad_scale_func: Callable | None = None, timers: Timers | None = None,
-        hidden_size: int | None = None, dtype: torch.dtype | None = None,
-        sequence_parallel: bool | None = None, variable_seq_lengths: bool = False,
-        batch_p2p_comm: bool = True, p2p_communicator: P2PCommunicator | None = None) -> list:
+        variable_seq_lengths: bool = False,
+        p2p_communicator: P2PCommunicator | None = None) -> list:
     """1F1B: warm-up forwards, then one forward and one backward at a time, then cool-down
     backwards; stage ``r`` of ``p`` runs ``min(p - r - 1, m)`` warm-up forwards.
 
     Args:
-        (as :func:`forward_backward_no_pipelining`, ``model`` one chunk), and:
-        hidden_size: h of the ``[s, b, h]`` tensors sent between stages (default: the chunk's
-            ``config.hidden_size``).
-        dtype: their dtype (default: the chunk's ``params_dtype``, fp32 with
-            ``fp32_residual_connection``; Megatron's ``pipeline_dtype``).
-        sequence_parallel: s is split over TP ranks (default: the chunk's config says).
+        (as :func:`forward_backward_no_pipelining`, ``model`` one chunk whose ``config`` gives
+        the hidden size, the dtype and sequence parallelism of the ``[s, b, h]`` tensors sent
+        between stages), and:
         variable_seq_lengths: send each tensor's shape before it.
-        batch_p2p_comm: post each exchange as one batch (Megatron's default).
-        p2p_communicator: the communicator to use (default: over this rank's pipeline group).
+        p2p_communicator: the communicator to use (default: over this rank's pipeline group;
+            the schedule-order tests pass one that records instead of sending).
 
     Returns:
         On the last stage the reduced-loss dicts, one per micro-batch; elsewhere ``[]``.
@@ -359,10 +343,8 @@ def forward_backward_pipelining_without_interleaving(
         raise ValueError(f"the non-interleaved pipeline schedule runs one model chunk per rank, "
                          f"got {len(chunks)}")
     timers = _active_timers(timers)
-    p2p = _communicator(p2p_communicator, chunks[0], dtype, variable_seq_lengths,
-                        batch_p2p_comm, timers)
-    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size, hidden_size,
-                          sequence_parallel)
+    p2p = _communicator(p2p_communicator, chunks[0], variable_seq_lengths, timers)
+    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     run = _Stages(forward_step_func=forward_step_func,
                   data_iterators=_as_list(data_iterator)[:1], chunks=chunks,
                   num_microbatches=num_microbatches, forward_only=forward_only,
@@ -425,9 +407,7 @@ def forward_backward_pipelining_with_interleaving(
         model: list[torch.nn.Module], num_microbatches: int, seq_length: int | None = None,
         micro_batch_size: int | None = None, forward_only: bool = False,
         collect_non_loss_data: bool = False, grad_scale_func: Callable | None = None,
-        timers: Timers | None = None, hidden_size: int | None = None,
-        dtype: torch.dtype | None = None, sequence_parallel: bool | None = None,
-        variable_seq_lengths: bool = False, batch_p2p_comm: bool = True,
+        timers: Timers | None = None, variable_seq_lengths: bool = False,
         p2p_communicator: P2PCommunicator | None = None) -> list:
     """Interleaved 1F1B over ``v`` model chunks per rank (virtual stages ``c * p + r``).
 
@@ -451,16 +431,14 @@ def forward_backward_pipelining_with_interleaving(
         raise ValueError(f"the interleaved schedule needs one data iterator per model chunk: "
                          f"{len(chunks)} chunks, {len(iterators)} iterators")
     timers = _active_timers(timers)
-    p2p = _communicator(p2p_communicator, chunks[0], dtype, variable_seq_lengths,
-                        batch_p2p_comm, timers)
+    p2p = _communicator(p2p_communicator, chunks[0], variable_seq_lengths, timers)
     if num_microbatches % p2p.size != 0:
         raise ValueError(
             f"number of micro-batches ({num_microbatches}) is not divisible by "
             f"--pipeline-model-parallel-size ({p2p.size}), which the interleaved schedule "
             "(--num-layers-per-virtual-pipeline-stage) needs: change --global-batch-size or "
             "--micro-batch-size")
-    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size, hidden_size,
-                          sequence_parallel)
+    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     run = _Interleaved(forward_step_func=forward_step_func, data_iterators=iterators,
                        chunks=chunks, num_microbatches=num_microbatches,
                        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,

@@ -127,7 +127,7 @@ def _run_rank(rank: int, pp: int, vpp: int, m: int, forward_only: bool) -> Recor
     losses = schedule(forward_step_func=functools.partial(_forward_step, recorder),
                       data_iterator=[iter(batches) for _ in chunks], model=chunks,
                       num_microbatches=m, seq_length=SHAPE[0], micro_batch_size=SHAPE[1],
-                      hidden_size=SHAPE[2], forward_only=forward_only,
+                      forward_only=forward_only,
                       p2p_communicator=FakeCommunicator(rank, pp, recorder))
     assert len(losses) == (m if rank == pp - 1 else 0)
     return recorder

@@ -49,8 +49,7 @@ def _pipelined(pp_size: int, num_chunks: int, num_layers: int, batches: list,
         forward_step_func=toy_stack.forward_step,
         data_iterator=[iter(batches) for _ in chunks], model=chunks,
         num_microbatches=len(batches), seq_length=toy_stack.SEQ,
-        micro_batch_size=toy_stack.BATCH, hidden_size=toy_stack.HIDDEN,
-        dtype=torch.float32, forward_only=forward_only, timers=timers,
+        micro_batch_size=toy_stack.BATCH, forward_only=forward_only, timers=timers,
         grad_scale_func=_loss_scale)
     return [d["loss"].item() for d in losses], layers, chunks, schedule.__name__
 
@@ -142,7 +141,7 @@ def _check_with_data_parallel(rank, world_size):
             forward_step_func=toy_stack.forward_step,
             data_iterator=[iter(mine) for _ in chunks], model=wrapped, num_microbatches=m,
             seq_length=toy_stack.SEQ, micro_batch_size=toy_stack.BATCH,
-            hidden_size=toy_stack.HIDDEN, grad_scale_func=_loss_scale)
+            grad_scale_func=_loss_scale)
         started = [w.grad_sync_started() for w in wrapped]
         finalize_model_grads(wrapped)
         owned = {id(p) for c in chunks for p in c.parameters()}

@@ -10,6 +10,7 @@ stack is the reference.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -18,7 +19,9 @@ SEQ, BATCH, HIDDEN = 3, 2, 8
 
 class Chunk(torch.nn.Module):
     """Some consecutive layers; the first virtual stage reads the data, later ones the input
-    set by the schedule."""
+    set by the schedule. ``config`` tells the schedules the hidden size of what stages send."""
+
+    config = types.SimpleNamespace(hidden_size=HIDDEN)
 
     def __init__(self, layers: list[torch.nn.Linear], virtual_stage: int) -> None:
         super().__init__()

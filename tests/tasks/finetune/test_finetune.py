@@ -256,9 +256,9 @@ def _write_pretrained_bert(root: Path, model_argv: list[str]) -> dict[str, torch
     from megatron.core.models.builder import build_model_stage
     from megatron.training.checkpointing import TRACKER_FILENAME, get_checkpoint_name
     from megatron.training.models import bert_transformer_config
-    from tasks.flags import TOOL_SECTIONS
+    from tasks.registry import tool_sections
 
-    cfg = parse_args(model_argv, tool_sections=TOOL_SECTIONS)
+    cfg = parse_args(model_argv, tool_sections=tool_sections())
     torch.manual_seed(99)
     bert = build_model_stage(BertModel, bert_transformer_config(cfg), add_binary_head=True)
     name = get_checkpoint_name(root, 100, pipeline_parallel=False, tensor_rank=0)
@@ -327,7 +327,7 @@ def test_without_valid_data_no_accuracy_ranks_the_epochs(data):
     # An accuracy over no samples (0 / 0 -> 0.0) would be named "best" in the summary.
     from megatron.config import parse_args
     from megatron.tokenizer.bert import BertWordPieceTokenizer
-    from tasks.flags import TOOL_SECTIONS
+    from tasks.registry import tool_sections
     from tasks.glue.finetune import glue_datasets
     from tasks.race.finetune import race_datasets
 
@@ -335,11 +335,11 @@ def test_without_valid_data_no_accuracy_ranks_the_epochs(data):
     tokenizer = BertWordPieceTokenizer(str(data / "vocab.txt"))
     for task, datasets, train in (("MNLI", glue_datasets("MNLI"), f["mnli_small"]),
                                   ("RACE", race_datasets(), f["race_train"])):
-        cfg = parse_args(argv(data, task, [train], []), tool_sections=TOOL_SECTIONS)
+        cfg = parse_args(argv(data, task, [train], []), tool_sections=tool_sections())
         assert datasets.metrics(cfg, tokenizer) is None
         with_dev = parse_args(argv(data, task, [train], [f["mnli_dev"] if task == "MNLI"
                                                           else f["race_middle"]]),
-                              tool_sections=TOOL_SECTIONS)
+                              tool_sections=tool_sections())
         assert callable(datasets.metrics(with_dev, tokenizer))
 
 

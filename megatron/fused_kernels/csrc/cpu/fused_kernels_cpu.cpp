@@ -292,7 +292,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
 
 // ---------------------------------------------------------------------------------------------
 // Cross entropy (the vocabulary-parallel loss's per-rank passes; the all-reduces stay in
-// Python, in megatron/core/tensor_parallel/cross_entropy.py)
+// Python, in megatron/core/fusions/fused_cross_entropy.py)
 // ---------------------------------------------------------------------------------------------
 
 void check_logits(const at::Tensor& logits, const char* name) {
