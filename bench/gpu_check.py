@@ -152,9 +152,12 @@ class Check:
                 str(nproc)]
 
     def gpt_flags(self) -> list[str]:
-        return ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+        # Without a GPU (the smoke run) a smaller model: half precision is emulated on most CPUs.
+        layers, hidden, mbs = ("4", "256", "8") if self.gpu else ("2", "128", "2")
+        return ["--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", "8",
                 "--seq-length", "256", "--max-position-embeddings", "256",
-                "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-3",
+                "--micro-batch-size", mbs, "--global-batch-size", str(2 * int(mbs)),
+                "--lr", "1e-3",
                 "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
                 "--weight-decay", "0.1", "--clip-grad", "1.0", "--hidden-dropout", "0",
                 "--attention-dropout", "0", "--seed", "1234",
