@@ -12,6 +12,6 @@ from megatron.core.distributed.finalize_model_grads import (allreduce_sequence_p
                                                            finalize_model_grads)
 from megatron.core.distributed.grad_buffer import GradBuffer
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "allreduce_sequence_parallel_grads", "DistributedDataParallel", "DistributedDataParallelConfig",
+__all__ = ["DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "DistributedDataParallelConfig",
            "TorchDistributedDataParallel",
-           "GradBuffer", "finalize_model_grads"]
+           "GradBuffer", "allreduce_sequence_parallel_grads", "finalize_model_grads"]
