@@ -108,7 +108,7 @@ def generate(argv: list[str] | None = None) -> list[str]:
     max_positions = cfg.model.max_position_embeddings
     _or_exit(check_generation_lengths, [len(ids) for ids in encoded], ex.num_tokens_to_generate,
              max_positions)
-    model = gpt_model_from(cfg).to(device.get_device())
+    model = gpt_model_from(cfg, inference=True).to(device.get_device())
     if not cfg.checkpoint.random_weights:
         load_checkpoint([model], None, None, cfg)
     out = generate_tokens(model, encoded, ex.num_tokens_to_generate, eod=tokenizer.eod,

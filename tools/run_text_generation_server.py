@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                          "training (the interleaved schedule): serve without it")
     ex = cfg.section(ServerFlags)
     tokenizer = build_tokenizer_from_config(cfg)
-    model = gpt_model_from(cfg).to(device.get_device())
+    model = gpt_model_from(cfg, inference=True).to(device.get_device())
     if not cfg.checkpoint.random_weights:
         load_checkpoint([model], None, None, cfg)
     model.eval()

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import os
+import warnings
 
 import torch
 
@@ -28,7 +29,6 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     ("model", "decoder_num_layers"): "--decoder-num-layers",
     ("model", "embedding_weights_in_fp32"): "--embedding-weights-in-fp32",
     ("model", "init_method_xavier_uniform"): "--init-method-xavier-uniform",
-    ("parallel", "sequence_parallel"): "--sequence-parallel",
     ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
     # Interleaved schedule only (dropped without it, as Megatron-LM does): p2p runs blocking.
     ("parallel", "overlap_p2p_comm"): "--overlap-p2p-communication",
@@ -173,6 +173,7 @@ def validate(flags, world_size: int, require_model: bool = True,
     if cfg.training.skip_train:
         _check_evaluates_a_checkpoint(cfg.checkpoint)
     _check_recompute(cfg)
+    _check_sequence_parallel(cfg)
     _check_misc(cfg)
     _check_data(cfg)
     _check_output_directories(cfg)
@@ -462,6 +463,25 @@ def _check_recompute(cfg) -> None:
     if t.distribute_saved_activations and (tp == 1 or t.recompute_granularity != "full"):
         raise ValueError("--distribute-saved-activations needs --tensor-model-parallel-size > 1 "
                          "and --recompute-granularity full")
+
+
+def _check_sequence_parallel(cfg) -> None:
+    """Megatron-LM (23.06 and core_v0.13 alike) switches --sequence-parallel off without tensor
+    parallelism, where it would change nothing but the numerics; it warns (core_v0.13)."""
+    par = cfg.parallel
+    if not par.sequence_parallel:
+        return
+    tp = par.tensor_model_parallel_size
+    if tp == 1:
+        warnings.warn("--sequence-parallel is disabled: it needs --tensor-model-parallel-size "
+                      "> 1 (Megatron-LM disables it too)", stacklevel=2)
+        par.sequence_parallel = False
+        return
+    seq = cfg.data.seq_length
+    if seq is not None and seq % tp != 0:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
+                         f"ranks: --seq-length ({seq}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
 
 
 def _check_misc(cfg) -> None:

@@ -19,10 +19,18 @@ from megatron.core.models.gpt import GPTModel
 
 
 def gpt_model_from(cfg, pre_process: bool | None = None, post_process: bool | None = None,
-                   ) -> GPTModel:
+                   inference: bool = False) -> GPTModel:
     """This rank's GPT stage from a validated ``MegatronConfig`` (groups from parallel_state;
-    see :func:`~megatron.core.models.builder.build_model_stage`, and seed first)."""
-    return build_model_stage(GPTModel, transformer_config(cfg), pre_process=pre_process,
+    see :func:`~megatron.core.models.builder.build_model_stage`, and seed first).
+
+    ``inference`` (generation): ``--sequence-parallel`` is switched off, as Megatron's
+    inference does: the KV cache and the last-token logits work on whole sequences of any
+    length. It changes no weight, so a checkpoint trained with it loads the same.
+    """
+    config = transformer_config(cfg)
+    if inference:
+        config = dataclasses.replace(config, sequence_parallel=False)
+    return build_model_stage(GPTModel, config, pre_process=pre_process,
                              post_process=post_process)
 
 

@@ -107,7 +107,7 @@ def _run_tool(argv: list[str]) -> str | list[str]:
 
     built = []
     original = generate.gpt_model_from
-    generate.gpt_model_from = lambda cfg: built.append(1) or original(cfg)
+    generate.gpt_model_from = lambda cfg, **kw: built.append(1) or original(cfg, **kw)
     try:
         return generate.generate(argv)
     except SystemExit as err:

@@ -3,12 +3,18 @@
 1. With pipeline parallelism and tied input/output embeddings, the first and last stages each
    hold a copy of the word embedding; their gradients are summed over the embedding group
    (``parallel_state.get_embedding_group()``) so both copies take the same step.
-2. The data-parallel reduction of every model chunk is completed (``finish_grad_sync``).
+2. With sequence parallelism, the replicated parameters that act on each TP rank's ``s/TP``
+   rows only (LayerNorms, row-parallel biases: the ``sequence_parallel`` attribute) hold partial
+   gradients; they are summed over the TP group so every TP rank takes the same step.
+3. The data-parallel reduction of every model chunk is completed (``finish_grad_sync``).
 
 The embedding sum runs *before* the DP reduction whenever that reduction has not started yet:
 with the distributed optimizer a rank only holds the reduced values of its own shard, and the two
 stages shard differently, so summing afterwards would mix reduced and unreduced values. (Both
-sums commute, so for the all-reduce path the order does not matter.)
+sums commute, so for the all-reduce path the order does not matter.) The TP sum of step 2 runs
+before it as well; after an overlapped reduction it runs afterwards, which is also right for the
+distributed optimizer: TP peers hold the same parameters in the same buffer layout, so their
+shards cover the same elements.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
     """
     started = any(chunk.grad_sync_started() for chunk in model_chunks)
     if not started:
+        _allreduce_sequence_parallel_grads(model_chunks)
         _allreduce_embedding_grads(model_chunks)
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     if started:
+        _allreduce_sequence_parallel_grads(model_chunks)
         if _needs_embedding_allreduce(model_chunks) and any(
                 getattr(c, "use_distributed_optimizer", False) for c in model_chunks):
             raise NotImplementedError(
@@ -42,6 +50,35 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
                 "--overlap-grad-reduce and --use-distributed-optimizer are not supported together "
                 "yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights")
         _allreduce_embedding_grads(model_chunks)
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def _allreduce_sequence_parallel_grads(model_chunks: list[torch.nn.Module]) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        allreduce_sequence_parallel_grads(model_chunks,
+                                          parallel_state.get_tensor_model_parallel_group())
+
+
+def allreduce_sequence_parallel_grads(model_chunks: list[torch.nn.Module],
+                                      tp_group: comm.ProcessGroup | None) -> None:
+    """Sum the gradients (``main_grad``, else ``grad``) of the parameters marked
+    ``sequence_parallel`` over ``tp_group``: one flat all-reduce per gradient dtype
+    (Megatron's ``_allreduce_layernorm_grads``). Without sequence parallelism none is marked."""
+    if comm.world_size(tp_group) == 1:
+        return
+    grads = [grad for chunk in model_chunks for param in chunk.parameters()
+             if getattr(param, "sequence_parallel", False) and param.requires_grad
+             and (grad := _grad_of(param)) is not None]
+    for dtype in sorted({grad.dtype for grad in grads}, key=str):  # one all-reduce per dtype
+        same = [grad for grad in grads if grad.dtype == dtype]
+        flat = torch.cat([grad.reshape(-1) for grad in same])
+        comm.all_reduce(flat, tp_group, "sum")
+        for grad, summed in zip(same, torch.split(flat, [g.numel() for g in same])):
+            grad.copy_(summed.view_as(grad))
 
 
 def _needs_embedding_allreduce(model_chunks: list[torch.nn.Module]) -> bool:
@@ -77,8 +114,6 @@ def _allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
     weight = _shared_embedding_weight(model_chunks)
     if weight is None:
         return
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        grad = weight.grad
+    grad = _grad_of(weight)
     if grad is not None:
         comm.all_reduce(grad, parallel_state.get_embedding_group(), "sum")

@@ -102,6 +102,7 @@ class BertBody(LanguageModule):
 
     checkpoint_name = "BERT"
     attn_mask_type = "padding"
+    replicated_head = True
 
     def encode(self, input_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
                tokentype_ids: torch.Tensor | None = None):

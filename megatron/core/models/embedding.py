@@ -3,16 +3,22 @@ vocab-parallel word embeddings + learned position embeddings (+ optional token-t
 embeddings), transposed to ``[s, b, h]``, then embedding dropout.
 
 The embedding output is replicated on all TP ranks, so its dropout uses the default generator
-(identical on all TP ranks, paper appendix B.2). Legend: b batch, s sequence, h hidden.
+(identical on all TP ranks, paper appendix B.2). With sequence parallelism each rank keeps its
+``s/p`` rows of it, and the dropout on those draws from the per-rank TP stream (as Megatron).
+Legend: b batch, s sequence, h hidden, p TP size.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core import device as device_mod
 from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
 from megatron.core.transformer.config import TransformerConfig
 
@@ -46,6 +52,7 @@ class Embedding(torch.nn.Module):
         init = tp_layers.init_method_normal(config.init_method_std)
         h, dtype = config.hidden_size, config.params_dtype
         self.hidden_dropout = config.hidden_dropout
+        self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
         self.word_embeddings = tp_layers.VocabParallelEmbedding(
             config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype)
         self.position_embeddings = None
@@ -59,7 +66,8 @@ class Embedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``input_ids [b, s]`` -> ``[s, b, h]``."""
+        """``input_ids [b, s]`` -> ``[s, b, h]`` (``[s/p, b, h]``, this rank's rows, with
+        sequence parallelism)."""
         emb = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             emb = emb + self.position_embeddings(position_ids)
@@ -68,4 +76,9 @@ class Embedding(torch.nn.Module):
                 raise ValueError("tokentype_ids given but the model has num_tokentypes = 0")
             emb = emb + self.tokentype_embeddings(tokentype_ids)
         emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
-        return F.dropout(emb, p=self.hidden_dropout, training=self.training)
+        if not self.sequence_parallel:
+            return F.dropout(emb, p=self.hidden_dropout, training=self.training)
+        emb = scatter_to_sequence_parallel_region(emb, self.tp_group)  # [s/p, b, h]
+        drop = self.training and self.hidden_dropout > 0
+        with get_rng_tracker().fork() if drop else contextlib.nullcontext():
+            return F.dropout(emb, p=self.hidden_dropout, training=self.training)

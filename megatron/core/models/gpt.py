@@ -67,7 +67,9 @@ class GPTModel(LanguageModule):
                         ) -> torch.Tensor:
         """Logits on the (tied) output weight, then the loss if ``labels`` are given."""
         logits = parallel_lm_logits(hidden, self.output_weight(), self.tp_group,
-                                    self.parallel_output or labels is not None)  # [s, b, V/p]
+                                    self.parallel_output or labels is not None,
+                                    sequence_parallel=self.config.sequence_parallel,
+                                    )  # [s, b, V/p]: with SP the s/p rows are gathered
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/p]
         # The logits are a temporary nobody else reads: the loss overwrites them in place.

@@ -16,6 +16,7 @@ from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.models.embedding import Embedding
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
 from megatron.core.transformer.attention import causal_mask
@@ -25,12 +26,18 @@ from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
                        tp_group: ProcessGroup | None, parallel_output: bool = True,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None,
+                       sequence_parallel: bool = False) -> torch.Tensor:
     """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` (+ vocab-split ``bias [V/p]``,
     BERT's LM head) -> ``[s, b, V/p]`` (or gathered ``[s, b, V]``); a column-parallel linear
-    whose weight is the (tied) word embedding."""
-    hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-    logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
+    whose weight is the (tied) word embedding. With ``sequence_parallel`` the hidden states are
+    this rank's ``[s/p, b, h]`` rows, all-gathered first (as Megatron's output layer)."""
+    if sequence_parallel:
+        logits = tp_layers.sequence_parallel_linear(hidden, weight, bias,
+                                                    tp_group)  # [s, b, V/p]
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
+        logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]
@@ -87,14 +94,21 @@ class TransformerLanguageModel(torch.nn.Module):
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
         add_pooler: the last stage also returns the pooled first position (BERT with its
             binary head): ``forward`` then returns ``(hidden, pooled)``.
+        replicated_head: the last stage's head is replicated on every TP rank and reads every
+            position (BERT's pooler and heads): with sequence parallelism the final hidden
+            states are all-gathered to ``[s, b, h]`` for it (GPT's output layer gathers them
+            itself, as a column-parallel linear).
     """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None, *,
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, layer_offset: int = 0,
-                 attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False) -> None:
+                 attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False,
+                 replicated_head: bool = False) -> None:
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
+        self.tp_group = tp_group
+        self.gather_sequence = post_process and replicated_head and config.sequence_parallel
         self.embedding = Embedding(config, tp_group) if pre_process else None
         self.encoder = TransformerBlock(config, tp_group, num_layers=num_layers,
                                         layer_offset=layer_offset, pre_process=pre_process,
@@ -123,6 +137,10 @@ class TransformerLanguageModel(torch.nn.Module):
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s, b, h]
         hidden = self.encoder(hidden, attention_mask, inference_params)
+        if self.gather_sequence:
+            # Every rank computes the replicated head's whole gradient: backward keeps its rows.
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group,
+                                                          grad_is_partial=False)  # [s, b, h]
         if self.pooler is None:
             return hidden
         return hidden, self.pooler(hidden)

@@ -56,6 +56,9 @@ class LanguageModule(torch.nn.Module):
     checkpoint_name: ClassVar[str] = "language model"
     """Names the model in loading errors ("GPT checkpoint does not fit the model")."""
     attn_mask_type: ClassVar[AttnMaskType] = "causal"
+    replicated_head: ClassVar[bool] = False
+    """The last stage's head is replicated over TP ranks and reads the whole sequence (BERT):
+    with sequence parallelism the language model all-gathers its output for it."""
     has_lm_output: ClassVar[bool] = True
     """The last stage projects onto the vocabulary (GPT's logits, BERT's LM head); with tied
     embeddings through the word embedding's weight. False: no such layer (a finetuning head)."""
@@ -74,7 +77,8 @@ class LanguageModule(torch.nn.Module):
         self.language_model = TransformerLanguageModel(
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
-            attn_mask_type=self.attn_mask_type, add_pooler=add_pooler)
+            attn_mask_type=self.attn_mask_type, add_pooler=add_pooler,
+            replicated_head=self.replicated_head)
         self.word_embeddings = self._init_word_embeddings()
         self.set_parameter_defaults()
 

@@ -18,13 +18,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron.core import comm
 from megatron.core import device as device_mod
 from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
+                                                 set_sequence_parallel_attribute,
                                                  set_tensor_model_parallel_attributes,
                                                  split_master_weight, tp_rank, tp_world_size,
                                                  vocab_range)
@@ -105,20 +108,70 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight)  # [..., in]
-        grad_2d = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, out]
-        x_2d = x.reshape(-1, x.size(-1))  # [tokens, in]
-        main_grad = getattr(weight, "main_grad", None)
-        grad_weight = None
-        if main_grad is None:
-            grad_weight = grad_2d.t().mm(x_2d)
-        elif main_grad.dtype == grad_2d.dtype:
-            main_grad.addmm_(grad_2d.t(), x_2d)
-        elif not _accumulate_in_fp32(main_grad, grad_2d.t(), x_2d):
-            main_grad.add_(grad_2d.t().mm(x_2d))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        # A None weight gradient still runs the parameter's post-accumulate-grad hook, so the
-        # DDP wrapper's bucket bookkeeping (overlapped reduction) sees the weight as ready.
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, weight, True,
+                                                        ctx.has_bias)
         return grad_x, grad_weight, grad_bias
+
+
+def _weight_and_bias_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           fuse_accumulation: bool, has_bias: bool):
+    """The weight and bias gradients of ``F.linear(x, weight, bias)``; with
+    ``fuse_accumulation`` and a ``weight.main_grad`` the weight's is added into it instead and
+    None is returned (a None weight gradient still runs the parameter's post-accumulate-grad
+    hook, so the DDP wrapper's bucket bookkeeping sees the weight as ready)."""
+    grad_2d = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, out]
+    x_2d = x.reshape(-1, x.size(-1))  # [tokens, in]
+    main_grad = getattr(weight, "main_grad", None) if fuse_accumulation else None
+    grad_weight = None
+    if main_grad is None:
+        grad_weight = grad_2d.t().mm(x_2d)
+    elif main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), x_2d)
+    elif not _accumulate_in_fp32(main_grad, grad_2d.t(), x_2d):
+        main_grad.add_(grad_2d.t().mm(x_2d))
+    return grad_weight, (grad_2d.sum(0) if has_bias else None)
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``F.linear`` of the sequence all-gathered input: ``x [s/p, b, in]`` -> ``[s, b, out/p]``
+    (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence parallelism).
+
+    Only this rank's ``[s/p, b, in]`` is kept for backward, which all-gathers it again (the
+    paper's accounting: the gathered input is never stored), while the input gradient is
+    computed; the input gradient, a partial sum over this rank's output slice, is then
+    reduce-scattered back to ``[s/p, b, in]`` while the weight gradient is computed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp_group, fuse_accumulation):
+        ctx.save_for_backward(x, weight)
+        ctx.tp_group, ctx.fuse_accumulation = tp_group, fuse_accumulation
+        ctx.has_bias = bias is not None
+        return F.linear(_gather_sequence(x, tp_group), weight, bias)  # [s, b, out/p]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group = ctx.tp_group
+        total = torch.empty((x.size(0) * tp_world_size(group), *x.shape[1:]), dtype=x.dtype,
+                            device=x.device)  # [s, b, in]
+        gathering = comm.all_gather_into(total, x, group, async_op=True)
+        grad_total = grad_out.matmul(weight)  # [s, b, in], this rank's partial sum
+        comm.wait(gathering, "all_gather", group)
+        grad_x = torch.empty_like(x)  # [s/p, b, in]
+        scattering = comm.reduce_scatter_into(grad_x, grad_total, group, async_op=True)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight,
+                                                        ctx.fuse_accumulation, ctx.has_bias)
+        comm.wait(scattering, "reduce_scatter", group)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _gather_sequence(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    """``[s/p, ...]`` -> ``[s, ...]``, no autograd."""
+    out = torch.empty((x.size(0) * tp_world_size(tp_group), *x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.all_gather_into(out, x.contiguous(), tp_group)
+    return out
 
 
 _MIXED_DTYPE_ADDMM = {"cuda": True}  # False once torch refuses it (older releases)
@@ -136,6 +189,18 @@ def _accumulate_in_fp32(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         _MIXED_DTYPE_ADDMM[main_grad.device.type] = False
         return False
     return True
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             tp_group: ProcessGroup | None,
+                             gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+    """A column-parallel ``F.linear`` whose input is split along the sequence:
+    ``x [s/p, b, in]`` is all-gathered to ``[s, b, in]`` first, and in backward the input
+    gradient is reduce-scattered back to ``[s/p, b, in]`` (the gathered input is not stored)."""
+    if tp_world_size(tp_group) == 1:
+        return _linear(x, weight, bias, gradient_accumulation_fusion)
+    return _SequenceParallelLinear.apply(x, weight, bias, tp_group,
+                                         gradient_accumulation_fusion)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -164,6 +229,8 @@ class ColumnParallelLinear(torch.nn.Module):
         device: where parameters live (default: :func:`megatron.core.device.get_device`).
         gradient_accumulation_fusion: accumulate the weight gradient straight into
             ``weight.main_grad`` when the DDP wrapper gave it one.
+        sequence_parallel: the input is split along the sequence, ``[s/p, b, in]``, and
+            all-gathered here (sequence parallelism); the output is ``[s, b, out/p]``.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -171,9 +238,13 @@ class ColumnParallelLinear(torch.nn.Module):
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
-                 gradient_accumulation_fusion: bool = False) -> None:
+                 gradient_accumulation_fusion: bool = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False")
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, tp_world_size(tp_group))
@@ -187,9 +258,14 @@ class ColumnParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x [..., in]`` -> (``[..., out/p]`` or gathered ``[..., out]``, skipped bias)."""
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        """``x [..., in]`` (``[s/p, b, in]`` with sequence parallelism) -> (``[..., out/p]``
+        or gathered ``[..., out]``, skipped bias)."""
         bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            out = sequence_parallel_linear(x, self.weight, bias, self.tp_group,
+                                           self.gradient_accumulation_fusion)  # [s, b, out/p]
+            return out, (self.bias if self.skip_bias_add else None)
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         out = _linear(x, self.weight, bias,
                       self.gradient_accumulation_fusion)  # [..., out/p]
         if self.gather_output:
@@ -224,6 +300,10 @@ class RowParallelLinear(torch.nn.Module):
         device: where parameters live.
         gradient_accumulation_fusion: accumulate the weight gradient straight into
             ``weight.main_grad`` when the DDP wrapper gave it one.
+        sequence_parallel: reduce-scatter the partial sums along the sequence instead of
+            all-reducing them: ``[s, b, in/p]`` -> ``[s/p, b, out]`` (sequence parallelism).
+            The bias is then added on this rank's rows only, so its gradient is partial and is
+            marked ``sequence_parallel`` (summed over TP ranks by ``finalize_model_grads``).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -231,9 +311,13 @@ class RowParallelLinear(torch.nn.Module):
                  stride: int = 1, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
-                 gradient_accumulation_fusion: bool = False) -> None:
+                 gradient_accumulation_fusion: bool = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, tp_world_size(tp_group))
@@ -245,6 +329,7 @@ class RowParallelLinear(torch.nn.Module):
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            set_sequence_parallel_attribute(self.bias, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in/p]`` (or ``[..., in]``) -> (``[..., out]``, skipped bias or None)."""
@@ -254,7 +339,10 @@ class RowParallelLinear(torch.nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [..., in/p]
         out = _linear(x, self.weight, None,
                       self.gradient_accumulation_fusion)  # partial sums [..., out]
-        out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, out]
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None

@@ -7,6 +7,17 @@
 * :func:`gather_from_tensor_model_parallel_region` -- all-gather along the last dim; backward
   keeps this rank's slice.
 
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) splits the first dimension (the
+sequence of ``[s, b, h]``) instead; its operators are *g* and *g-bar* of the paper's figure 5:
+
+* :func:`scatter_to_sequence_parallel_region` -- keep this rank's ``s/p`` rows; backward
+  all-gathers them.
+* :func:`gather_from_sequence_parallel_region` -- all-gather the ``s/p`` rows into ``s`` (before a
+  column-parallel linear); backward reduce-scatters (the consumer's input gradient is a partial
+  sum on each rank) or, for a replicated consumer, keeps this rank's rows.
+* :func:`reduce_scatter_to_sequence_parallel_region` -- sum the partial ``[s, b, h]`` of a
+  row-parallel linear and keep this rank's ``s/p`` rows; backward all-gathers.
+
 Every function takes the TP group ``tp_group`` explicitly; ``None`` (this rank alone: no tensor
 parallelism) or a group of one makes it a no-op.
 """
@@ -16,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from megatron.core import comm
-from megatron.core.tensor_parallel.utils import (ProcessGroup, split_along_last_dim, tp_rank,
-                                                 tp_world_size)
+from megatron.core.tensor_parallel.utils import (ProcessGroup, divide, split_along_last_dim,
+                                                 tp_rank, tp_world_size)
 
 
 def _reduce(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
@@ -41,6 +52,33 @@ def _gather_last(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor
         return x
     parts = comm.all_gather_list(x.contiguous(), tp_group)
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def _split_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(tp_group)
+    if size == 1:
+        return x
+    rows = divide(x.size(0), size)
+    start = tp_rank(tp_group) * rows
+    return x[start:start + rows].contiguous()  # [s/p, ...]
+
+
+def _gather_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(tp_group)
+    if size == 1:
+        return x
+    out = torch.empty((x.size(0) * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into(out, x.contiguous(), tp_group)
+    return out  # [s, ...]
+
+
+def _reduce_scatter_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
+    size = tp_world_size(tp_group)
+    if size == 1:
+        return x
+    out = torch.empty((divide(x.size(0), size), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_into(out, x.contiguous(), tp_group)
+    return out  # [s/p, ...]
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -86,6 +124,41 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split_last(grad, ctx.tp_group), None
 
 
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return _split_first(x, tp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.tp_group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp_group, grad_is_partial):
+        ctx.tp_group, ctx.grad_is_partial = tp_group, grad_is_partial
+        return _gather_first(x, tp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _reduce_scatter_first(grad, ctx.tp_group), None, None
+        return _split_first(grad, ctx.tp_group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return _reduce_scatter_first(x, tp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.tp_group), None
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor,
                                          tp_group: ProcessGroup | None) -> torch.Tensor:
     """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``."""
@@ -116,3 +189,36 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor,
     if tp_world_size(tp_group) == 1:
         return x
     return _GatherFromRegion.apply(x, tp_group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor,
+                                        tp_group: ProcessGroup | None) -> torch.Tensor:
+    """``[s, ...]`` replicated on every rank -> this rank's ``[s/p, ...]`` rows; backward
+    all-gathers the rows' gradients."""
+    if tp_world_size(tp_group) == 1:
+        return x
+    return _ScatterToSequenceRegion.apply(x, tp_group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None,
+                                         grad_is_partial: bool = True) -> torch.Tensor:
+    """All-gather ``[s/p, ...]`` into ``[s, ...]`` (rank order along the sequence).
+
+    Args:
+        grad_is_partial: the gradient arriving in backward is this rank's partial sum (the
+            consumer is split over TP ranks, a column-parallel linear): reduce-scatter it.
+            False for a consumer replicated on every rank (BERT's pooler and heads), whose
+            gradient is already the whole one: keep this rank's rows.
+    """
+    if tp_world_size(tp_group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, tp_group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
+                                               tp_group: ProcessGroup | None) -> torch.Tensor:
+    """Sum the partial ``[s, ...]`` over ``tp_group`` and keep this rank's ``[s/p, ...]``;
+    backward all-gathers."""
+    if tp_world_size(tp_group) == 1:
+        return x
+    return _ReduceScatterToSequenceRegion.apply(x, tp_group)

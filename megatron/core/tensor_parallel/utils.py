@@ -66,6 +66,15 @@ def set_defaults_if_not_set(param: torch.Tensor) -> None:
         set_tensor_model_parallel_attributes(param, False, -1, 1)
 
 
+def set_sequence_parallel_attribute(param: torch.Tensor, enabled: bool) -> None:
+    """Mark a replicated parameter that acts on this rank's ``s/p`` rows only (sequence
+    parallelism: LayerNorms, the row-parallel biases): its gradient is a partial sum, which
+    ``finalize_model_grads`` all-reduces over the TP group (Megatron's ``sequence_parallel``
+    attribute)."""
+    if enabled:
+        param.sequence_parallel = True
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor,
                                            tp_group: ProcessGroup | None) -> bool:
     """True for TP shards, and for replicated parameters on TP rank 0 (count each once)."""

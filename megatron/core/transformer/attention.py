@@ -169,7 +169,8 @@ class SelfAttention(torch.nn.Module):
             config.hidden_size, 3 * projection, tp_group=tp_group,
             init_method=tp_layers.init_method_normal(config.init_method_std),
             bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            sequence_parallel=config.sequence_parallel)
         self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
@@ -178,18 +179,21 @@ class SelfAttention(torch.nn.Module):
                                                             config.num_layers),
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            sequence_parallel=config.sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias).
+        """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias); with
+        sequence parallelism ``[s/p, b, h]`` in and out (the QKV projection gathers the
+        sequence, attention runs on all ``s`` for this rank's heads, the dense layer scatters).
 
         With ``inference_params`` (generation) this step's keys and values are appended to the
         layer's cache and the queries attend to every cached position (see
         :mod:`megatron.core.inference_params`).
         """
-        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np*3*hn]
+        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np*3*hn] (all s, also with SP)
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.head_dim)  # [s, b, np, 3hn]
         query, key, value = torch.split(mixed, self.head_dim, dim=-1)  # 3 x [s, b, np, hn]

@@ -45,7 +45,12 @@ class TransformerBlock(torch.nn.Module):
         if post_process:
             self.final_layernorm = LayerNorm(
                 config.hidden_size, eps=config.layernorm_epsilon,
-                apply_layernorm_1p=config.apply_layernorm_1p, params_dtype=config.params_dtype)
+                apply_layernorm_1p=config.apply_layernorm_1p, params_dtype=config.params_dtype,
+                sequence_parallel=config.sequence_parallel)
+        # With sequence parallelism a checkpoint's input is already this rank's s/p rows:
+        # nothing left to distribute (Megatron ignores the flag then too).
+        self.distribute_saved_activations = (config.distribute_saved_activations
+                                             and not config.sequence_parallel)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
@@ -55,8 +60,9 @@ class TransformerBlock(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None,
                 inference_params=None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``inference_params``
-        is the generation KV cache, passed to every layer."""
+        """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``[s/p, b, h]`` in
+        and out with sequence parallelism; ``inference_params`` is the generation KV cache,
+        passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if self.config.recompute_granularity == "full" and self.training:
@@ -85,12 +91,12 @@ class TransformerBlock(torch.nn.Module):
         if cfg.recompute_method == "uniform":
             for start in range(0, n, step):
                 hidden_states = checkpoint(run(start, min(start + step, n)),
-                                           cfg.distribute_saved_activations, hidden_states,
+                                           self.distribute_saved_activations, hidden_states,
                                            attention_mask, tp_group=self.tp_group)
             return hidden_states
         for i in range(n):  # block
             if i < step:
-                hidden_states = checkpoint(run(i, i + 1), cfg.distribute_saved_activations,
+                hidden_states = checkpoint(run(i, i + 1), self.distribute_saved_activations,
                                            hidden_states, attention_mask, tp_group=self.tp_group)
             else:
                 hidden_states = self.layers[i](hidden_states, attention_mask)

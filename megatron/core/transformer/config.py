@@ -67,6 +67,15 @@ class TransformerConfig:
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int = 1
     distribute_saved_activations: bool = False
+    """Keep a 1/TP slice of each full-recompute checkpoint's input; ignored with
+    ``sequence_parallel``, whose checkpoint inputs are already split (as Megatron)."""
+
+    # Tensor parallelism.
+    sequence_parallel: bool = False
+    """Korthikanti et al. 2022: the LayerNorm/dropout/residual regions run on ``s/TP`` rows,
+    the hidden states between layers (and pipeline stages) are ``[s/TP, b, h]``; the TP
+    all-reduces become an all-gather before each column-parallel linear and a reduce-scatter
+    after each row-parallel one. No effect without TP (a group of one)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

@@ -2,15 +2,20 @@
 LayerNorm -> MLP -> bias-dropout-add.
 
 Residual dropout acts on activations replicated over TP ranks, so it draws from the default
-generator (identical on all TP ranks); only attention dropout uses the per-rank TP stream.
-Legend: s sequence, b batch, h hidden.
+generator (identical on all TP ranks); only attention dropout uses the per-rank TP stream. With
+sequence parallelism the residual stream is split along the sequence (``[s/p, b, h]``, every
+rank different rows), so its dropout draws from the per-rank TP stream too, as Megatron's.
+Legend: s sequence, b batch, h hidden, p TP size.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
+from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
@@ -35,7 +40,7 @@ class TransformerLayer(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         norm = dict(eps=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
-                    params_dtype=config.params_dtype)
+                    params_dtype=config.params_dtype, sequence_parallel=config.sequence_parallel)
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
@@ -44,16 +49,24 @@ class TransformerLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
                 inference_params=None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]`` (``inference_params``: the generation KV cache)."""
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/p, b, h]`` both with sequence parallelism;
+        ``inference_params``: the generation KV cache)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
-        p = self.config.hidden_dropout
         ln_out = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params)
         residual = ln_out if post_ln_residual else hidden_states
-        fused = self.config.bias_dropout_fusion
-        ln_in = bias_dropout_add(attn_out, attn_bias, residual, p, self.training, fused)
+        ln_in = self._bias_dropout_add(attn_out, attn_bias, residual)
 
         ln_out = self.post_attention_layernorm(ln_in)
         mlp_out, mlp_bias = self.mlp(ln_out)
         residual = ln_out if post_ln_residual else ln_in
-        return bias_dropout_add(mlp_out, mlp_bias, residual, p, self.training, fused)
+        return self._bias_dropout_add(mlp_out, mlp_bias, residual)
+
+    def _bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor | None,
+                          residual: torch.Tensor) -> torch.Tensor:
+        p = self.config.hidden_dropout
+        # Sequence-split rows differ per rank: their masks must too (the TP stream).
+        split = self.config.sequence_parallel and self.training and p > 0
+        with get_rng_tracker().fork() if split else contextlib.nullcontext():
+            return bias_dropout_add(x, bias, residual, p, self.training,
+                                    self.config.bias_dropout_fusion)

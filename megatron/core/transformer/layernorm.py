@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from megatron.core import device as device_mod
 from megatron.core.fusions.fused_layer_norm import fused_layer_norm
-from megatron.core.tensor_parallel.utils import set_defaults_if_not_set
+from megatron.core.tensor_parallel.utils import (set_defaults_if_not_set,
+                                                 set_sequence_parallel_attribute)
 
 
 class LayerNorm(torch.nn.Module):
@@ -27,11 +28,14 @@ class LayerNorm(torch.nn.Module):
         params_dtype: dtype of weight and bias.
         device: where they live.
         fused: use the fused kernel where one is built (False: always ``F.layer_norm``).
+        sequence_parallel: it normalizes this rank's ``s/p`` rows (sequence parallelism):
+            weight and bias are marked so their partial gradients are summed over TP ranks.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, apply_layernorm_1p: bool = False,
                  params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, fused: bool = True) -> None:
+                 device: torch.device | None = None, fused: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
         dev = device or device_mod.get_device()
@@ -40,6 +44,7 @@ class LayerNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=dev))
         for param in (self.weight, self.bias):
             set_defaults_if_not_set(param)
+            set_sequence_parallel_attribute(param, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight

@@ -35,17 +35,20 @@ class MLP(torch.nn.Module):
             init_method=tp_layers.init_method_normal(config.init_method_std),
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = tp_layers.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
                                                             config.num_layers),
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            sequence_parallel=config.sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias)."""
+        """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias); with
+        sequence parallelism ``[s/p, b, h]`` in and out, ``[s, b, f/p]`` inside."""
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, f/p]
         if self.bias_gelu_fusion:
             intermediate = bias_gelu(intermediate, bias)
