@@ -494,6 +494,8 @@ STAGES = [
           ("data",)),
     Stage("pp2", lambda c: stage_parallel(c, "pp2", ["--pipeline-model-parallel-size", "2"]),
           ("data",)),
+    Stage("tp2-sp", lambda c: stage_parallel(c, "tp2-sp", ["--tensor-model-parallel-size", "2",
+                                                           "--sequence-parallel"]), ("data",)),
     Stage("resume", stage_resume, ("gpt-bf16",)),
     Stage("eval-gpu", stage_eval_gpu, ("gpt-bf16",)),
     Stage("eval-cpu", stage_eval_cpu, ("eval-gpu",), needs_gpu=True),

@@ -3,9 +3,10 @@
 A tiny GPT (4 layers, hidden 64, GPT-2 vocabulary padded to 50304, seq 32, global batch 4 of
 micro-batches of 1, fp32, dropout 0) trains for 4 iterations. With sequence parallelism it must
 give the loss of every iteration and the final parameters of the same run without it: at TP=2
-(against that very run), and at TP=4 with full recomputation, TP=2 x PP=2 x VPP=2 and TP=2 x DP=2
-with the distributed optimizer and selective recomputation (against the one-process run, which
-the TP, PP and DP runs equal: test_parallel_equivalence.py, test_pipeline_parallel.py). The
+(against that very run), and at TP=2 x PP=2 x VPP=2 and TP=2 x DP=2 with the distributed
+optimizer and selective recomputation (against the one-process run, which
+the TP, PP and DP runs equal: test_parallel_equivalence.py, test_pipeline_parallel.py; TP=4 with
+full recomputation is tests/core/models/test_sequence_parallel.py's, at the model level). The
 replicated parameters (LayerNorms, row-parallel biases, whose gradients each TP rank only has a
 part of) end bitwise equal on every TP rank. With dropout on, an SP run reproduces itself
 exactly. The SP run's checkpoint of iteration 2 resumes without SP as the SP run went on.
@@ -24,7 +25,6 @@ SP = ["--sequence-parallel"]
 LOSS_TOL = 1e-5
 PARAM_TOL = 2e-5
 RESUME_TOL = 1e-6
-FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 PP2_VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
@@ -49,8 +49,7 @@ def two_ranks(gpt2_corpus, tmp_path_factory):
     return dict(zip(runs, e2e.pooled(2, list(runs.values()))))
 
 
-_FOUR = {"tp4_sp_full_recompute": (4, [*SP, *FULL_RECOMPUTE]),
-         "tp2pp2vpp2_sp": (2, [*SP, *PP2_VPP2]),
+_FOUR = {"tp2pp2vpp2_sp": (2, [*SP, *PP2_VPP2]),
          "tp2dp2_sp_distopt_selective": (2, [*SP, "--use-distributed-optimizer",
                                              "--recompute-activations"])}
 
