@@ -44,13 +44,12 @@ _SEED = _Range("in [0, 2**31 - 1]", low=0, high=2**31 - 1)
 
 # Every numeric flag with a range, checked first whenever the value is set (not None), so that a
 # value outside it fails here and not as a torch or numpy error after the model is built.
-# tests/config/test_ranges.py checks that every int/float field is listed (the deprecated ones,
-# refused whatever their value, excepted).
+# tests/config/test_ranges.py checks that every int/float field is listed, except the flags
+# refused whatever their value (megatron.config.refusals: deprecated, or not built).
 RANGES: dict[tuple[str, str], _Range] = {
     **{("model", name): _POSITIVE_INT for name in (
-        "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size",
-        "ffn_hidden_size", "num_attention_heads", "kv_channels", "max_position_embeddings",
-        "make_vocab_size_divisible_by", "num_experts")},
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+        "max_position_embeddings", "make_vocab_size_divisible_by")},
     ("model", "rotary_percent"): _FRACTION,
     ("model", "layernorm_epsilon"): _POSITIVE,
     # p = 1 would scale the kept activations by 1 / (1 - p).
@@ -60,7 +59,6 @@ RANGES: dict[tuple[str, str], _Range] = {
     ("model", "init_method_std"): _POSITIVE,
     ("parallel", "tensor_model_parallel_size"): _POSITIVE_INT,
     ("parallel", "pipeline_model_parallel_size"): _POSITIVE_INT,
-    ("parallel", "pipeline_model_parallel_split_rank"): _NON_NEGATIVE_INT,
     ("parallel", "num_layers_per_virtual_pipeline_stage"): _POSITIVE_INT,
     ("parallel", "distributed_timeout_minutes"): _POSITIVE_INT,
     ("parallel", "watchdog_timeout_seconds"): _POSITIVE,
@@ -88,7 +86,7 @@ RANGES: dict[tuple[str, str], _Range] = {
         "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")},
     ("precision", "hysteresis"): _POSITIVE_INT,
     **{("data", name): _POSITIVE_INT for name in (
-        "seq_length", "encoder_seq_length", "decoder_seq_length", "retriever_seq_length")},
+        "seq_length", "encoder_seq_length", "decoder_seq_length")},
     ("data", "sample_rate"): _FRACTION,
     ("data", "mask_prob"): _PROBABILITY,
     ("data", "short_seq_prob"): _PROBABILITY,

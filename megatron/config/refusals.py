@@ -18,6 +18,7 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     ("model", "decoder_num_layers"): "--decoder-num-layers",
     ("model", "embedding_weights_in_fp32"): "--embedding-weights-in-fp32",
     ("model", "init_method_xavier_uniform"): "--init-method-xavier-uniform",
+    ("precision", "fp32_residual_connection"): "--fp32-residual-connection",
     ("parallel", "sequence_parallel"): "--sequence-parallel",
     ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
     # Interleaved schedule only (dropped without it, as Megatron-LM does): p2p runs blocking.

@@ -202,8 +202,6 @@ def _check_precision(cfg) -> None:
         raise ValueError("--fp16 and --bf16 are mutually exclusive: pick one")
     if p.fp16_lm_cross_entropy and not p.fp16:
         raise ValueError("--fp16-lm-cross-entropy needs --fp16")
-    if p.fp32_residual_connection and not (p.fp16 or p.bf16):
-        raise ValueError("--fp32-residual-connection needs --fp16 or --bf16")
     if p.fp16 and p.loss_scale is None:
         _check_dynamic_loss_scale(p)
     if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
