@@ -21,6 +21,7 @@ from megatron.config.ranges import RANGES, check_ranges
 from megatron.config.refusals import (_DEPRECATED, NOT_IMPLEMENTED, check_deprecated,
                                       check_not_implemented)
 from megatron.core import device
+from megatron.tokenizer.config import BERT_TOKENIZERS
 
 __all__ = ["validate", "check_bert_flags", "RANGES", "NOT_IMPLEMENTED", "_DEPRECATED"]
 
@@ -410,9 +411,6 @@ def _check_tokenizer(cfg) -> None:
             raise ValueError(f"{flag} {value}: no such file (needed by --tokenizer-type "
                              f"{tok.tokenizer_type})")
 
-
-BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
-"""Tokenizers with the [CLS]/[SEP]/[MASK]/[PAD] tokens BERT samples are made of."""
 
 # GPT-dataset flags that BERT's samples (sentence pairs with a padding mask) never read.
 _GPT_ONLY_DATA_FLAGS = {"reset_position_ids": "--reset-position-ids",
