@@ -12,7 +12,9 @@ names the flags involved, the offending value or path, and what to change.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from collections.abc import Callable, Sequence
 
 from megatron.config.base import make_read_only
 from megatron.config.derive import (derive, derive_padded_vocab_size, derive_parallel_sizes,
@@ -23,15 +25,47 @@ from megatron.config.refusals import (_DEPRECATED, NOT_IMPLEMENTED, check_deprec
 from megatron.core import device
 from megatron.tokenizer.config import BERT_TOKENIZERS
 
-__all__ = ["validate", "check_bert_flags", "RANGES", "NOT_IMPLEMENTED", "_DEPRECATED"]
+__all__ = ["validate", "ToolChecks", "ToolFlagError", "check_bert_flags", "RANGES",
+           "NOT_IMPLEMENTED", "_DEPRECATED"]
 
 # The names tests/config reach in for (ranges and refusals live in their own modules).
 _check_ranges, _derive_parallel_sizes, _derive_pipeline_layers = (
     check_ranges, derive_parallel_sizes, derive_pipeline_layers)
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolChecks:
+    """A tool's or task's own flag checks (its flag section's, and its refusals of framework
+    flags), registered with validate() so that they run there, before any process group starts.
+
+    Each is called with the config and only reads it; a user error raises ``ValueError``.
+    """
+
+    given: Sequence[Callable] = ()
+    """Run on the flags as parsed, before the framework's checks (a tool's flag given wrong is
+    the more specific error)."""
+    validated: Sequence[Callable] = ()
+    """Run on the validated, read-only config (derived values such as the data-parallel size,
+    or a --use-checkpoint-args value), after the framework's checks."""
+
+
+class ToolFlagError(ValueError):
+    """A :class:`ToolChecks` error: the tools report it on one line, without the usage."""
+
+
+def _run_tool_checks(checks: Sequence[Callable], cfg) -> None:
+    for check in checks:
+        try:
+            check(cfg)
+        except ToolFlagError:
+            raise
+        except ValueError as err:
+            raise ToolFlagError(str(err)) from err
+
+
 def validate(flags, world_size: int, require_model: bool = True,
-             require_train_length: bool = False, require_data: bool = False):
+             require_train_length: bool = False, require_data: bool = False,
+             tool_checks: ToolChecks = ToolChecks()):
     """Check the flags for a run of ``world_size`` ranks; return the final config.
 
     Args:
@@ -42,14 +76,17 @@ def validate(flags, world_size: int, require_model: bool = True,
             must be given unless --skip-train.
         require_data: the script reads its samples from the --data-path flags
             (pretrain_gpt.py, pretrain_bert.py): one of them, or --mock-data, must be given.
+        tool_checks: the running tool's own checks, run first and last.
 
     Returns:
         A read-only copy with every derived value filled in (defaults that depend on other
         flags, the data-parallel size, the params dtype, the padded vocabulary size).
 
     Raises:
-        ValueError: an impossible or unsupported combination, naming the flags.
+        ValueError: an impossible or unsupported combination, naming the flags
+            (:class:`ToolFlagError` from ``tool_checks``).
     """
+    _run_tool_checks(tool_checks.given, flags)
     cfg = copy.deepcopy(flags)
     check_deprecated(cfg)
     check_ranges(cfg)
@@ -80,7 +117,9 @@ def validate(flags, world_size: int, require_model: bool = True,
     check_not_implemented(cfg)
     if require_model:
         derive_padded_vocab_size(cfg)
-    return make_read_only(cfg)
+    cfg = make_read_only(cfg)
+    _run_tool_checks(tool_checks.validated, cfg)
+    return cfg
 
 
 def _check_parallel_sizes(cfg, world_size: int) -> None:
