@@ -77,6 +77,7 @@ refused, as in Megatron-LM's tasks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -85,6 +86,7 @@ import torch
 from megatron.config import MegatronConfig
 from megatron.config.cli import replace_flags
 from megatron.config.core_configs import transformer_config
+from megatron.config.validate import ToolChecks
 from megatron.core import parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.models.bert_heads import Classification, MultipleChoice
@@ -250,11 +252,10 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
         CheckpointError: an unusable ``--load`` or ``--pretrained-checkpoint``.
     """
     flags, parser = parse_task_flags(argv)
-    if check_flags is not None:
-        _or_exit(check_flags, flags)
-    _or_exit(check_finetune_flags, flags, task)
-    setup_cfg = validated_config(flags, parser)
-    _or_exit(check_finetune_config, setup_cfg)
+    given = [] if check_flags is None else [check_flags]
+    checks = ToolChecks(given=[*given, functools.partial(check_finetune_flags, task=task)],
+                        validated=[check_finetune_config])
+    setup_cfg = validated_config(flags, parser, tool_checks=checks)
     ex = setup_cfg.section(TaskFlags)
     tokenizer = build_tokenizer_from_config(setup_cfg)
     train_ds = valid_ds = None

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from megatron.config.base import spec  # noqa: E402
 from megatron.config.cli import parse_command_line  # noqa: E402
+from megatron.config.validate import ToolChecks  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
@@ -81,6 +82,16 @@ def check_generation_flags(ex: GenerationFlags, load: str | None, ckpt_step: int
     check_checkpoint_flags(load, ckpt_step, random_weights)
 
 
+def _check_flags_given(flags) -> None:
+    ck = flags.checkpoint
+    check_generation_flags(flags.section(GenerationFlags), ck.load, ck.ckpt_step,
+                           ck.random_weights)
+
+
+# Run by validate(), before any process group starts; an error exits on one line.
+TOOL_CHECKS = ToolChecks(given=[_check_flags_given])
+
+
 def check_checkpoint_flags(load: str | None, ckpt_step: int | None,
                            random_weights: bool) -> None:
     """A checkpoint will be loaded (or --random-weights asks for none); see
@@ -97,10 +108,8 @@ def generate(argv: list[str] | None = None) -> list[str]:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
-    _or_exit(check_generation_flags, flags.section(GenerationFlags), flags.checkpoint.load,
-             flags.checkpoint.ckpt_step, flags.checkpoint.random_weights)
     # Weights only: refuse to start from random weights if the checkpoint vanished meanwhile.
-    cfg = initialize_from_config(weights_only(flags), parser)
+    cfg = initialize_from_config(weights_only(flags), parser, tool_checks=TOOL_CHECKS)
     ex = cfg.section(GenerationFlags)
     tokenizer = build_tokenizer_from_config(cfg)
     prompts = [p if p else tokenizer.detokenize([tokenizer.eod]) for p in ex.prompt or [""]]

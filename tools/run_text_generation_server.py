@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.config.cli import parse_command_line  # noqa: E402
+from megatron.config.validate import ToolChecks  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation.api import (follow_requests, lead_request,  # noqa: E402
@@ -80,19 +81,26 @@ def check_server_flags(ex: ServerFlags) -> None:
                          "seconds > 0")
 
 
+def _check_flags_given(flags) -> None:
+    check_server_flags(flags.section(ServerFlags))
+    check_checkpoint_to_load(flags.checkpoint.load, flags.checkpoint.ckpt_step,
+                             flags.checkpoint.random_weights, purpose="serve")
+
+
+def _check_config(cfg) -> None:
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage is for training (the "
+                         "interleaved schedule): serve without it")
+
+
+# Run by validate(), before any process group starts; an error exits on one line.
+TOOL_CHECKS = ToolChecks(given=[_check_flags_given], validated=[_check_config])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
-    try:
-        check_server_flags(flags.section(ServerFlags))
-        check_checkpoint_to_load(flags.checkpoint.load, flags.checkpoint.ckpt_step,
-                                 flags.checkpoint.random_weights, purpose="serve")
-    except ValueError as err:
-        raise SystemExit(f"{_PROG}: error: {err}") from None
-    cfg = initialize_from_config(weights_only(flags), parser)
-    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
-        raise SystemExit(f"{_PROG}: error: --num-layers-per-virtual-pipeline-stage is for "
-                         "training (the interleaved schedule): serve without it")
+    cfg = initialize_from_config(weights_only(flags), parser, tool_checks=TOOL_CHECKS)
     ex = cfg.section(ServerFlags)
     tokenizer = build_tokenizer_from_config(cfg)
     model = gpt_model_from(cfg, inference=True).to(device.get_device())

@@ -186,20 +186,24 @@ def parse_args(argv: Sequence[str] | None = None,
 def validate_or_exit(cfg: MegatronConfig, world_size: int | None = None,
                      require_model: bool = True, require_train_length: bool = False,
                      parser: argparse.ArgumentParser | None = None,
-                     require_data: bool = False) -> MegatronConfig:
-    """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2.
+                     require_data: bool = False, tool_checks=None) -> MegatronConfig:
+    """:func:`validate`, turning a ``ValueError`` into argparse's usage + error + exit 2 (a
+    tool check's error into the tools' one line, ``SystemExit("<prog>: error: ...")``).
 
     Returns:
         The validated, read-only config (``cfg`` itself is left as given).
     """
-    from megatron.config.validate import validate
+    from megatron.config.validate import ToolChecks, ToolFlagError, validate
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     parser = parser or build_parser()
     try:
         return validate(cfg, world_size, require_model=require_model,
-                        require_train_length=require_train_length, require_data=require_data)
+                        require_train_length=require_train_length, require_data=require_data,
+                        tool_checks=tool_checks or ToolChecks())
+    except ToolFlagError as err:
+        raise SystemExit(f"{parser.prog}: error: {err}") from None
     except ValueError as err:
         parser.print_usage(sys.stderr)
         parser.exit(2, f"{parser.prog}: error: {err}\n")

@@ -49,16 +49,10 @@ def from_flags(cls: type[T], cfg, **explicit: Any) -> T:
 
 
 def transformer_config(cfg):
-    """The model library's config (shape, numerics, dropout, init, recomputation).
-
-    Raises:
-        ValueError: a flag this model does not implement (named, with the fix).
-    """
+    """The model library's config (shape, numerics, dropout, init, recomputation); flags the
+    model does not implement were refused by validate() (megatron.config.refusals)."""
     from megatron.core.transformer.config import TransformerConfig
 
-    if cfg.precision.fp32_residual_connection:
-        raise ValueError("--fp32-residual-connection is not implemented by this model yet; "
-                         "drop the flag")
     return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe))
 
 

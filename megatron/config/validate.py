@@ -1,144 +1,71 @@
-"""The one place where flag combinations are checked and derived values are set.
+"""The one place where flag combinations are checked, before any process group starts (so a
+bad flag costs a second, not a rendezvous and a model build).
 
-Runs before any process group starts (so a bad flag costs a second, not a rendezvous and a model
-build). Every error is a ``ValueError`` whose message names the flags involved, the offending
-value or path, and what to change.
+validate() runs, in this order: the refusals of deprecated flags and the ranges of numeric
+flags (the values as given: the derivations divide by them); every derived value
+(megatron.config.derive, which never raises); the checks of combinations below, which only
+read; the refusals of flags not built (megatron.config.refusals); last the padded vocabulary,
+built from the tokenizer files the checks vetted. Every error is a ``ValueError`` whose message
+names the flags involved, the offending value or path, and what to change.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
-import warnings
+from collections.abc import Callable, Sequence
 
-import torch
-
-from megatron.config.base import flag_name, make_read_only
+from megatron.config.base import make_read_only
+from megatron.config.derive import (derive, derive_padded_vocab_size, derive_parallel_sizes,
+                                    derive_pipeline_layers)
+from megatron.config.ranges import RANGES, check_ranges
+from megatron.config.refusals import (_DEPRECATED, NOT_IMPLEMENTED, check_deprecated,
+                                      check_not_implemented)
 from megatron.core import device
+from megatron.tokenizer.config import BERT_TOKENIZERS
 
-# Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
-# Setting one to a non-default value is an error rather than a silent no-op.
-NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
-    ("model", "use_rotary_position_embeddings"): "--use-rotary-position-embeddings",
-    ("model", "squared_relu"): "--squared-relu",
-    ("model", "swiglu"): "--swiglu",
-    ("model", "num_experts"): "--num-experts",
-    ("model", "encoder_num_layers"): "--encoder-num-layers",
-    ("model", "decoder_num_layers"): "--decoder-num-layers",
-    ("model", "embedding_weights_in_fp32"): "--embedding-weights-in-fp32",
-    ("model", "init_method_xavier_uniform"): "--init-method-xavier-uniform",
-    ("parallel", "use_ring_exchange_p2p"): "--use-ring-exchange-p2p",
-    # Interleaved schedule only (dropped without it, as Megatron-LM does): p2p runs blocking.
-    ("parallel", "overlap_p2p_comm"): "--overlap-p2p-communication",
-    ("parallel", "standalone_embedding_stage"): "--standalone-embedding-stage",
-    ("parallel", "pipeline_model_parallel_split_rank"): "--pipeline-model-parallel-split-rank",
-    ("data", "retriever_seq_length"): "--retriever-seq-length",
-}
+__all__ = ["validate", "ToolChecks", "ToolFlagError", "check_bert_flags", "RANGES",
+           "NOT_IMPLEMENTED", "_DEPRECATED"]
 
-_DEPRECATED = {
-    ("training", "batch_size"): ("--batch-size", "--micro-batch-size"),
-    ("optimizer", "warmup"): ("--warmup", "--lr-warmup-fraction"),
-    ("parallel", "model_parallel_size"): ("--model-parallel-size", "--tensor-model-parallel-size"),
-    ("training", "checkpoint_activations"): (
-        "--checkpoint-activations", "--recompute-activations or --recompute-granularity"),
-}
+# The names tests/config reach in for (ranges and refusals live in their own modules).
+_check_ranges, _derive_parallel_sizes, _derive_pipeline_layers = (
+    check_ranges, derive_parallel_sizes, derive_pipeline_layers)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Range:
-    """The values a numeric flag allows: an interval; a float must also be finite (argparse's
-    ``float`` accepts "nan" and "inf")."""
+class ToolChecks:
+    """A tool's or task's own flag checks (its flag section's, and its refusals of framework
+    flags), registered with validate() so that they run there, before any process group starts.
 
-    text: str
-    """What the error message says the value must be."""
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
+    Each is called with the config and only reads it; a user error raises ``ValueError``.
+    """
 
-    def __contains__(self, value: float) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+    given: Sequence[Callable] = ()
+    """Run on the flags as parsed, before the framework's checks (a tool's flag given wrong is
+    the more specific error)."""
+    validated: Sequence[Callable] = ()
+    """Run on the validated, read-only config (derived values such as the data-parallel size,
+    or a --use-checkpoint-args value), after the framework's checks."""
 
 
-_POSITIVE_INT = _Range("a positive integer", low=1)
-_NON_NEGATIVE_INT = _Range("an integer >= 0", low=0)
-_POSITIVE = _Range("a finite number > 0", low=0, low_open=True)
-_NON_NEGATIVE = _Range("a finite number >= 0 (not negative)", low=0)
-_PROBABILITY = _Range("a probability in [0, 1]", low=0, high=1)
-_BELOW_ONE = _Range("in [0, 1)", low=0, high=1, high_open=True)
-_FRACTION = _Range("in (0, 1]", low=0, high=1, low_open=True)
-# The C++ index builders take the seed as an int32.
-_SEED = _Range("in [0, 2**31 - 1]", low=0, high=2**31 - 1)
+class ToolFlagError(ValueError):
+    """A :class:`ToolChecks` error: the tools report it on one line, without the usage."""
 
-# Every numeric flag with a range, checked first whenever the value is set (not None), so that a
-# value outside it fails here and not as a torch or numpy error after the model is built.
-# tests/config/test_ranges.py checks that every int/float field is listed (the deprecated ones,
-# refused whatever their value, excepted).
-RANGES: dict[tuple[str, str], _Range] = {
-    **{("model", name): _POSITIVE_INT for name in (
-        "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size",
-        "ffn_hidden_size", "num_attention_heads", "kv_channels", "max_position_embeddings",
-        "make_vocab_size_divisible_by", "num_experts")},
-    ("model", "rotary_percent"): _FRACTION,
-    ("model", "layernorm_epsilon"): _POSITIVE,
-    # p = 1 would scale the kept activations by 1 / (1 - p).
-    ("model", "attention_dropout"): _BELOW_ONE,
-    ("model", "hidden_dropout"): _BELOW_ONE,
-    ("model", "seed"): _SEED,
-    ("model", "init_method_std"): _POSITIVE,
-    ("parallel", "tensor_model_parallel_size"): _POSITIVE_INT,
-    ("parallel", "pipeline_model_parallel_size"): _POSITIVE_INT,
-    ("parallel", "pipeline_model_parallel_split_rank"): _NON_NEGATIVE_INT,
-    ("parallel", "num_layers_per_virtual_pipeline_stage"): _POSITIVE_INT,
-    ("parallel", "distributed_timeout_minutes"): _POSITIVE_INT,
-    ("parallel", "watchdog_timeout_seconds"): _POSITIVE,
-    ("parallel", "local_rank"): _NON_NEGATIVE_INT,
-    **{("training", name): _POSITIVE_INT for name in (
-        "micro_batch_size", "global_batch_size", "recompute_num_layers", "train_iters",
-        "train_samples", "exit_duration_in_mins", "eval_interval")},
-    # 0 means "never", as in Megatron-LM's scripts.
-    ("training", "exit_interval"): _NON_NEGATIVE_INT,
-    ("training", "eval_iters"): _NON_NEGATIVE_INT,
-    ("optimizer", "lr"): _NON_NEGATIVE,
-    ("optimizer", "lr_decay_iters"): _POSITIVE_INT,
-    ("optimizer", "lr_decay_samples"): _POSITIVE_INT,
-    ("optimizer", "lr_warmup_fraction"): _BELOW_ONE,
-    ("optimizer", "lr_warmup_iters"): _NON_NEGATIVE_INT,
-    ("optimizer", "lr_warmup_samples"): _NON_NEGATIVE_INT,
-    **{("optimizer", name): _NON_NEGATIVE for name in (
-        "min_lr", "weight_decay", "start_weight_decay", "end_weight_decay", "clip_grad")},
-    # torch.optim's own bounds (beta = 1 never forgets; momentum = 1 never decays).
-    ("optimizer", "adam_beta1"): _BELOW_ONE,
-    ("optimizer", "adam_beta2"): _BELOW_ONE,
-    ("optimizer", "sgd_momentum"): _BELOW_ONE,
-    ("optimizer", "adam_eps"): _POSITIVE,
-    **{("precision", name): _POSITIVE for name in (
-        "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")},
-    ("precision", "hysteresis"): _POSITIVE_INT,
-    **{("data", name): _POSITIVE_INT for name in (
-        "seq_length", "encoder_seq_length", "decoder_seq_length", "retriever_seq_length")},
-    ("data", "sample_rate"): _FRACTION,
-    ("data", "mask_prob"): _PROBABILITY,
-    ("data", "short_seq_prob"): _PROBABILITY,
-    ("data", "num_workers"): _NON_NEGATIVE_INT,
-    ("tokenizer", "vocab_size"): _POSITIVE_INT,
-    ("tokenizer", "vocab_extra_ids"): _NON_NEGATIVE_INT,
-    ("checkpoint", "save_interval"): _NON_NEGATIVE_INT,
-    ("checkpoint", "ckpt_step"): _NON_NEGATIVE_INT,
-    ("logging", "log_interval"): _POSITIVE_INT,
-    ("logging", "tensorboard_log_interval"): _POSITIVE_INT,
-    ("logging", "tensorboard_queue_size"): _POSITIVE_INT,
-}
+
+def _run_tool_checks(checks: Sequence[Callable], cfg) -> None:
+    for check in checks:
+        try:
+            check(cfg)
+        except ToolFlagError:
+            raise
+        except ValueError as err:
+            raise ToolFlagError(str(err)) from err
 
 
 def validate(flags, world_size: int, require_model: bool = True,
-             require_train_length: bool = False, require_data: bool = False):
+             require_train_length: bool = False, require_data: bool = False,
+             tool_checks: ToolChecks = ToolChecks()):
     """Check the flags for a run of ``world_size`` ranks; return the final config.
 
     Args:
@@ -149,25 +76,32 @@ def validate(flags, world_size: int, require_model: bool = True,
             must be given unless --skip-train.
         require_data: the script reads its samples from the --data-path flags
             (pretrain_gpt.py, pretrain_bert.py): one of them, or --mock-data, must be given.
+        tool_checks: the running tool's own checks, run first and last.
 
     Returns:
         A read-only copy with every derived value filled in (defaults that depend on other
         flags, the data-parallel size, the params dtype, the padded vocabulary size).
 
     Raises:
-        ValueError: an impossible or unsupported combination, naming the flags.
+        ValueError: an impossible or unsupported combination, naming the flags
+            (:class:`ToolFlagError` from ``tool_checks``).
     """
+    _run_tool_checks(tool_checks.given, flags)
     cfg = copy.deepcopy(flags)
-    _check_deprecated(cfg)
-    _check_ranges(cfg)
-    _derive_parallel_sizes(cfg, world_size)
+    check_deprecated(cfg)
+    check_ranges(cfg)
+    derive(cfg, world_size, require_model=require_model,
+           require_train_length=require_train_length)
+    # The checks keep the order they had when each one derived its own values: with several
+    # errors, the first one reported stays the same.
+    _check_parallel_sizes(cfg, world_size)
     if require_model:
         _check_model_shape(cfg)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
     _check_interleaved_schedule(cfg)
     _check_precision(cfg)
-    _check_schedule(cfg)
+    _check_schedule(cfg, given=flags.optimizer)
     if require_train_length:
         _check_training_run(cfg)
     if cfg.training.skip_train:
@@ -181,20 +115,15 @@ def validate(flags, world_size: int, require_model: bool = True,
     if require_data:
         # After the checks of flags given: a flag given wrong is the more specific error.
         _check_data_given(cfg.data)
-    _check_not_implemented(cfg)
+    check_not_implemented(cfg)
     if require_model:
-        _derive_padded_vocab_size(cfg)
-    return make_read_only(cfg)
+        derive_padded_vocab_size(cfg)
+    cfg = make_read_only(cfg)
+    _run_tool_checks(tool_checks.validated, cfg)
+    return cfg
 
 
-def _check_deprecated(cfg) -> None:
-    for (section, name), (old, new) in _DEPRECATED.items():
-        value = getattr(getattr(cfg, section), name)
-        if value not in (None, False):
-            raise ValueError(f"{old} is no longer supported; use {new}")
-
-
-def _derive_parallel_sizes(cfg, world_size: int) -> None:
+def _check_parallel_sizes(cfg, world_size: int) -> None:
     par = cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
@@ -202,22 +131,9 @@ def _derive_parallel_sizes(cfg, world_size: int) -> None:
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
             f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of "
             f"{tp * pp} processes or change the parallel sizes")
-    cfg.world_size = world_size
-    cfg.data_parallel_size = world_size // (tp * pp)
     if par.distributed_backend == "nccl" and not device.accelerator_available():
         raise ValueError("--distributed-backend nccl needs CUDA, which this machine lacks; "
                          "use --distributed-backend gloo")
-
-
-def _check_ranges(cfg) -> None:
-    """Every value set against its range in :data:`RANGES`, naming the flag as spelled."""
-    for (section, name), allowed in RANGES.items():
-        sec = getattr(cfg, section)
-        value = getattr(sec, name)
-        if value is None or value in allowed:
-            continue
-        field = next(f for f in dataclasses.fields(sec) if f.name == name)
-        raise ValueError(f"{flag_name(field)} ({value}) must be {allowed.text}")
 
 
 def _check_model_shape(cfg) -> None:
@@ -231,22 +147,14 @@ def _check_model_shape(cfg) -> None:
     if m.num_attention_heads % tp != 0:
         raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                          f"--tensor-model-parallel-size ({tp})")
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
     if m.ffn_hidden_size % tp != 0:
         raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
                          f"--tensor-model-parallel-size ({tp})")
-    if m.kv_channels is None:
-        if m.hidden_size % m.num_attention_heads != 0:
-            raise ValueError(f"--hidden-size ({m.hidden_size}) is not divisible by "
-                             f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels")
-        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if m.kv_channels is None:  # not derived: the heads do not split the hidden size
+        raise ValueError(f"--hidden-size ({m.hidden_size}) is not divisible by "
+                         f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels")
     d = cfg.data
-    if d.seq_length is None:
-        d.seq_length = d.encoder_seq_length
-    elif d.encoder_seq_length is None:
-        d.encoder_seq_length = d.seq_length
-    elif d.encoder_seq_length != d.seq_length:
+    if d.encoder_seq_length != d.seq_length:
         raise ValueError(f"--seq-length ({d.seq_length}) and --encoder-seq-length "
                          f"({d.encoder_seq_length}) differ")
     if d.seq_length is not None and d.seq_length > m.max_position_embeddings:
@@ -273,20 +181,12 @@ def _check_pipeline_layers(cfg) -> None:
                 f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = "
                 f"{layers // pp} layers per stage is not divisible by "
                 f"--num-layers-per-virtual-pipeline-stage ({per_virtual})")
-        cfg.virtual_pipeline_model_parallel_size = (layers // pp) // per_virtual
-    else:
-        # As Megatron-LM: p2p overlap only exists in the interleaved schedule.
-        par.overlap_p2p_comm = False
 
 
 def _check_batch(cfg) -> None:
     t, dp = cfg.training, cfg.data_parallel_size
-    if t.micro_batch_size is None:
-        t.micro_batch_size = 1 if t.global_batch_size is None else None
     if t.micro_batch_size is None or t.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be a positive integer, got {t.micro_batch_size}")
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         raise ValueError(
             f"--global-batch-size ({t.global_batch_size}) is not divisible by "
@@ -341,14 +241,8 @@ def _check_precision(cfg) -> None:
     p = cfg.precision
     if p.fp16 and p.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive: pick one")
-    cfg.params_dtype = torch.half if p.fp16 else torch.bfloat16 if p.bf16 else torch.float32
-    if p.bf16:
-        # bf16 gradients lose too much precision when summed: Megatron forces fp32 accumulation.
-        p.accumulate_allreduce_grads_in_fp32 = True
     if p.fp16_lm_cross_entropy and not p.fp16:
         raise ValueError("--fp16-lm-cross-entropy needs --fp16")
-    if p.fp32_residual_connection and not (p.fp16 or p.bf16):
-        raise ValueError("--fp32-residual-connection needs --fp16 or --bf16")
     if p.fp16 and p.loss_scale is None:
         _check_dynamic_loss_scale(p)
     if (p.accumulate_allreduce_grads_in_fp32 or cfg.parallel.use_distributed_optimizer) \
@@ -372,7 +266,9 @@ def _check_dynamic_loss_scale(p) -> None:
                          f"--initial-loss-scale ({p.initial_loss_scale})")
 
 
-def _check_schedule(cfg) -> None:
+def _check_schedule(cfg, given) -> None:
+    """``given``: the optimizer flags as parsed (the derived weight decays hide whether the
+    start and end ones were given)."""
     t, o = cfg.training, cfg.optimizer
     if t.train_iters is not None:
         if o.lr_decay_samples is not None or o.lr_warmup_samples:
@@ -391,10 +287,9 @@ def _check_schedule(cfg) -> None:
     if o.lr is not None and o.min_lr > o.lr:
         raise ValueError(f"--min-lr ({o.min_lr}) is larger than --lr ({o.lr})")
     if o.weight_decay_incr_style == "constant":
-        if o.start_weight_decay is not None or o.end_weight_decay is not None:
+        if given.start_weight_decay is not None or given.end_weight_decay is not None:
             raise ValueError("--start-weight-decay/--end-weight-decay need "
                              "--weight-decay-incr-style linear or cosine")
-        o.start_weight_decay = o.end_weight_decay = o.weight_decay
     elif o.start_weight_decay is None or o.end_weight_decay is None:
         raise ValueError(f"--weight-decay-incr-style {o.weight_decay_incr_style} needs "
                          "--start-weight-decay and --end-weight-decay")
@@ -426,11 +321,7 @@ def _check_warmup_shorter_than_decay(t, o) -> None:
 def _check_training_run(cfg) -> None:
     t = cfg.training
     if t.skip_train:
-        # Evaluation only: the optimizer and LR schedule are never stepped, so their saved
-        # state is not loaded (nor checked against the length and --lr flags, which may be left
-        # out). Megatron-LM 23.06 still demanded a length here and then failed inside.
-        cfg.checkpoint.no_load_optim = True
-        return
+        return  # evaluation only: no length nor --lr needed (the optimizer is not loaded)
     if t.train_iters is None and t.train_samples is None:
         raise ValueError("give the run's length with --train-iters or --train-samples "
                          "(or --skip-train to only evaluate)")
@@ -449,13 +340,10 @@ def _check_evaluates_a_checkpoint(ck) -> None:
     if ck.load is None:
         raise ValueError("--skip-train evaluates a checkpoint: give --load (or --random-weights "
                          "to evaluate untrained weights on purpose)")
-    ck.exit_on_missing_checkpoint = True  # a --load holding none is refused when loading
 
 
 def _check_recompute(cfg) -> None:
     t, tp = cfg.training, cfg.parallel.tensor_model_parallel_size
-    if t.recompute_activations:
-        t.recompute_granularity = "selective"
     if t.recompute_granularity == "selective" and t.recompute_method is not None:
         raise ValueError("--recompute-method applies to --recompute-granularity full only")
     if t.recompute_granularity == "full" and t.recompute_method is None:
@@ -466,17 +354,11 @@ def _check_recompute(cfg) -> None:
 
 
 def _check_sequence_parallel(cfg) -> None:
-    """Megatron-LM (23.06 and core_v0.13 alike) switches --sequence-parallel off without tensor
-    parallelism, where it would change nothing but the numerics; it warns (core_v0.13)."""
+    """The sequence splits evenly over the TP ranks (TP=1 switched it off: derive.py)."""
     par = cfg.parallel
     if not par.sequence_parallel:
         return
     tp = par.tensor_model_parallel_size
-    if tp == 1:
-        warnings.warn("--sequence-parallel is disabled: it needs --tensor-model-parallel-size "
-                      "> 1 (Megatron-LM disables it too)", stacklevel=2)
-        par.sequence_parallel = False
-        return
     seq = cfg.data.seq_length
     if seq is not None and seq % tp != 0:
         raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
@@ -488,8 +370,6 @@ def _check_misc(cfg) -> None:
     ck, d = cfg.checkpoint, cfg.data
     if ck.save is not None and ck.save_interval is None:
         raise ValueError("--save needs --save-interval")
-    if d.dataloader_type is None:
-        d.dataloader_type = "single"
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         raise ValueError("--reset-attention-mask needs the per-sample attention mask: drop "
                          "--no-create-attention-mask-in-dataloader")
@@ -585,49 +465,6 @@ def _check_tokenizer(cfg) -> None:
                              f"{tok.tokenizer_type})")
 
 
-def _derive_padded_vocab_size(cfg) -> None:
-    """The embedding size the model is built with: the tokenizer's vocabulary padded to a
-    multiple of --make-vocab-size-divisible-by x TP (--mock-data without a tokenizer uses a
-    NullTokenizer of --vocab-size, default GPT-2's 50257)."""
-    from megatron.tokenizer import create_tokenizer, vocab_size_with_padding
-
-    tok = cfg.tokenizer
-    if tok.tokenizer_type is None and cfg.data.mock_data:
-        tok.tokenizer_type = "NullTokenizer"
-        tok.vocab_size = tok.vocab_size or 50257
-    if tok.tokenizer_type is None:
-        return
-    vocab_size = create_tokenizer(tok).vocab_size
-    saved = cfg.padded_vocab_size if cfg.checkpoint.use_checkpoint_args else None
-    if saved is not None:  # --use-checkpoint-args: the checkpoint's embedding size wins
-        tp = cfg.parallel.tensor_model_parallel_size
-        if saved < vocab_size or saved % tp:
-            raise ValueError(f"--use-checkpoint-args: the checkpoint's padded vocabulary "
-                             f"({saved}) must hold the tokenizer's {vocab_size} tokens and split "
-                             f"over --tensor-model-parallel-size {tp}; re-pad it with "
-                             "tools/checkpoint/convert.py --target-vocab-size-divisible-by")
-        cfg.padded_vocab_size = saved
-        return
-    cfg.padded_vocab_size = vocab_size_with_padding(
-        vocab_size, cfg.model.make_vocab_size_divisible_by,
-        cfg.parallel.tensor_model_parallel_size)
-
-
-def _check_pipeline_not_implemented(cfg) -> None:
-    """Pipeline combinations Megatron-LM runs and this framework does not (yet)."""
-    par, pp = cfg.parallel, cfg.parallel.pipeline_model_parallel_size
-    if pp > 1 and par.overlap_grad_reduce and par.use_distributed_optimizer \
-            and not cfg.model.untie_embeddings_and_output_weights:
-        raise ValueError(
-            f"--pipeline-model-parallel-size {pp} with tied embeddings, --overlap-grad-reduce "
-            "and --use-distributed-optimizer: the two stages' embedding gradients would be "
-            "summed after each was reduce-scattered over a different shard layout; drop "
-            "--overlap-grad-reduce, or pass --untie-embeddings-and-output-weights")
-
-
-BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
-"""Tokenizers with the [CLS]/[SEP]/[MASK]/[PAD] tokens BERT samples are made of."""
-
 # GPT-dataset flags that BERT's samples (sentence pairs with a padding mask) never read.
 _GPT_ONLY_DATA_FLAGS = {"reset_position_ids": "--reset-position-ids",
                         "reset_attention_mask": "--reset-attention-mask",
@@ -653,15 +490,3 @@ def check_bert_flags(cfg) -> None:
         raise ValueError(f"--tokenizer-type {tok}: BERT needs a WordPiece vocabulary with "
                          f"[CLS], [SEP], [MASK] and [PAD]: use --tokenizer-type "
                          f"{' or '.join(BERT_TOKENIZERS)} with --vocab-file")
-
-
-def _check_not_implemented(cfg) -> None:
-    for (section, name), flag in NOT_IMPLEMENTED.items():
-        sec = getattr(cfg, section)
-        default = {f.name: f.default for f in dataclasses.fields(sec)}[name]
-        if getattr(sec, name) != default:
-            raise ValueError(f"{flag} is a Megatron-LM flag this framework does not implement yet")
-    _check_pipeline_not_implemented(cfg)
-    if cfg.model.transformer_impl != "local":
-        raise ValueError("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, "
-                         "which this framework does not use; use --transformer-impl local")

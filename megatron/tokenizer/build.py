@@ -6,7 +6,8 @@ import os
 
 from megatron.core.log import log_rank_0
 from megatron.tokenizer.base import AbstractTokenizer
-from megatron.tokenizer.config import FILE_FIELDS, REQUIRED_FIELDS, TokenizerConfig
+from megatron.tokenizer.config import (BERT_TOKENIZERS, FILE_FIELDS, REQUIRED_FIELDS,
+                                       TokenizerConfig)
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
@@ -61,7 +62,7 @@ def _create(kind: str, cfg: TokenizerConfig) -> AbstractTokenizer:
     if kind == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2 import GPT2BPETokenizer
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
-    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+    if kind in BERT_TOKENIZERS:
         from megatron.tokenizer.bert import BertWordPieceTokenizer
         return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind == "BertWordPieceLowerCase",
                                       vocab_extra_ids=cfg.vocab_extra_ids)

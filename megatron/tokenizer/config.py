@@ -21,6 +21,10 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 }
 FILE_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
 
+BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
+"""Tokenizers with the [CLS]/[SEP]/[MASK]/[PAD] tokens BERT samples are made of, and that split
+text into words and WordPiece sub-tokens (pretrain_bert.py and the SQuAD task accept only these)."""
+
 
 @dataclasses.dataclass(kw_only=True)
 class TokenizerConfig:

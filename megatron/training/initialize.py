@@ -13,6 +13,7 @@ import torch
 from megatron.config import MegatronConfig
 from megatron.config.cli import (ExtraArgsProvider, ToolSection, parse_command_line,
                                  validate_or_exit)
+from megatron.config.validate import ToolChecks
 from megatron.core import device, parallel_state
 from megatron.core.log import log_rank_0
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
@@ -45,7 +46,8 @@ def initialize_megatron(argv: Sequence[str] | None = None,
 
 def initialize_from_config(flags: MegatronConfig, parser: argparse.ArgumentParser | None = None,
                            *, require_model: bool = True, require_train_length: bool = False,
-                           require_data: bool = False) -> MegatronConfig:
+                           require_data: bool = False,
+                           tool_checks: ToolChecks | None = None) -> MegatronConfig:
     """The config entry point: validate parsed ``flags`` (:func:`validated_config`), before any
     process group exists, then start torch.distributed, build the groups and seed the RNGs.
 
@@ -56,7 +58,8 @@ def initialize_from_config(flags: MegatronConfig, parser: argparse.ArgumentParse
         The validated, read-only configuration.
     """
     cfg = validated_config(flags, parser, require_model=require_model,
-                           require_train_length=require_train_length, require_data=require_data)
+                           require_train_length=require_train_length, require_data=require_data,
+                           tool_checks=tool_checks)
     initialize_distributed(cfg)
     set_random_seed(cfg.model.seed, cfg.model.data_parallel_random_init)
     return cfg
@@ -64,7 +67,8 @@ def initialize_from_config(flags: MegatronConfig, parser: argparse.ArgumentParse
 
 def validated_config(flags: MegatronConfig, parser: argparse.ArgumentParser | None = None, *,
                      require_model: bool = True, require_train_length: bool = False,
-                     require_data: bool = False) -> MegatronConfig:
+                     require_data: bool = False,
+                     tool_checks: ToolChecks | None = None) -> MegatronConfig:
     """``flags`` (as parsed; left unchanged) with ``--use-checkpoint-args`` applied, validated;
     starts nothing. A bad combination exits with ``parser``'s usage and a one-line error.
 
@@ -72,13 +76,14 @@ def validated_config(flags: MegatronConfig, parser: argparse.ArgumentParser | No
         require_model: the architecture flags must be present.
         require_train_length: the script trains: a run length is required.
         require_data: the script reads the --data-path flags: a data source is required.
+        tool_checks: the script's own checks, run by validate() (an error exits on one line).
     """
     if flags.checkpoint.use_checkpoint_args:
         flags = copy.deepcopy(flags)  # the checkpoint's values go into a copy
         apply_checkpoint_args(flags)
     return validate_or_exit(flags, require_model=require_model,
                             require_train_length=require_train_length, parser=parser,
-                            require_data=require_data)
+                            require_data=require_data, tool_checks=tool_checks)
 
 
 def initialize_distributed(cfg: MegatronConfig) -> None:

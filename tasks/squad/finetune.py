@@ -25,6 +25,7 @@ import torch
 
 from megatron.core import comm
 from megatron.core.log import log_rank_0, log_rank_last
+from megatron.tokenizer.config import BERT_TOKENIZERS
 from tasks.eval_utils import forward_outputs, share_from_last_stage
 from tasks.finetune_loaders import evaluation_loader
 from tasks.finetune_utils import finetune
@@ -35,8 +36,6 @@ from tasks.squad.flags import SquadFlags, check_squad_flags
 from tasks.squad.model import span_forward_step, squad_model_provider
 from tasks.squad.postprocess import compute_predictions, write_predictions
 from tasks.squad.reader import SquadExample, SquadFile, read_squad_examples
-
-BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 class SquadFeatureDataset(torch.utils.data.Dataset):

@@ -76,13 +76,13 @@ def test_derived_parallel_sizes():
 
 def test_derived_pipeline_sizes():
     """PP layouts are derived (and checked), virtual stages included."""
-    from megatron.config.validate import _check_pipeline_layers, _derive_parallel_sizes
+    from megatron.config.validate import _derive_parallel_sizes, _derive_pipeline_layers
 
     cfg = parse_args(BASE + "--pipeline-model-parallel-size 4 --tensor-model-parallel-size 2 "
                      "--num-layers 8 --num-layers-per-virtual-pipeline-stage 1".split(),
                      world_size=16, validate_config=False)
     _derive_parallel_sizes(cfg, 16)
-    _check_pipeline_layers(cfg)
+    _derive_pipeline_layers(cfg)
     assert cfg.data_parallel_size == 2 and cfg.virtual_pipeline_model_parallel_size == 2
 
 
