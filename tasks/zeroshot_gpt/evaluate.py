@@ -10,6 +10,7 @@ The sums are reduced over data-parallel ranks and the last pipeline stage prints
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -129,8 +130,11 @@ def check_run(cfg, ex: TaskFlags) -> None:
 
 def model_provider(cfg, pre_process: bool = True, post_process: bool = True, *,
                    metric: str = "loss") -> torch.nn.Module:
-    """Megatron's choice: vocabulary-parallel logits for the loss, gathered ones for argmax."""
-    return build_model_stage(GPTModel, transformer_config(cfg), pre_process=pre_process,
+    """Megatron's choice: vocabulary-parallel logits for the loss, gathered ones for argmax.
+    Sequence parallelism is off, as for generation: evaluation saves no activations for a
+    backward, so splitting the sequence would only add communication (no weight changes)."""
+    config = dataclasses.replace(transformer_config(cfg), sequence_parallel=False)
+    return build_model_stage(GPTModel, config, pre_process=pre_process,
                              post_process=post_process, parallel_output=metric == "loss")
 
 

@@ -211,11 +211,14 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
     hits = sum(max(range(3), key=p.__getitem__) == y for p, y in zip(probs, labels))
     assert hits / 48 == evaluated["evaluations"][0][2]["accuracy"]
 
-    # TP=2, DP=2 and PP=2 (a world of two) finetune as one process; PP=2 also for RACE (its
-    # [s, b x 4, h] activations), its checkpoint evaluated by --load and as a pretrained one.
+    # TP=2 (also with --sequence-parallel), DP=2 and PP=2 (a world of two) finetune as one
+    # process; PP=2 also for RACE (its [s, b x 4, h] activations), its checkpoint evaluated by
+    # --load and as a pretrained one.
     pp2, pp_save = ("--pipeline-model-parallel-size", "2"), tmp_path / "pp2"
-    tp2, dp2, pp2_mnli, pp2_race, pp2_load, pp2_pretrained = pooled(2, [
+    tp2, tp2_sp, dp2, pp2_mnli, pp2_race, pp2_load, pp2_pretrained = pooled(2, [
         {"argv": argv(data, "MNLI", *mnli, tp=2, **reference_flags)},
+        {"argv": argv(data, "MNLI", *mnli, tp=2, **reference_flags,
+                      extra=("--sequence-parallel",))},
         {"argv": argv(data, "MNLI", *mnli, **{**reference_flags, "mbs": 2})},
         {"argv": argv(data, "MNLI", *mnli, **reference_flags,
                       extra=(*pp2, "--save", pp_save, *save)), "single_process_init": True},
@@ -225,7 +228,7 @@ def test_learns_each_format_resumes_exactly_and_matches_tp_dp(data, tmp_path):
         {"argv": argv(data, "MNLI", [], mnli[1], epochs=0,
                       extra=(*pp2, "--pretrained-checkpoint", pp_save))},
     ])
-    for runs in (tp2, dp2):
+    for runs in (tp2, tp2_sp, dp2):
         for rank_result in runs:
             assert rank_result["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0)
             assert rank_result["evaluations"][-1][2] == reference["evaluations"][-1][2]
