@@ -21,9 +21,6 @@ from megatron.core import device
 # Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
 # Setting one to a non-default value is an error rather than a silent no-op.
 NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
-    ("model", "use_rotary_position_embeddings"): "--use-rotary-position-embeddings",
-    ("model", "squared_relu"): "--squared-relu",
-    ("model", "swiglu"): "--swiglu",
     ("model", "num_experts"): "--num-experts",
     ("model", "encoder_num_layers"): "--encoder-num-layers",
     ("model", "decoder_num_layers"): "--decoder-num-layers",
@@ -84,7 +81,7 @@ RANGES: dict[tuple[str, str], _Range] = {
     **{("model", name): _POSITIVE_INT for name in (
         "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size",
         "ffn_hidden_size", "num_attention_heads", "kv_channels", "max_position_embeddings",
-        "make_vocab_size_divisible_by", "num_experts")},
+        "make_vocab_size_divisible_by", "num_experts", "num_query_groups", "rotary_base")},
     ("model", "rotary_percent"): _FRACTION,
     ("model", "layernorm_epsilon"): _POSITIVE,
     # p = 1 would scale the kept activations by 1 / (1 - p).
@@ -162,7 +159,9 @@ def validate(flags, world_size: int, require_model: bool = True,
     _check_ranges(cfg)
     _derive_parallel_sizes(cfg, world_size)
     if require_model:
+        _check_llama_features(cfg)
         _check_model_shape(cfg)
+        _check_query_groups(cfg)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
     _check_interleaved_schedule(cfg)
@@ -220,6 +219,50 @@ def _check_ranges(cfg) -> None:
         raise ValueError(f"{flag_name(field)} ({value}) must be {allowed.text}")
 
 
+def _check_llama_features(cfg) -> None:
+    """RoPE, the gated/squared MLPs: Megatron-LM core_v0.13's rules (runs before the shape
+    check, which derives --ffn-hidden-size from --swiglu)."""
+    m = cfg.model
+    if m.use_rotary_position_embeddings:
+        if m.position_embedding_type == "none":
+            raise ValueError("--use-rotary-position-embeddings and --position-embedding-type "
+                             "none contradict; drop one")
+        m.position_embedding_type = "rope"  # the older spelling, as Megatron-LM maps it
+    if m.position_embedding_type != "learned_absolute":
+        m.add_position_embedding = False  # the learned table is learned_absolute's only
+    if m.swiglu and m.squared_relu:
+        raise ValueError("--swiglu and --squared-relu both choose the MLP activation; "
+                         "give one")
+
+
+def _default_ffn_hidden_size(m) -> int:
+    """4 h, or with --swiglu two thirds of it rounded down to a multiple of 64 (Megatron-LM:
+    the gated MLP's two fc1 halves then hold about the parameters of a 4 h GeLU MLP)."""
+    if not m.swiglu:
+        return 4 * m.hidden_size
+    ffn = int((4 * m.hidden_size * 2 / 3) / 64) * 64
+    if ffn == 0:
+        raise ValueError(f"--swiglu with --hidden-size {m.hidden_size} gives a default "
+                         "--ffn-hidden-size of 0 (int(8 h / 3 / 64) * 64); set --ffn-hidden-size")
+    return ffn
+
+
+def _check_query_groups(cfg) -> None:
+    """--num-query-groups must split over TP ranks and divide the query heads."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if not m.group_query_attention:
+        m.num_query_groups = None  # ignored without --group-query-attention (Megatron-LM)
+        return
+    g = m.num_query_groups
+    if g % tp != 0:
+        raise ValueError(f"--num-query-groups ({g}) with --group-query-attention is not "
+                         f"divisible by --tensor-model-parallel-size ({tp}): every TP rank "
+                         "holds whole key/value groups; use a multiple of the TP size")
+    if m.num_attention_heads % g != 0:
+        raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                         f"--num-query-groups ({g}) with --group-query-attention")
+
+
 def _check_model_shape(cfg) -> None:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     missing = [flag for flag, value in (
@@ -232,7 +275,7 @@ def _check_model_shape(cfg) -> None:
         raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                          f"--tensor-model-parallel-size ({tp})")
     if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
+        m.ffn_hidden_size = _default_ffn_hidden_size(m)
     if m.ffn_hidden_size % tp != 0:
         raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
                          f"--tensor-model-parallel-size ({tp})")
