@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core import device as device_mod
+
 
 class RotaryEmbedding(torch.nn.Module):
     """The RoPE angle table (no parameters).
@@ -59,9 +61,12 @@ class RotaryEmbedding(torch.nn.Module):
                 min_length: int = 0, device: torch.device | None = None) -> torch.Tensor:
         """Angles ``[s, b|1, 1, rot]`` of ``position_ids`` ``[b, s]``; without them (pipeline
         stages after the first during generation, unit tests) positions ``offset ..
-        offset + seq_length - 1`` (``[s, 1, 1, rot]``)."""
+        offset + seq_length - 1`` (``[s, 1, 1, rot]``). The table covers ``min_length``
+        positions (the caller's maximum position + 1: reading the ids' maximum would cost a
+        device sync every forward)."""
         if position_ids is None:
-            table = self.table(max(min_length, offset + seq_length), device)
+            table = self.table(max(min_length, offset + seq_length),
+                               device or device_mod.get_device())
             return table[offset:offset + seq_length].view(seq_length, 1, 1, self.dim)
         table = self.table(max(min_length, offset + seq_length), position_ids.device)
         angles = table[position_ids]  # [b, s, rot]
