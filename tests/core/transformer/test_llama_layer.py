@@ -159,3 +159,20 @@ def test_generation_with_the_cache_equals_recomputation():
         rotary = model.language_model.rotary_pos_emb(None, 1, 6, min_length=16)
         torch.testing.assert_close(
             rotary[0, 0, 0], model.language_model.rotary_pos_emb(positions[:, 6:7], 1, min_length=16)[0, 0, 0])
+
+
+@pytest.mark.parametrize("changes", [{}, {"add_qkv_bias": True, "num_query_groups": 1},
+                                     {"add_bias_linear": True, "normalization": "LayerNorm"}])
+def test_parameter_count_and_flops(changes):
+    from megatron.core.flops import num_floating_point_operations, num_parameters
+
+    cfg = TransformerConfig(**{**LLAMA, **changes, "padded_vocab_size": 64,
+                               "max_position_embeddings": 16})
+    assert num_parameters(cfg) == sum(p.numel() for p in GPTModel(cfg, None).parameters())
+    # Megatron-LM core_v0.13's formula (causal attention counted in full, as 23.06):
+    # 12 B s L h^2 [(1 + G/np + s/h) hp/h + 3/2 f/h (SwiGLU)] + 6 B s V h.
+    b, s, h, f, hp = 2, 16, H, cfg.ffn_hidden_size, cfg.kv_channels * NP
+    g = cfg.num_query_groups
+    megatron = 12 * b * s * 2 * h * h * ((1 + g / NP + s / h) * hp / h + 1.5 * f / h) \
+        + 6 * b * s * 64 * h
+    assert num_floating_point_operations(cfg, b, s) == pytest.approx(megatron)
