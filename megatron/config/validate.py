@@ -162,6 +162,7 @@ def validate(flags, world_size: int, require_model: bool = True,
         _check_llama_features(cfg)
         _check_model_shape(cfg)
         _check_query_groups(cfg)
+        _check_rotary_dims(cfg.model)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
     _check_interleaved_schedule(cfg)
@@ -261,6 +262,13 @@ def _check_query_groups(cfg) -> None:
     if m.num_attention_heads % g != 0:
         raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                          f"--num-query-groups ({g}) with --group-query-attention")
+
+
+def _check_rotary_dims(m) -> None:
+    """RoPE turns dimension pairs: at least one pair of each head must rotate."""
+    if m.position_embedding_type == "rope" and int(m.kv_channels * m.rotary_percent) < 2:
+        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of --kv-channels "
+                         f"({m.kv_channels}) rotates fewer than 2 dimensions; raise it")
 
 
 def _check_model_shape(cfg) -> None:

@@ -95,3 +95,8 @@ def test_swiglu_default_ffn_of_zero(capsys):
 def test_rope_and_none_contradict(capsys):
     err = _refused(capsys, "--use-rotary-position-embeddings --position-embedding-type none")
     assert "--use-rotary-position-embeddings" in err and "--position-embedding-type" in err
+
+
+def test_rotary_needs_a_pair_of_dims(capsys):
+    err = _refused(capsys, "--position-embedding-type rope --rotary-percent 0.1")  # 12 * 0.1
+    assert "--rotary-percent (0.1)" in err and "--kv-channels (12)" in err
