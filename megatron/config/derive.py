@@ -54,10 +54,31 @@ def derive_parallel_sizes(cfg, world_size: int) -> None:
         cfg.data_parallel_size = world_size // model_parallel
 
 
+def _derive_llama_features(m) -> None:
+    """RoPE's older spelling, the learned position table only for learned_absolute, and the
+    query groups only with --group-query-attention (Megatron-LM core_v0.13's rules)."""
+    if m.use_rotary_position_embeddings and m.position_embedding_type != "none":
+        m.position_embedding_type = "rope"  # the older spelling, as Megatron-LM maps it
+    if m.position_embedding_type != "learned_absolute":
+        m.add_position_embedding = False  # the learned table is learned_absolute's only
+    if not m.group_query_attention:
+        m.num_query_groups = None  # ignored without --group-query-attention (Megatron-LM)
+
+
+def _default_ffn_hidden_size(m) -> int | None:
+    """4 h, or with --swiglu two thirds of it rounded down to a multiple of 64 (Megatron-LM:
+    the gated MLP's two fc1 halves then hold about the parameters of a 4 h GeLU MLP); None
+    where that is 0 (the check names --ffn-hidden-size)."""
+    if not m.swiglu:
+        return 4 * m.hidden_size
+    return int((4 * m.hidden_size * 2 / 3) / 64) * 64 or None
+
+
 def _derive_model_shape(cfg) -> None:
     m, d = cfg.model, cfg.data
+    _derive_llama_features(m)
     if m.ffn_hidden_size is None and m.hidden_size is not None:
-        m.ffn_hidden_size = 4 * m.hidden_size
+        m.ffn_hidden_size = _default_ffn_hidden_size(m)
     if m.kv_channels is None and m.hidden_size is not None and m.num_attention_heads \
             and m.hidden_size % m.num_attention_heads == 0:
         m.kv_channels = m.hidden_size // m.num_attention_heads

@@ -29,16 +29,30 @@ class ModelConfig:
     """Projection size per attention head; defaults to --hidden-size / --num-attention-heads."""
     max_position_embeddings: int | None = None
     """Maximum sequence length the learned position embedding supports."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position embedding: a learned absolute table, rotary (RoPE, in every attention layer),
+    or none."""
     use_rotary_position_embeddings: bool = False
-    """Use rotary position embeddings instead of learned absolute ones."""
+    """Older spelling of --position-embedding-type rope."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that rotary embeddings rotate."""
+    rotary_base: int = 10000
+    """Base of the rotary embeddings' geometric frequency sequence."""
+    rotary_interleaved: bool = False
+    """Rotate adjacent dimension pairs instead of the two halves of the rotary dimensions."""
+    group_query_attention: bool = False
+    """Grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
+    num_query_groups: int | None = 1
+    """Key/value heads with --group-query-attention (ignored without it, as Megatron-LM)."""
     add_position_embedding: bool = spec(True, flag="--no-position-embedding")
     """Disable the learned position embedding."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this value x TP size, for efficient GEMMs."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """The norm of every transformer layer and the final norm."""
     layernorm_epsilon: float = spec(1e-5, aliases=("--norm-epsilon",))
-    """Epsilon of every LayerNorm."""
+    """Epsilon of every norm (LayerNorm or RMSNorm); --norm-epsilon is Megatron-LM
+    core_v0.13's name."""
     apply_layernorm_1p: bool = False
     """LayerNorm weights are stored as (gamma - 1), centring them at zero."""
     apply_residual_connection_post_layernorm: bool = False
@@ -61,6 +75,8 @@ class ModelConfig:
     """Keep the word embedding in fp32 with fp16/bf16 training."""
     add_bias_linear: bool = spec(True, flag="--disable-bias-linear")
     """Disable biases in the linear layers."""
+    add_qkv_bias: bool = False
+    """Keep the QKV projection's bias with --disable-bias-linear (Qwen2-style)."""
 
     attention_dropout: float = 0.1
     """Dropout probability of the attention probabilities."""

@@ -49,7 +49,8 @@ _SEED = _Range("in [0, 2**31 - 1]", low=0, high=2**31 - 1)
 RANGES: dict[tuple[str, str], _Range] = {
     **{("model", name): _POSITIVE_INT for name in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-        "max_position_embeddings", "make_vocab_size_divisible_by")},
+        "max_position_embeddings", "make_vocab_size_divisible_by", "num_query_groups",
+        "rotary_base")},
     ("model", "rotary_percent"): _FRACTION,
     ("model", "layernorm_epsilon"): _POSITIVE,
     # p = 1 would scale the kept activations by 1 / (1 - p).

@@ -10,9 +10,6 @@ import dataclasses
 # Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
 # Setting one to a non-default value is an error rather than a silent no-op.
 NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
-    ("model", "use_rotary_position_embeddings"): "--use-rotary-position-embeddings",
-    ("model", "squared_relu"): "--squared-relu",
-    ("model", "swiglu"): "--swiglu",
     ("model", "num_experts"): "--num-experts",
     ("model", "encoder_num_layers"): "--encoder-num-layers",
     ("model", "decoder_num_layers"): "--decoder-num-layers",

@@ -96,7 +96,10 @@ def validate(flags, world_size: int, require_model: bool = True,
     # errors, the first one reported stays the same.
     _check_parallel_sizes(cfg, world_size)
     if require_model:
+        _check_llama_features(cfg.model)
         _check_model_shape(cfg)
+        _check_query_groups(cfg)
+        _check_rotary_dims(cfg.model)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
     _check_interleaved_schedule(cfg)
@@ -134,6 +137,41 @@ def _check_parallel_sizes(cfg, world_size: int) -> None:
     if par.distributed_backend == "nccl" and not device.accelerator_available():
         raise ValueError("--distributed-backend nccl needs CUDA, which this machine lacks; "
                          "use --distributed-backend gloo")
+
+
+def _check_llama_features(m) -> None:
+    """RoPE and the gated/squared MLPs: Megatron-LM core_v0.13's rules."""
+    if m.use_rotary_position_embeddings and m.position_embedding_type == "none":
+        raise ValueError("--use-rotary-position-embeddings and --position-embedding-type "
+                         "none contradict; drop one")
+    if m.swiglu and m.squared_relu:
+        raise ValueError("--swiglu and --squared-relu both choose the MLP activation; "
+                         "give one")
+    if m.swiglu and m.ffn_hidden_size is None and m.hidden_size is not None:
+        raise ValueError(f"--swiglu with --hidden-size {m.hidden_size} gives a default "
+                         "--ffn-hidden-size of 0 (int(8 h / 3 / 64) * 64); set --ffn-hidden-size")
+
+
+def _check_query_groups(cfg) -> None:
+    """--num-query-groups must split over TP ranks and divide the query heads."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if not m.group_query_attention:
+        return
+    g = m.num_query_groups
+    if g % tp != 0:
+        raise ValueError(f"--num-query-groups ({g}) with --group-query-attention is not "
+                         f"divisible by --tensor-model-parallel-size ({tp}): every TP rank "
+                         "holds whole key/value groups; use a multiple of the TP size")
+    if m.num_attention_heads % g != 0:
+        raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                         f"--num-query-groups ({g}) with --group-query-attention")
+
+
+def _check_rotary_dims(m) -> None:
+    """RoPE turns dimension pairs: at least one pair of each head must rotate."""
+    if m.position_embedding_type == "rope" and int(m.kv_channels * m.rotary_percent) < 2:
+        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of --kv-channels "
+                         f"({m.kv_channels}) rotates fewer than 2 dimensions; raise it")
 
 
 def _check_model_shape(cfg) -> None:

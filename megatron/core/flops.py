@@ -6,7 +6,9 @@ counted as 2 FLOPs, causal attention counted as full (as Megatron does):
 
     12 B s L h^2 [ (2 + s/h) (hp/h) + f/h + V / (2 L h) ]
 
-(hp = heads x kv_channels, f = ffn size, V = padded vocabulary). With ``f = 4h`` and
+(hp = heads x kv_channels, f = ffn size, V = padded vocabulary; with grouped-query attention
+the QKV GEMM's key/value part is 2 G kv_channels rows instead of 2 hp, and SwiGLU's fc1 is 2 f
+wide, Megatron-LM core_v0.13's ``gated_linear_multiplier``). With ``f = 4h`` and
 ``hp = h`` this is the paper's ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``. Recomputation adds
 a second forward: full recompute multiplies the transformer part by 4/3 (the paper's 96 B s L h^2
 form), selective recompute adds the attention core's forward (``4 B s^2 L hp``).
@@ -28,18 +30,22 @@ def num_parameters(config: TransformerConfig, exclude_embeddings: bool = False) 
     c = config
     h, f = c.hidden_size, c.ffn_hidden_size
     proj = c.kv_channels * c.num_attention_heads
+    qkv = proj + 2 * c.kv_channels * c.num_query_groups  # grouped-query: G key/value heads
+    fc1 = 2 * f if c.swiglu else f  # SwiGLU's fc1 holds the gate and up projections
     bias = 1 if c.add_bias_linear else 0
-    per_layer = (4 * h                               # two LayerNorms
-                 + 3 * proj * h + bias * 3 * proj    # query_key_value
+    qkv_bias = 1 if c.add_bias_linear or c.add_qkv_bias else 0
+    norm = h if c.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
+    per_layer = (2 * norm                            # two norms
+                 + qkv * h + qkv_bias * qkv          # query_key_value
                  + proj * h + bias * h               # dense
-                 + 2 * f * h + bias * (f + h))       # dense_h_to_4h, dense_4h_to_h
-    total = c.num_layers * per_layer + 2 * h         # + final LayerNorm
+                 + fc1 * h + f * h + bias * (fc1 + h))  # dense_h_to_4h, dense_4h_to_h
+    total = c.num_layers * per_layer + norm          # + final norm
     if exclude_embeddings:
         return total
     if c.padded_vocab_size is None:
         raise ValueError("padded_vocab_size is unset: build the tokenizer first")
     total += c.padded_vocab_size * h
-    if c.add_position_embedding:
+    if c.add_position_embedding and c.position_embedding_type == "learned_absolute":
         total += c.max_position_embeddings * h
     total += c.num_tokentypes * h
     if c.untie_embeddings_and_output_weights:
@@ -64,8 +70,12 @@ def num_floating_point_operations(config: TransformerConfig, batch_size: int, se
         raise ValueError("padded_vocab_size is unset: build the tokenizer first")
     b, s, layers, h = batch_size, seq_length, c.num_layers, c.hidden_size
     proj = c.kv_channels * c.num_attention_heads
-    layer_flops = 12 * b * s * layers * h * h * ((2 + s / h) * (proj / h)
-                                                 + c.ffn_hidden_size / h)
+    kv = 2 * c.kv_channels * c.num_query_groups  # the key and value rows of the QKV GEMM
+    fc1 = 2 * c.ffn_hidden_size if c.swiglu else c.ffn_hidden_size
+    # Per layer, forward: the GEMMs (QKV, dense, fc1, fc2) 2 B s h (2 hp + kv + fc1 + f) and
+    # attention's two s x s products 4 B s^2 hp; backward twice that.
+    layer_flops = 3 * layers * (2 * b * s * h * (2 * proj + kv + fc1 + c.ffn_hidden_size)
+                                + 4 * b * s * s * proj)
     logits_flops = 6 * b * s * c.padded_vocab_size * h
     extra = 0.0
     if include_recompute and c.recompute_granularity == "full":

@@ -56,7 +56,10 @@ from megatron.core.transformer.config import gelu_tanh_approximation
 _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                       "kv_channels", "max_position_embeddings", "add_position_embedding",
                       "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
-                      "untie_embeddings_and_output_weights", "add_bias_linear")
+                      "untie_embeddings_and_output_weights", "add_bias_linear",
+                      "position_embedding_type", "rotary_percent", "rotary_interleaved",
+                      "normalization", "swiglu", "squared_relu", "num_query_groups",
+                      "add_qkv_bias")
 _PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 CONVERTER = "tools/checkpoint/convert.py"
 """The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""

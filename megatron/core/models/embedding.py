@@ -56,7 +56,7 @@ class Embedding(torch.nn.Module):
         self.word_embeddings = tp_layers.VocabParallelEmbedding(
             config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype)
         self.position_embeddings = None
-        if config.add_position_embedding:
+        if config.add_position_embedding and config.position_embedding_type == "learned_absolute":
             self.position_embeddings = _replicated_embedding(
                 config.max_position_embeddings, h, init, dtype)
         self.tokentype_embeddings = None

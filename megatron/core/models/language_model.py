@@ -18,10 +18,12 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
-from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
+from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_not_set,
+                                                 tp_world_size)
 from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.rotary import RotaryEmbedding
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
@@ -108,12 +110,19 @@ class TransformerLanguageModel(torch.nn.Module):
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
         self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel
         self.gather_sequence = post_process and replicated_head and config.sequence_parallel
         self.embedding = Embedding(config, tp_group) if pre_process else None
         self.encoder = TransformerBlock(config, tp_group, num_layers=num_layers,
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
                                         attn_mask_type=attn_mask_type)
+        # RoPE holds no parameters: every stage has one, for its own layers' queries and keys.
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent,
+                                                  config.rotary_interleaved, config.rotary_base)
+        self.max_position_embeddings = config.max_position_embeddings or 0
         # Built after the encoder, as Megatron's, so the default generator's draws match.
         self.pooler = Pooler(config) if post_process and add_pooler else None
         self.output_layer = None
@@ -136,7 +145,19 @@ class TransformerLanguageModel(torch.nn.Module):
         hidden = None
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s, b, h]
-        hidden = self.encoder(hidden, attention_mask, inference_params)
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            # Every stage gets the batch's position ids in training (pretrain_gpt's get_batch);
+            # without them (later stages while generating) the positions follow the cache.
+            offset = getattr(inference_params, "sequence_len_offset", 0)
+            if position_ids is not None:
+                seq = position_ids.size(1)
+            else:  # [s, b, h] from the previous stage ([s/p, b, h] with sequence parallelism)
+                seq = self.encoder.input_tensor.size(0) * self._sequence_split()
+            rotary = self.rotary_pos_emb(position_ids, seq, offset,
+                                         min_length=self.max_position_embeddings,
+                                         device=device_mod.get_device())  # [s, b|1, 1, rot]
+        hidden = self.encoder(hidden, attention_mask, inference_params, rotary)
         if self.gather_sequence:
             # Every rank computes the replicated head's whole gradient: backward keeps its rows.
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group,
@@ -144,6 +165,10 @@ class TransformerLanguageModel(torch.nn.Module):
         if self.pooler is None:
             return hidden
         return hidden, self.pooler(hidden)
+
+    def _sequence_split(self) -> int:
+        """How many ranks the stage input's sequence is split over (sequence parallelism)."""
+        return tp_world_size(self.tp_group) if self.sequence_parallel else 1
 
     def state_dict_for_save_checkpoint(self) -> dict:
         """Megatron-LM's nested layout: ``embedding`` -> ``{word_embeddings: {weight}, ...}``,

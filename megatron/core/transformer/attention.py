@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.rotary import apply_rotary_pos_emb
 
 # Megatron fills masked scores with this value rather than -inf: fully masked rows (padding
 # queries) then get a uniform distribution instead of NaN.
@@ -161,14 +162,22 @@ class SelfAttention(torch.nn.Module):
         tp = tp_world_size(tp_group)
         projection = config.kv_channels * config.num_attention_heads
         self.heads_per_partition = divide(config.num_attention_heads, tp)
+        # Grouped-query attention: G key/value heads, each shared by np/G query heads; the
+        # config check (megatron/config/validate.py) makes TP divide G.
+        self.groups_per_partition = divide(config.num_query_groups, tp)
+        self.heads_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.head_dim = config.kv_channels
         self.layer_number = layer_number  # names this layer's KV cache
-        # Full QKV weight rows are ordered [np, 3, hn] (checkpoint version >= 2.0), so a
-        # contiguous split over TP ranks hands each rank whole heads with their q, k and v.
+        self.rotary_interleaved = config.rotary_interleaved
+        # Full QKV weight rows are Megatron's grouped layout [G, np/G + 2, hn]: each group's
+        # query heads, then its key, then its value (G = np: [np, 3, hn], checkpoint version
+        # >= 2.0). A contiguous split over TP ranks hands each rank whole groups.
         self.query_key_value = tp_layers.ColumnParallelLinear(
-            config.hidden_size, 3 * projection, tp_group=tp_group,
+            config.hidden_size, projection + 2 * config.kv_channels * config.num_query_groups,
+            tp_group=tp_group,
             init_method=tp_layers.init_method_normal(config.init_method_std),
-            bias=config.add_bias_linear, gather_output=False, params_dtype=config.params_dtype,
+            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
+            params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             sequence_parallel=config.sequence_parallel)
         self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
@@ -184,22 +193,35 @@ class SelfAttention(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
+                rotary_pos_emb: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias); with
         sequence parallelism ``[s/p, b, h]`` in and out (the QKV projection gathers the
         sequence, attention runs on all ``s`` for this rank's heads, the dense layer scatters).
 
-        With ``inference_params`` (generation) this step's keys and values are appended to the
-        layer's cache and the queries attend to every cached position (see
-        :mod:`megatron.core.inference_params`).
+        ``rotary_pos_emb``: RoPE angles ``[s, b|1, 1, rot]`` of this forward's positions
+        (queries and keys are rotated before the keys enter the cache). With
+        ``inference_params`` (generation) this step's keys and values are appended to the
+        layer's cache (only the G key/value heads) and the queries attend to every cached
+        position (see :mod:`megatron.core.inference_params`).
         """
-        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np*3*hn] (all s, also with SP)
+        mixed, _ = self.query_key_value(hidden_states)  # [s, b, g*(np/g+2)*hn] (all s with SP)
         s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.heads_per_partition, 3 * self.head_dim)  # [s, b, np, 3hn]
-        query, key, value = torch.split(mixed, self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
+        g, per_group = self.groups_per_partition, self.heads_per_group
+        mixed = mixed.view(s, b, g, (per_group + 2) * self.head_dim)  # [s, b, g, (np/g+2)hn]
+        query, key, value = torch.split(
+            mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        query = query.reshape(s, b, g * per_group, self.head_dim)  # [s, b, np, hn]
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
         if inference_params is not None:
-            key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, np, hn]
+            key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, g, hn]
             attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)
+        if per_group > 1:
+            # Query head i reads group i // (np/g): repeat each key/value head np/g times.
+            key = key.repeat_interleave(per_group, dim=2)  # [sk, b, np, hn]
+            value = value.repeat_interleave(per_group, dim=2)  # [sk, b, np, hn]
         if self.checkpoint_core_attention and self.training:
             # Selective recompute: the s^2 scores are the memory hog, cheap to recompute.
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)

@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
-from megatron.core.transformer.layernorm import LayerNorm
+from megatron.core.transformer.layernorm import build_norm
 
 
 class TransformerBlock(torch.nn.Module):
@@ -43,10 +43,7 @@ class TransformerBlock(torch.nn.Module):
             for i in range(n))
         self.final_layernorm = None
         if post_process:
-            self.final_layernorm = LayerNorm(
-                config.hidden_size, eps=config.layernorm_epsilon,
-                apply_layernorm_1p=config.apply_layernorm_1p, params_dtype=config.params_dtype,
-                sequence_parallel=config.sequence_parallel)
+            self.final_layernorm = build_norm(config)
         # With sequence parallelism a checkpoint's input is already this rank's s/p rows:
         # nothing left to distribute (Megatron ignores the flag then too).
         self.distribute_saved_activations = (config.distribute_saved_activations
@@ -59,23 +56,27 @@ class TransformerBlock(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None,
-                inference_params=None) -> torch.Tensor:
+                inference_params=None, rotary_pos_emb: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``[s/p, b, h]`` in
-        and out with sequence parallelism; ``inference_params`` is the generation KV cache,
-        passed to every layer."""
+        and out with sequence parallelism; ``inference_params`` is the generation KV cache and
+        ``rotary_pos_emb`` the RoPE angles, both passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, attention_mask)
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
+                                                       rotary_pos_emb)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask, inference_params)
+                hidden_states = layer(hidden_states, attention_mask, inference_params,
+                                      rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
 
     def _checkpointed_forward(self, hidden_states: torch.Tensor,
-                              attention_mask: torch.Tensor | None) -> torch.Tensor:
+                              attention_mask: torch.Tensor | None,
+                              rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Full recompute: ``uniform`` checkpoints chunks of ``recompute_num_layers`` layers;
         ``block`` checkpoints only the first ``recompute_num_layers`` layers of the stage."""
         cfg, n = self.config, len(self.layers)
@@ -84,7 +85,8 @@ class TransformerBlock(torch.nn.Module):
         def run(start: int, end: int):
             def chunk(x, mask):
                 for layer in self.layers[start:end]:
-                    x = layer(x, mask)
+                    # The angles need no gradient: closed over, not a checkpoint input.
+                    x = layer(x, mask, rotary_pos_emb=rotary_pos_emb)
                 return x
             return chunk
 
@@ -99,5 +101,6 @@ class TransformerBlock(torch.nn.Module):
                 hidden_states = checkpoint(run(i, i + 1), self.distribute_saved_activations,
                                            hidden_states, attention_mask, tp_group=self.tp_group)
             else:
-                hidden_states = self.layers[i](hidden_states, attention_mask)
+                hidden_states = self.layers[i](hidden_states, attention_mask,
+                                               rotary_pos_emb=rotary_pos_emb)
         return hidden_states

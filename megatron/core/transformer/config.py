@@ -26,11 +26,21 @@ class TransformerConfig:
     """Defaults to 4 x hidden_size."""
     kv_channels: int | None = None
     """Per-head size; defaults to hidden_size / num_attention_heads."""
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); None: one per attention head (plain MHA)."""
 
     # Language-model pieces (embedding and output layer).
     padded_vocab_size: int | None = None
     max_position_embeddings: int | None = None
     add_position_embedding: bool = True
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """The learned table is built only for ``learned_absolute`` (and ``add_position_embedding``);
+    ``rope`` rotates queries and keys in every attention layer instead."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (the first ones)."""
+    rotary_base: int = 10000
+    rotary_interleaved: bool = False
+    """Rotate adjacent pairs (x0, x1), (x2, x3)... instead of the two halves of the rotary dims."""
     num_tokentypes: int = 0
     untie_embeddings_and_output_weights: bool = False
     fp16_lm_cross_entropy: bool = False
@@ -39,8 +49,16 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     layernorm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Every norm of the transformer (both of each layer and the final one)."""
     apply_residual_connection_post_layernorm: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even with ``add_bias_linear`` off (Qwen2)."""
+    swiglu: bool = False
+    """Gated MLP: fc1 is 2 x ffn_hidden_size wide, silu(gate) * up (Megatron's ``glu``)."""
+    squared_relu: bool = False
+    """MLP activation relu(x)^2 instead of GeLU."""
     openai_gelu: bool = False
     onnx_safe: bool = False
     bias_gelu_fusion: bool = True
@@ -86,6 +104,11 @@ class TransformerConfig:
                                  f"num_attention_heads ({self.num_attention_heads}); set "
                                  "kv_channels")
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not divisible "
+                             f"by num_query_groups ({self.num_query_groups})")
 
     @property
     def use_sdpa(self) -> bool:

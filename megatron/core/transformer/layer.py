@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
-from megatron.core.transformer.layernorm import LayerNorm
+from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.mlp import MLP
 
 
@@ -39,21 +39,22 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        norm = dict(eps=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
-                    params_dtype=config.params_dtype, sequence_parallel=config.sequence_parallel)
-        self.input_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = build_norm(config)
         self.mlp = MLP(config, tp_group)
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
-                inference_params=None) -> torch.Tensor:
+                inference_params=None, rotary_pos_emb: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s/p, b, h]`` both with sequence parallelism;
-        ``inference_params``: the generation KV cache)."""
+        ``inference_params``: the generation KV cache; ``rotary_pos_emb``: RoPE angles
+        ``[s, b, 1, rot]`` of this forward's positions)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         ln_out = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params)
+        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params,
+                                                  rotary_pos_emb)
         residual = ln_out if post_ln_residual else hidden_states
         ln_in = self._bias_dropout_add(attn_out, attn_bias, residual)
 

@@ -53,3 +53,50 @@ class LayerNorm(torch.nn.Module):
             if out is not None:
                 return out
         return F.layer_norm(x, (x.size(-1),), weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm over the last dimension (``--normalization RMSNorm``): no mean
+    subtraction, no bias; ``weight`` replicated on all TP ranks.
+
+    As Megatron-LM's PyTorch ``RMSNorm``, half-precision inputs are normalized in fp32 and cast
+    back before the weight multiplies (a sum of squares in fp16 overflows at |x| ~ 256/sqrt(h)).
+
+    Args:
+        hidden_size: normalized size.
+        eps: epsilon added to the mean square.
+        apply_layernorm_1p: store ``gamma - 1`` (initialized to 0), as for LayerNorm.
+        params_dtype: dtype of the weight.
+        device: where it lives.
+        sequence_parallel: it normalizes this rank's ``s/p`` rows: the weight's partial
+            gradients are summed over TP ranks.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, apply_layernorm_1p: bool = False,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.eps, self.apply_layernorm_1p = eps, apply_layernorm_1p
+        dev = device or device_mod.get_device()
+        init = torch.zeros if apply_layernorm_1p else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
+        set_defaults_if_not_set(self.weight)
+        set_sequence_parallel_attribute(self.weight, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp64 stays fp64 (tests); fp16/bf16 go up to fp32.
+        compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        normed = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        return normed.type_as(x) * weight
+
+
+def build_norm(config, hidden_size: int | None = None) -> torch.nn.Module:
+    """The norm a :class:`~megatron.core.transformer.config.TransformerConfig` asks for
+    (``normalization``, ``layernorm_epsilon``, ``apply_layernorm_1p``, sequence parallelism)."""
+    kwargs = dict(eps=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
+                  params_dtype=config.params_dtype, sequence_parallel=config.sequence_parallel)
+    size = config.hidden_size if hidden_size is None else hidden_size
+    if config.normalization == "RMSNorm":
+        return RMSNorm(size, **kwargs)
+    return LayerNorm(size, **kwargs)

@@ -26,12 +26,19 @@ class MLP(torch.nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
         super().__init__()
         self.approximate = "tanh" if config.gelu_tanh_approximation else "none"
+        self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         # Megatron's condition: the fused bias-gelu needs a bias and is bypassed by the explicit
         # GeLU choices (--openai-gelu, --onnx-safe); both compute the same tanh GeLU.
         self.bias_gelu_fusion = (config.bias_gelu_fusion and config.add_bias_linear
-                                 and not config.openai_gelu and not config.onnx_safe)
+                                 and not config.openai_gelu and not config.onnx_safe
+                                 and not config.swiglu and not config.squared_relu)
+        # SwiGLU: fc1 is Megatron's one column-parallel linear of 2f outputs whose shard on
+        # rank r is [gate_r; up_r] (f/p rows each), so the activation splits the local output
+        # in halves. stride=2 lays the full (gathered) weight out as [gate; up], the TP=1
+        # layout, so the initialization is the same at every TP size.
         self.dense_h_to_4h = tp_layers.ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, tp_group=tp_group,
+            config.hidden_size, config.ffn_hidden_size * (2 if config.swiglu else 1),
+            tp_group=tp_group, stride=2 if config.swiglu else 1,
             init_method=tp_layers.init_method_normal(config.init_method_std),
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype,
@@ -49,8 +56,16 @@ class MLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias); with
         sequence parallelism ``[s/p, b, h]`` in and out, ``[s, b, f/p]`` inside."""
-        intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, f/p]
-        if self.bias_gelu_fusion:
+        intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, f/p] (2f/p: SwiGLU)
+        if self.swiglu or self.squared_relu:
+            if bias is not None:
+                intermediate = intermediate + bias
+            if self.swiglu:
+                gate, up = torch.chunk(intermediate, 2, dim=-1)  # 2 x [s, b, f/p]
+                intermediate = F.silu(gate) * up
+            else:
+                intermediate = torch.pow(F.relu(intermediate), 2)
+        elif self.bias_gelu_fusion:
             intermediate = bias_gelu(intermediate, bias)
         else:
             if bias is not None:

@@ -1,0 +1,91 @@
+"""Llama-style checkpoints (issue 27) in tools/checkpoint/convert.py: round trips over TP/PP
+layouts (RMSNorm, RoPE, GQA), and those it cannot convert yet are
+refused, naming the flag, rather than written wrong (HF export of RoPE/RMSNorm/SwiGLU/GQA; a
+SwiGLU checkpoint re-split to another TP size)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tools.checkpoint.convert import refuse_unconverted_architecture
+
+
+class _Described:
+    def __init__(self, **args):
+        self.args = argparse.Namespace(**args)
+
+
+def _opts(saver: str, tp: int = 1) -> argparse.Namespace:
+    return argparse.Namespace(saver=saver, target_tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("args, flag", [
+    ({"position_embedding_type": "rope"}, "--position-embedding-type rope"),
+    ({"normalization": "RMSNorm"}, "--normalization RMSNorm"),
+    ({"swiglu": True}, "--swiglu"),
+    ({"group_query_attention": True, "num_query_groups": 2}, "--group-query-attention")])
+def test_hf_export_refuses_llama_features(args, flag):
+    with pytest.raises(ValueError, match=flag):
+        refuse_unconverted_architecture(_Described(**args), _opts("hf"))
+
+
+def test_swiglu_keeps_its_tp_size():
+    md = _Described(swiglu=True, tensor_model_parallel_size=2)
+    refuse_unconverted_architecture(md, _opts("megatron", tp=2))
+    with pytest.raises(ValueError, match="--swiglu.*--target-tensor-parallel-size 2"):
+        refuse_unconverted_architecture(md, _opts("megatron", tp=1))
+
+
+def test_query_groups_split_over_the_target_tp():
+    md = _Described(group_query_attention=True, num_query_groups=2,
+                    tensor_model_parallel_size=2)
+    refuse_unconverted_architecture(md, _opts("megatron", tp=1))  # whole groups concatenate
+    with pytest.raises(ValueError, match="--num-query-groups 2"):
+        refuse_unconverted_architecture(md, _opts("megatron", tp=4))
+
+
+def test_gpt2_checkpoints_pass():
+    refuse_unconverted_architecture(_Described(tensor_model_parallel_size=1), _opts("hf"))
+
+
+def test_llama_round_trip_over_tp_and_pp_is_bitwise(tmp_path):
+    """RMSNorm (no norm biases), RoPE, GQA (whole groups per TP rank), no linear biases: the
+    generic re-split is right for these; SwiGLU keeps its TP size but re-splits over PP."""
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint import convert
+
+    llama = dict(normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
+                 add_bias_linear=False, swiglu=True, ffn_hidden_size=32,
+                 untie_embeddings_and_output_weights=True)
+    model = helpers.gpt(**llama)
+    args = helpers.args_of(model, add_bias_linear=False, normalization="RMSNorm",
+                           position_embedding_type="rope", swiglu=True,
+                           group_query_attention=True, num_query_groups=2)
+    helpers.save_single(tmp_path / "src", model, args)
+    previous = tmp_path / "src"
+    for i, (tp, pp) in enumerate([(1, 2), (1, 4), (1, 1)]):
+        dst = tmp_path / f"step{i}"
+        assert convert.main(["--model-type", "GPT", "--load-dir", str(previous), "--save-dir",
+                             str(dst), "--target-tensor-parallel-size", str(tp),
+                             "--target-pipeline-parallel-size", str(pp)]) == 0
+        previous = dst
+    source = helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)]
+    back = helpers.shards(previous / "iter_0000007")[(0, 0)]
+    helpers.assert_same_tensors(helpers.flat_model(source), helpers.flat_model(back))
+    # Without SwiGLU the TP re-split runs too: whole key/value groups per rank.
+    gqa = {**llama, "swiglu": False, "ffn_hidden_size": 64}
+    model = helpers.gpt(**gqa)
+    args.swiglu, args.ffn_hidden_size = False, 64
+    helpers.save_single(tmp_path / "gqa", model, args)
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "gqa"),
+                         "--save-dir", str(tmp_path / "gqa_tp2"),
+                         "--target-tensor-parallel-size", "2"]) == 0
+    tp2 = helpers.shards(tmp_path / "gqa_tp2" / "iter_0000007")
+    qkv = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
+    whole = helpers.flat_model(helpers.shards(tmp_path / "gqa" / "iter_0000007")[(0, 0)])[qkv]
+    rows = whole.size(0) // 2  # group 0 ([2 q + k + v] x hn rows) on rank 0, group 1 on rank 1
+    assert torch.equal(helpers.flat_model(tp2[(0, 0)])[qkv], whole[:rows])
+    assert torch.equal(helpers.flat_model(tp2[(1, 0)])[qkv], whole[rows:])

@@ -1,0 +1,54 @@
+"""A Llama-style GPT (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; issue 27)
+through ``pretrain()`` at TP=2 (with sequence parallelism) and PP=2 equals one process: the
+loss at every iteration to 1e-5 from the one-process run's initial weights
+(``single_process_init``, as the pipeline tests), and TP=2's shards of fc1 are Megatron-LM's
+[gate_r; up_r] and of the QKV weight whole key/value groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.training import e2e
+
+ITERS = 4
+SHAPE = {"iters": ITERS, "seq": 16, "mbs": 1, "gbs": 4}
+LLAMA = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+         "--ffn-hidden-size", "96", "--position-embedding-type", "rope", "--rotary-percent",
+         "0.5", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+LOSS_TOL = 1e-5
+FC1 = "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"
+
+
+def _run(corpus, tp: int = 1, extra=(), init: bool = True) -> dict:
+    return {"argv": e2e.gpt_argv(corpus, tp=tp, **SHAPE, extra=[*LLAMA, *extra]),
+            "params": True, "single_process_init": init}
+
+
+@pytest.fixture(scope="module")
+def runs(gpt2_corpus):
+    single = e2e.pooled(1, [_run(gpt2_corpus, init=False)])[0][0]
+    tp2, pp2 = e2e.pooled(2, [
+        _run(gpt2_corpus, tp=2, extra=["--sequence-parallel"]),
+        _run(gpt2_corpus, extra=["--pipeline-model-parallel-size", "2"])])
+    return {"single": single, "tp2_sp": tp2, "pp2": pp2}
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_llama_equals_one_process(runs, layout):
+    ref = e2e.losses(runs["single"])
+    # Four iterations at warmup learning rates: each batch's loss, not a trend, is compared.
+    assert len(ref) == ITERS and not any(h["skipped"] for h in runs["single"]["history"])
+    got = e2e.losses(runs[layout][-1])  # the last rank is on the last stage in both layouts
+    assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
+
+
+def test_tp2_shards_are_megatrons_layout(runs):
+    """The TP=2 shards concatenated rank-major are [gate_0; up_0; gate_1; up_1] (Megatron's
+    ColumnParallelLinear of 2 ffn rows); one process holds [gate; up]."""
+    full = runs["single"]["params"][FC1]  # [2f, h]
+    gathered = runs["tp2_sp"][0]["params"][FC1]  # rank-major concatenation of the shards
+    gate, up = full.chunk(2)
+    megatron = torch.cat([gate[:48], up[:48], gate[48:], up[48:]])
+    assert float((gathered - megatron).abs().max()) <= 1e-4
