@@ -81,7 +81,7 @@ def _vocab_rows(md: ModelDescription, keep_padded_vocab: bool) -> int:
 
 def true_vocab_size_from_args(md: ModelDescription) -> int | None:
     """The tokenizer's vocabulary size when its files are at hand (GPT-2 ``vocab.json``, BERT
-    ``vocab.txt``) or the args hold it (NullTokenizer's ``vocab_size``)."""
+    ``vocab.txt``, ``--tokenizer-model`` of Llama2Tokenizer / HuggingFaceTokenizer) or the args hold it (NullTokenizer's ``vocab_size``)."""
     args = md.args
     vocab_file = getattr(args, "vocab_file", None)
     kind = getattr(args, "tokenizer_type", None)
@@ -92,6 +92,12 @@ def true_vocab_size_from_args(md: ModelDescription) -> int | None:
         if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
             with open(vocab_file, encoding="utf-8") as f:
                 return sum(1 for _ in f)
+    model = getattr(args, "tokenizer_model", None)
+    if kind in ("Llama2Tokenizer", "HuggingFaceTokenizer") and model and os.path.exists(model):
+        from megatron.tokenizer.build import create_tokenizer
+        from megatron.tokenizer.config import TokenizerConfig
+        return create_tokenizer(TokenizerConfig(tokenizer_type=kind,
+                                                tokenizer_model=model)).vocab_size
     if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is not None:
         return int(args.vocab_size) + 1
     return None

@@ -97,11 +97,26 @@ def test_import_gives_the_hf_logits_and_greedy_text(tmp_path, qwen2, tied):
     assert torch.equal(_greedy(ours, prompt, 8, VOCAB), generated)
 
 
+def _tokenizer_json(directory: Path) -> None:
+    """A word-level tokenizer.json of VOCAB tokens (its size tells the export the true vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "</s>", "bos_token": "<s>"}')
+
+
 def test_hf_to_ours_to_hf_is_bitwise(tmp_path):
     _random_hf(tmp_path / "hf")
+    _tokenizer_json(tmp_path / "hf")
     tp2 = _convert(tmp_path / "hf", tmp_path / "tp2", "--loader", "hf",
                    "--target-tensor-parallel-size", "2")
-    out = _convert(tp2, tmp_path / "hf2", "--saver", "hf", "--true-vocab-size", str(VOCAB))
+    args = helpers.shards(tp2 / "iter_0000000")[(0, 0)]["args"]
+    assert (args.tokenizer_type, args.tokenizer_model) == ("HuggingFaceTokenizer",
+                                                           str((tmp_path / "hf").resolve()))
+    out = _convert(tp2, tmp_path / "hf2", "--saver", "hf")  # the tokenizer's 300 rows
+    assert (out / "tokenizer.json").is_file()
     from safetensors.torch import load_file
     first, second = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", out))
     helpers.assert_same_tensors(dict(sorted(first.items())), dict(sorted(second.items())))
