@@ -204,6 +204,8 @@ def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
         shutil.copyfile(model, out / "tokenizer.model")
         (out / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "LlamaTokenizer"}, indent=2))
+    else:
+        _copy_tokenizer(md, out, None)  # a GPT-2 BPE tokenizer's files (examples/pretrain_llama.sh)
     return out
 
 
