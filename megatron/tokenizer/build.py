@@ -72,6 +72,9 @@ def _create(kind: str, cfg: TokenizerConfig) -> AbstractTokenizer:
     if kind == "GPTSentencePieceTokenizer":
         from megatron.tokenizer.spm import GPTSentencePieceTokenizer
         return GPTSentencePieceTokenizer(cfg.tokenizer_model)
+    if kind == "Llama2Tokenizer":
+        from megatron.tokenizer.spm import Llama2Tokenizer
+        return Llama2Tokenizer(cfg.tokenizer_model)
     if kind == "HuggingFaceTokenizer":
         from megatron.tokenizer.huggingface import HuggingFaceTokenizer
         return HuggingFaceTokenizer(cfg.tokenizer_model)

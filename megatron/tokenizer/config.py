@@ -7,7 +7,7 @@ from typing import Literal
 
 TokenizerType = Literal["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                         "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                        "HuggingFaceTokenizer", "NullTokenizer"]
+                        "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer"]
 
 # The flags each tokenizer type needs (validation and the builder read the same table).
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -16,6 +16,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "BertWordPieceCase": ("vocab_file",),
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }

@@ -1,9 +1,11 @@
-"""SentencePiece tokenizers (``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``).
+"""SentencePiece tokenizers (``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``,
+``Llama2Tokenizer``).
 
 Megatron-LM's ``SentencePieceTokenizer`` appends ``<CLS> <SEP> <EOD> <MASK>`` and the model's
 pad/bos/eos pieces (``<PAD> <BOS> <EOS>`` when the model has none) plus ``<extra_id_N>`` to the
 vocabulary when absent, and cuts the text at those special strings before encoding the pieces
-between them; ``GPTSentencePieceTokenizer`` encodes the text as is, EOD = the model's eos.
+between them; ``GPTSentencePieceTokenizer`` encodes the text as is, EOD = the model's eos;
+``Llama2Tokenizer`` is that with the model's bos before each text.
 """
 
 from __future__ import annotations
@@ -151,3 +153,20 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
     @property
     def mask(self) -> int:
         return -1
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's ``Llama2Tokenizer``: Llama 2's SentencePiece ``tokenizer.model``, each
+    text encoded as ``<s>`` + its pieces (Meta's text-completion default, bos on, eos off);
+    EOD = the model's eos ``</s>``, which the preprocessing's ``--append-eod`` appends."""
+
+    def __init__(self, model_file: str | os.PathLike) -> None:
+        SentencePieceTokenizer.__init__(self, model_file, vocab_extra_ids=0,
+                                        name="Llama2Tokenizer")
+        if self._bos_id < 0 or self._eos_id < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: Llama2Tokenizer needs a "
+                             "SentencePiece model with bos and eos pieces (train it with "
+                             "bos_id/eos_id set)")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self._bos_id] + self.tokenizer.encode_as_ids(text)

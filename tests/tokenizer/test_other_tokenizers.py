@@ -79,3 +79,29 @@ def test_null_tokenizer():
     assert tok.detokenize([5, 6]) == "5 6"
     with pytest.raises(NotImplementedError, match="NullTokenizer"):
         tok.vocab  # noqa: B018
+
+
+def _tiny_sentencepiece(path, corpus_texts) -> str:
+    """A small BPE SentencePiece model trained here, with Llama's unk/bos/eos ids 0/1/2."""
+    import io
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_texts[:200]), model_writer=model, vocab_size=300,
+        model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    path.write_bytes(model.getvalue())
+    return str(path)
+
+
+def test_llama2_tokenizer_prepends_bos_and_ends_with_eos(tmp_path, corpus_texts):
+    model = _tiny_sentencepiece(tmp_path / "tokenizer.model", corpus_texts)
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="Llama2Tokenizer",
+                                          tokenizer_model=model))
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    text = "The quick brown fox."
+    assert tok.tokenize(text) == [1] + sp.encode_as_ids(text)  # Megatron: bos=True, eos=False
+    assert (tok.bos, tok.eod, tok.eos, tok.vocab_size) == (1, 2, 2, 300)
+    assert tok.detokenize(tok.tokenize(text)) == text
+    assert tok.padded_vocab_size == 384
+    with pytest.raises(ValueError, match="--tokenizer-model .* does not exist"):
+        build_tokenizer(TokenizerConfig(tokenizer_type="Llama2Tokenizer",
+                                        tokenizer_model=str(tmp_path / "missing.model")))

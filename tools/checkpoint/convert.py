@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--megatron-path", default=None,
                         help="accepted for Megatron-LM compatibility and ignored")
     parser.add_argument("--hf-architecture", default=None,
-                        choices=["GPT2LMHeadModel", "MegatronBertForPreTraining",
+                        choices=["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                                 "MegatronBertForPreTraining",
                                  "BertForPreTraining"],
                         help="HF export: the class to write (default: the one the checkpoint "
                              "needs: BERT trained with --apply-residual-connection-post-layernorm"
@@ -123,41 +124,18 @@ def load_model(opts: argparse.Namespace):
 
 
 def refuse_unconverted_architecture(md, opts: argparse.Namespace) -> None:
-    """Llama-style checkpoints (issue 27) the savers do not convert yet, refused rather than
-    written wrong.
-
-    * ``--saver hf`` writes GPT-2/BERT models only: RoPE, RMSNorm, SwiGLU / squared ReLU,
-      grouped-query attention and the QKV bias have no mapping there yet.
-    * ``--saver megatron`` re-splits by concatenating TP shards: right for the grouped QKV
-      rows (whole groups per rank) but not for SwiGLU's fc1, whose shard on rank r is
-      [gate_r; up_r], so a SwiGLU checkpoint keeps its TP size; the query groups must split
-      over the target TP ranks.
+    """Llama-style checkpoints (issue 27) a target cannot hold, refused before anything is
+    written. ``--saver hf`` checks its own class (GPT-2 or Llama, ``hf_llama``); ``--saver
+    megatron`` re-splits whole key/value groups per TP rank, so the target TP size must divide
+    the query groups (SwiGLU's fc1 is re-split per rank as [gate_r; up_r]).
 
     Raises:
         ValueError: naming the checkpoint's flag and the target.
     """
     a = md.args
-    features = [flag for flag, on in (
-        ("--position-embedding-type rope",
-         getattr(a, "position_embedding_type", "learned_absolute") == "rope"
-         or getattr(a, "use_rotary_position_embeddings", False)),
-        ("--normalization RMSNorm", getattr(a, "normalization", "LayerNorm") == "RMSNorm"),
-        ("--swiglu", getattr(a, "swiglu", False)),
-        ("--squared-relu", getattr(a, "squared_relu", False)),
-        ("--group-query-attention", getattr(a, "group_query_attention", False)),
-        ("--add-qkv-bias", getattr(a, "add_qkv_bias", False))) if on]
     if opts.saver == "hf":
-        if features:
-            raise ValueError(f"--saver hf: the checkpoint uses {', '.join(features)}, which "
-                             "the HF export does not map yet (issue 27); keep it a Megatron "
-                             "checkpoint")
         return
-    source_tp = int(getattr(a, "tensor_model_parallel_size", 1) or 1)
     target_tp = opts.target_tensor_parallel_size
-    if getattr(a, "swiglu", False) and target_tp != source_tp:
-        raise ValueError(f"the checkpoint uses --swiglu, whose fc1 shards ([gate_r; up_r] per "
-                         f"rank) this converter does not re-split yet: keep "
-                         f"--target-tensor-parallel-size {source_tp} (asked: {target_tp})")
     groups = getattr(a, "num_query_groups", None)
     if getattr(a, "group_query_attention", False) and groups and int(groups) % target_tp:
         raise ValueError(f"--target-tensor-parallel-size {target_tp} does not divide the "

@@ -67,6 +67,11 @@ def check_gpt2_compatible(args: argparse.Namespace) -> None:
         ("--apply-layernorm-1p", getattr(args, "apply_layernorm_1p", False)),
         ("--no-position-embedding", not getattr(args, "add_position_embedding", True)),
         ("--normalization RMSNorm", getattr(args, "normalization", "LayerNorm") != "LayerNorm"),
+        ("--position-embedding-type none",
+         getattr(args, "position_embedding_type", "learned_absolute") == "none"),
+        ("--group-query-attention", getattr(args, "group_query_attention", False)
+         and getattr(args, "num_query_groups", None) not in (None, args.num_attention_heads)),
+        ("--add-qkv-bias", getattr(args, "add_qkv_bias", False)),
     ) if bad]
     kv = getattr(args, "kv_channels", None)
     if kv is not None and kv * args.num_attention_heads != args.hidden_size:

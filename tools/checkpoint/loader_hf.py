@@ -1,5 +1,6 @@
-"""Loader plug-in: a local HuggingFace GPT-2 (or ``MegatronBertForPreTraining`` /
-post-LN ``BertForPreTraining``, ``hf_bert``) model directory (``config.json`` +
+"""Loader plug-in: a local HuggingFace GPT-2 (or ``LlamaForCausalLM`` / Mistral / Qwen2,
+``hf_llama``; ``MegatronBertForPreTraining`` / post-LN ``BertForPreTraining``, ``hf_bert``)
+model directory (``config.json`` +
 ``model.safetensors``, ``pytorch_model.bin``, or the shards of either with their
 ``*.index.json``: ``hf_files``) -> a model description. Tensors are read lazily, layer by
 layer; nothing is downloaded.
@@ -23,6 +24,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from tools.checkpoint.hf_files import HuggingFaceWeights
+from tools.checkpoint.hf_llama import ARCHITECTURES, HuggingFaceLlama
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, LAYER_ORDER, qkv_from_hf)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
@@ -34,7 +36,8 @@ def gpt2_args(config: dict) -> argparse.Namespace:
     """Megatron's args of a ``GPT2Config``."""
     if config.get("model_type", "gpt2") != "gpt2":
         raise CheckpointError(f"model_type {config.get('model_type')!r}: --loader hf reads the "
-                              "GPT-2 family (model_type gpt2)")
+                              "GPT-2 and Llama families (model_type gpt2, llama, "
+                              "mistral, qwen2)")
     hidden, heads = int(config["n_embd"]), int(config["n_head"])
     activation = config.get("activation_function", "gelu_new")
     if activation not in (*_TANH_GELUS, "gelu"):
@@ -113,4 +116,20 @@ def load(directory: str | Path, family: str) -> ModelDescription:
         if not (Path(directory) / "config.json").is_file():
             raise CheckpointError(f"--load-dir {directory} holds no config.json")
         return HuggingFaceMegatronBert(directory, HuggingFaceWeights(Path(directory)))
+    config_file = Path(directory) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if config.get("model_type") in ARCHITECTURES:
+        md = HuggingFaceLlama(config, HuggingFaceWeights(Path(directory)))
+        _llama_tokenizer(md.args, Path(directory))
+        return md
     return HuggingFaceGPT2(directory)
+
+
+def _llama_tokenizer(args: argparse.Namespace, directory: Path) -> None:
+    """The directory's own tokenizer as Megatron's flags: ``tokenizer.json`` ->
+    ``HuggingFaceTokenizer`` of the directory, else ``tokenizer.model`` -> ``Llama2Tokenizer``."""
+    if (directory / "tokenizer.json").is_file():
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", str(directory.resolve())
+    elif (directory / "tokenizer.model").is_file():
+        args.tokenizer_type = "Llama2Tokenizer"
+        args.tokenizer_model = str((directory / "tokenizer.model").resolve())

@@ -24,7 +24,7 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from megatron.core.checkpoint_keys import current_key, layer_of, with_layer
 from tools.checkpoint import optimizer_state
-from tools.checkpoint.model_description import ModelDescription
+from tools.checkpoint.model_description import ModelDescription, swiglu_from_shards
 
 TOLERATED_EXTRA_KEYS = ("word_embeddings.weight",)
 """Keys some converters write beside the LM head that Megatron-LM's legacy model ignores."""
@@ -207,7 +207,10 @@ class MegatronCheckpoint(ModelDescription):
 
     def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:
         subset = [{k: v for k, v in flat.items() if keep(k)} for flat in per_tp]
-        return self.layout.merge_tensor_parallel(subset)
+        merged = self.layout.merge_tensor_parallel(subset)
+        if getattr(self.args, "swiglu", False):
+            merged = swiglu_from_shards(merged, self.tp)  # [gate_r; up_r] per rank -> whole
+        return merged
 
     def _piece_source(self, piece: str, layer: int | None):
         """(chunk index, which of its keys, how to rename them) of a piece."""

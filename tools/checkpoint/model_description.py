@@ -118,3 +118,30 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     that holds ``vocab_size``."""
     multiple = divisible_by * tensor_parallel_size
     return -(-vocab_size // multiple) * multiple
+
+
+SWIGLU_FC1 = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+"""The SwiGLU fc1 tensors: each TP rank r holds [gate_r; up_r], the whole tensor [gate; up]."""
+
+
+def _swiglu_rows(t: torch.Tensor, tp: int, to_whole: bool) -> torch.Tensor:
+    """Reorder fc1's rows between the concatenated TP shards ``[gate_0; up_0; gate_1; up_1
+    ...]`` and the whole ``[gate; up]`` (``to_whole``), or back."""
+    if tp == 1:
+        return t
+    rest = t.shape[1:]
+    shape = (tp, 2, -1, *rest) if to_whole else (2, tp, -1, *rest)
+    return t.reshape(shape).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def swiglu_from_shards(piece: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
+    """A piece merged from ``tp`` ranks by concatenation, with its SwiGLU fc1 made whole."""
+    return {k: _swiglu_rows(v, tp, True) if k.endswith(SWIGLU_FC1) else v
+            for k, v in piece.items()}
+
+
+def swiglu_for_shards(piece: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
+    """A whole piece with its SwiGLU fc1 ordered so that a contiguous split over ``tp`` ranks
+    gives each rank its [gate_r; up_r]."""
+    return {k: _swiglu_rows(v, tp, False) if k.endswith(SWIGLU_FC1) else v
+            for k, v in piece.items()}

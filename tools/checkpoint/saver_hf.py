@@ -1,6 +1,7 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
-GPT -> ``GPT2LMHeadModel``, BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
+GPT -> ``GPT2LMHeadModel`` or, Llama-style (RoPE / RMSNorm / SwiGLU), ``LlamaForCausalLM``
+(``Qwen2ForCausalLM`` with ``--add-qkv-bias``: ``hf_llama``), BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
 ``BertForPreTraining`` (``hf_bert``):
 ``config.json``, ``model.safetensors`` (or ``model-0000K-of-0000N.safetensors`` shards +
 ``model.safetensors.index.json`` past ``max_shard_bytes``, written as they fill: the saver holds
@@ -25,6 +26,7 @@ from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
 from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
+from tools.checkpoint.hf_llama import is_llama_style, llama_config, llama_tensors
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -79,7 +81,7 @@ def _vocab_rows(md: ModelDescription, keep_padded_vocab: bool) -> int:
 
 def true_vocab_size_from_args(md: ModelDescription) -> int | None:
     """The tokenizer's vocabulary size when its files are at hand (GPT-2 ``vocab.json``, BERT
-    ``vocab.txt``) or the args hold it (NullTokenizer's ``vocab_size``)."""
+    ``vocab.txt``, ``--tokenizer-model`` of Llama2Tokenizer / HuggingFaceTokenizer) or the args hold it (NullTokenizer's ``vocab_size``)."""
     args = md.args
     vocab_file = getattr(args, "vocab_file", None)
     kind = getattr(args, "tokenizer_type", None)
@@ -90,6 +92,12 @@ def true_vocab_size_from_args(md: ModelDescription) -> int | None:
         if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
             with open(vocab_file, encoding="utf-8") as f:
                 return sum(1 for _ in f)
+    model = getattr(args, "tokenizer_model", None)
+    if kind in ("Llama2Tokenizer", "HuggingFaceTokenizer") and model and os.path.exists(model):
+        from megatron.tokenizer.build import create_tokenizer
+        from megatron.tokenizer.config import TokenizerConfig
+        return create_tokenizer(TokenizerConfig(tokenizer_type=kind,
+                                                tokenizer_model=model)).vocab_size
     if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is not None:
         return int(args.vocab_size) + 1
     return None
@@ -128,8 +136,9 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     """
     if md.family == "BERT":
         architecture = architecture_for(md.args, architecture)  # before anything is written
-    elif architecture not in (None, "GPT2LMHeadModel"):
-        raise ValueError(f"--hf-architecture {architecture}: GPT exports as GPT2LMHeadModel")
+    elif architecture not in (None, _gpt_architecture(md)):
+        raise ValueError(f"--hf-architecture {architecture}: this GPT exports as "
+                         f"{_gpt_architecture(md)}")
     out = Path(save_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--save-dir {out} is not empty")
@@ -139,6 +148,8 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     vocab = _vocab_rows(md, keep_padded_vocab)
     if md.family == "BERT":
         return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
+    if is_llama_style(md.args):
+        return _save_llama(md, out, vocab, tokenizer_dir, max_shard_bytes)
     config = gpt2_config(md, vocab)
     heads = int(md.args.num_attention_heads)
     writer = ShardWriter(out, max_shard_bytes)
@@ -164,6 +175,37 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     writer.finish()
     config.save_pretrained(out)
     _copy_tokenizer(md, out, tokenizer_dir)
+    return out
+
+
+def _gpt_architecture(md: ModelDescription) -> str:
+    if not is_llama_style(md.args):
+        return "GPT2LMHeadModel"
+    return "Qwen2ForCausalLM" if getattr(md.args, "add_qkv_bias", False) else "LlamaForCausalLM"
+
+
+def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
+                max_shard_bytes: int) -> Path:
+    """Llama-style GPT -> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (``hf_llama``)."""
+    config = llama_config(md, vocab)  # refuses what Llama cannot hold, before any write
+    writer = ShardWriter(out, max_shard_bytes)
+    for name, tensor in llama_tensors(md, vocab):
+        writer.add(name, tensor)
+    writer.finish()
+    config.save_pretrained(out)
+    if tokenizer_dir is not None:
+        _copy_tokenizer(md, out, tokenizer_dir)
+        return out
+    kind, model = getattr(md.args, "tokenizer_type", None), getattr(md.args, "tokenizer_model",
+                                                                   None)
+    if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
+        _copy_tokenizer(md, out, model)
+    elif kind == "Llama2Tokenizer" and model and os.path.isfile(model):
+        shutil.copyfile(model, out / "tokenizer.model")
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "LlamaTokenizer"}, indent=2))
+    else:
+        _copy_tokenizer(md, out, None)  # a GPT-2 BPE tokenizer's files (examples/pretrain_llama.sh)
     return out
 
 

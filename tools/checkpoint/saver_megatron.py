@@ -28,7 +28,7 @@ from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
                                                 ModelDescription, padded_vocab_size,
-                                                repad_vocab)
+                                                repad_vocab, swiglu_for_shards)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,11 @@ def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int):
     being built, only one piece is held whole."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    swiglu = getattr(md.args, "swiglu", False)
     for piece, state in _chunk_pieces(md, chunk, vocab):
+        if swiglu:  # the whole [gate; up] -> each rank's [gate_r; up_r] after the split
+            piece = swiglu_for_shards(piece, tp)
+            state = _each(state, swiglu_for_shards, tp)
         for shard, part in zip(out, layout.split_tensor_parallel(piece, tp)):
             shard.update(part)
         for name, tensors in (state or {}).items():

@@ -1,7 +1,6 @@
 """Llama-style checkpoints (issue 27) in tools/checkpoint/convert.py: round trips over TP/PP
-layouts (RMSNorm, RoPE, GQA), and those it cannot convert yet are
-refused, naming the flag, rather than written wrong (HF export of RoPE/RMSNorm/SwiGLU/GQA; a
-SwiGLU checkpoint re-split to another TP size)."""
+layouts (RMSNorm, RoPE, GQA, SwiGLU's fc1 re-split as [gate_r; up_r] per rank), and a target
+TP size that does not divide the query groups refused, naming the flag."""
 
 from __future__ import annotations
 
@@ -22,21 +21,10 @@ def _opts(saver: str, tp: int = 1) -> argparse.Namespace:
     return argparse.Namespace(saver=saver, target_tensor_parallel_size=tp)
 
 
-@pytest.mark.parametrize("args, flag", [
-    ({"position_embedding_type": "rope"}, "--position-embedding-type rope"),
-    ({"normalization": "RMSNorm"}, "--normalization RMSNorm"),
-    ({"swiglu": True}, "--swiglu"),
-    ({"group_query_attention": True, "num_query_groups": 2}, "--group-query-attention")])
-def test_hf_export_refuses_llama_features(args, flag):
-    with pytest.raises(ValueError, match=flag):
-        refuse_unconverted_architecture(_Described(**args), _opts("hf"))
-
-
-def test_swiglu_keeps_its_tp_size():
-    md = _Described(swiglu=True, tensor_model_parallel_size=2)
-    refuse_unconverted_architecture(md, _opts("megatron", tp=2))
-    with pytest.raises(ValueError, match="--swiglu.*--target-tensor-parallel-size 2"):
-        refuse_unconverted_architecture(md, _opts("megatron", tp=1))
+def test_hf_export_checks_its_own_class():
+    """--saver hf refuses in the saver (hf_llama / hf_mapping), which knows the target class."""
+    refuse_unconverted_architecture(_Described(swiglu=True, normalization="RMSNorm"),
+                                    _opts("hf"))
 
 
 def test_query_groups_split_over_the_target_tp():
@@ -53,7 +41,7 @@ def test_gpt2_checkpoints_pass():
 
 def test_llama_round_trip_over_tp_and_pp_is_bitwise(tmp_path):
     """RMSNorm (no norm biases), RoPE, GQA (whole groups per TP rank), no linear biases: the
-    generic re-split is right for these; SwiGLU keeps its TP size but re-splits over PP."""
+    generic re-split is right for these; SwiGLU's fc1 is re-split per rank."""
     from tests.tools.checkpoint import helpers
     from tools.checkpoint import convert
 
@@ -66,7 +54,7 @@ def test_llama_round_trip_over_tp_and_pp_is_bitwise(tmp_path):
                            group_query_attention=True, num_query_groups=2)
     helpers.save_single(tmp_path / "src", model, args)
     previous = tmp_path / "src"
-    for i, (tp, pp) in enumerate([(1, 2), (1, 4), (1, 1)]):
+    for i, (tp, pp) in enumerate([(1, 2), (2, 2), (2, 1), (1, 4), (1, 1)]):
         dst = tmp_path / f"step{i}"
         assert convert.main(["--model-type", "GPT", "--load-dir", str(previous), "--save-dir",
                              str(dst), "--target-tensor-parallel-size", str(tp),
@@ -89,3 +77,28 @@ def test_llama_round_trip_over_tp_and_pp_is_bitwise(tmp_path):
     rows = whole.size(0) // 2  # group 0 ([2 q + k + v] x hn rows) on rank 0, group 1 on rank 1
     assert torch.equal(helpers.flat_model(tp2[(0, 0)])[qkv], whole[:rows])
     assert torch.equal(helpers.flat_model(tp2[(1, 0)])[qkv], whole[rows:])
+
+
+def test_swiglu_fc1_shards_are_gate_r_up_r(tmp_path):
+    """TP 1 -> 2 -> 1 is bitwise, and rank r's fc1 is [gate_r; up_r] as Megatron stores it
+    (its MLP chunks the local output in halves)."""
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint import convert
+
+    model = helpers.gpt(swiglu=True, ffn_hidden_size=32, add_bias_linear=True)
+    args = helpers.args_of(model, swiglu=True, ffn_hidden_size=32)
+    helpers.save_single(tmp_path / "src", model, args)
+    for src, dst, tp in (("src", "tp2", "2"), ("tp2", "tp1", "1")):
+        assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / src),
+                             "--save-dir", str(tmp_path / dst),
+                             "--target-tensor-parallel-size", tp]) == 0
+    source = helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    back = helpers.flat_model(helpers.shards(tmp_path / "tp1" / "iter_0000007")[(0, 0)])
+    helpers.assert_same_tensors(source, back)
+    tp2 = helpers.shards(tmp_path / "tp2" / "iter_0000007")
+    for name in ("weight", "bias"):
+        key = f"language_model.encoder.layers.1.mlp.dense_h_to_4h.{name}"
+        gate, up = torch.chunk(source[key], 2, dim=0)
+        for rank in range(2):
+            expected = torch.cat([torch.chunk(gate, 2)[rank], torch.chunk(up, 2)[rank]])
+            assert torch.equal(helpers.flat_model(tp2[(rank, 0)])[key], expected)

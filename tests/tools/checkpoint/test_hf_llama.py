@@ -1,0 +1,162 @@
+"""tools/checkpoint: HuggingFace ``LlamaForCausalLM`` (and Qwen2's q/k/v bias) import and
+export on tiny random models made here from a config (nothing downloaded): an imported model
+gives HF's logits (fp32, 1e-5) and greedy text in ours, ours -> HF gives ours, and HF -> ours ->
+HF and ours -> HF -> ours are bitwise, through TP 2 (SwiGLU re-split, whole GQA groups)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tools.checkpoint import helpers
+from tools.checkpoint import convert
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-5
+VOCAB = 300
+FFN = 24
+
+
+def _convert(src: Path, dst: Path, *flags: str) -> Path:
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(src), "--save-dir", str(dst),
+                         *flags]) == 0
+    return dst
+
+
+def _ours(vocab: int, groups: int = 2, untied: bool = True, qkv_bias: bool = False,
+          interleaved: bool = False, theta: int = 10000):
+    return helpers.gpt(num_layers=2, vocab=vocab, normalization="RMSNorm",
+                       position_embedding_type="rope", num_query_groups=groups,
+                       add_bias_linear=False, add_qkv_bias=qkv_bias, swiglu=True,
+                       ffn_hidden_size=FFN, untie_embeddings_and_output_weights=untied,
+                       layernorm_epsilon=1e-6, rotary_base=theta,
+                       rotary_interleaved=interleaved)
+
+
+def _our_args(model, **extra):
+    c = model.config
+    values = dict(add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+                  swiglu=True, group_query_attention=True, num_query_groups=c.num_query_groups,
+                  add_qkv_bias=c.add_qkv_bias, layernorm_epsilon=1e-6,
+                  rotary_base=c.rotary_base, rotary_interleaved=c.rotary_interleaved,
+                  make_vocab_size_divisible_by=128)
+    return helpers.args_of(model, **{**values, **extra})
+
+
+def _random_hf(directory: Path, qwen2: bool = False, tied: bool = False):
+    torch.manual_seed(5)
+    kind = transformers.Qwen2Config if qwen2 else transformers.LlamaConfig
+    config = kind(vocab_size=VOCAB, hidden_size=helpers.HIDDEN, intermediate_size=FFN,
+                  num_hidden_layers=2, num_attention_heads=helpers.HEADS, num_key_value_heads=2,
+                  max_position_embeddings=helpers.MAX_POSITIONS, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                  tie_word_embeddings=tied)
+    model = (transformers.Qwen2ForCausalLM if qwen2 else transformers.LlamaForCausalLM)(config)
+    with torch.no_grad():  # the init leaves the norms at one and the biases at zero
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    model.eval().save_pretrained(directory)
+    return model
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, positions)
+
+
+def _greedy(model, ids: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:
+    for _ in range(steps):
+        nxt = _logits(model, ids)[:, -1, :vocab].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("qwen2,tied", [(False, False), (True, True)])
+def test_import_gives_the_hf_logits_and_greedy_text(tmp_path, qwen2, tied):
+    hf = _random_hf(tmp_path / "hf", qwen2, tied)
+    tp2 = _convert(tmp_path / "hf", tmp_path / "tp2", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2")
+    back = _convert(tp2, tmp_path / "tp1")
+    sd = helpers.shards(back / "iter_0000000")[(0, 0)]
+    args = sd["args"]
+    assert (args.position_embedding_type, args.normalization, args.swiglu,
+            args.num_query_groups, args.rotary_base) == ("rope", "RMSNorm", True, 2, 500000)
+    ours = _ours(args.padded_vocab_size, untied=not tied, qkv_bias=qwen2, theta=500000)
+    ours.load_state_dict(sd["model"])
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_logits(ours, ids)[..., :VOCAB] - theirs).abs().max() <= TOL
+    prompt = ids[:1, :4]
+    generated = hf.generate(prompt, max_new_tokens=8, do_sample=False,
+                            attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    assert torch.equal(_greedy(ours, prompt, 8, VOCAB), generated)
+
+
+def _tokenizer_json(directory: Path) -> None:
+    """A word-level tokenizer.json of VOCAB tokens (its size tells the export the true vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "</s>", "bos_token": "<s>"}')
+
+
+def test_hf_to_ours_to_hf_is_bitwise(tmp_path):
+    _random_hf(tmp_path / "hf")
+    _tokenizer_json(tmp_path / "hf")
+    tp2 = _convert(tmp_path / "hf", tmp_path / "tp2", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2")
+    args = helpers.shards(tp2 / "iter_0000000")[(0, 0)]["args"]
+    assert (args.tokenizer_type, args.tokenizer_model) == ("HuggingFaceTokenizer",
+                                                           str((tmp_path / "hf").resolve()))
+    out = _convert(tp2, tmp_path / "hf2", "--saver", "hf")  # the tokenizer's 300 rows
+    assert (out / "tokenizer.json").is_file()
+    from safetensors.torch import load_file
+    first, second = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", out))
+    helpers.assert_same_tensors(dict(sorted(first.items())), dict(sorted(second.items())))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_export_gives_our_logits(tmp_path, interleaved):
+    """--rotary-interleaved exports with each head's q/k rows permuted to HF's halves."""
+    model = _ours(384, interleaved=interleaved)
+    helpers.save_single(tmp_path / "src", model, _our_args(model))
+    out = _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf", "--true-vocab-size",
+                   str(VOCAB))
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_logits(model, ids)[..., :VOCAB] - theirs).abs().max() <= TOL
+
+
+def test_ours_to_hf_to_ours_is_bitwise_through_tp2(tmp_path):
+    model = _ours(256, qkv_bias=True)
+    helpers.save_single(tmp_path / "src", model, _our_args(model))
+    tp2 = _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2")
+    hf = _convert(tp2, tmp_path / "hf", "--saver", "hf", "--keep-padded-vocab")
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    back = _convert(hf, tmp_path / "back", "--loader", "hf")
+    source = helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    helpers.assert_same_tensors(
+        source, helpers.flat_model(helpers.shards(back / "iter_0000000")[(0, 0)]))
+
+
+@pytest.mark.parametrize("extra, flag", [
+    ({"rotary_percent": 0.5}, "--rotary-percent"),
+    ({"add_bias_linear": True}, "--disable-bias-linear"),
+    ({"position_embedding_type": "learned_absolute"}, "rope")])
+def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys, extra, flag):
+    model = _ours(256)
+    helpers.save_single(tmp_path / "src", model, _our_args(model, **extra))
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
+    assert flag in capsys.readouterr().err

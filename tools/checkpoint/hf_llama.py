@@ -1,0 +1,272 @@
+"""Megatron Llama-style GPT <-> HuggingFace ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, both
+directions (``--saver hf`` / ``--loader hf``).
+
+==============================================  ==============================================
+ours                                            LlamaForCausalLM
+==============================================  ==============================================
+language_model.embedding.word_embeddings        model.embed_tokens
+layers.N.input_layernorm (RMSNorm)              model.layers.N.input_layernorm
+layers.N.self_attention.query_key_value         self_attn.{q,k,v}_proj (rows regrouped)
+layers.N.self_attention.dense                   self_attn.o_proj
+layers.N.post_attention_layernorm               model.layers.N.post_attention_layernorm
+layers.N.mlp.dense_h_to_4h ([gate; up])         mlp.gate_proj, mlp.up_proj
+layers.N.mlp.dense_4h_to_h                      mlp.down_proj
+encoder.final_layernorm                         model.norm
+language_model.output_layer (untied)            lm_head
+==============================================  ==============================================
+
+Rotary layout: HF Llama's ``rotate_half`` pairs dimension ``i`` of a head with ``i + hn/2``,
+which is Megatron's default (non-interleaved) RoPE, so the q/k rows copy over unpermuted.
+(transformers' ``convert_llama_weights_to_hf.py`` permutes q/k because Meta's original
+checkpoints pair adjacent dimensions, ``(2i, 2i+1)``: Megatron's ``--rotary-interleaved``.) A
+model trained with ``--rotary-interleaved`` is exported with that same permutation of each
+head's q/k rows (dimension ``2i`` -> ``i``, ``2i+1`` -> ``i + hn/2``: q.k is unchanged by a
+permutation applied to both) and imports back as a non-interleaved model.
+
+QKV: our fused rows are Megatron's grouped layout ``[G, np/G + 2, hn]`` (a group's query heads,
+then its key head, then its value head); HF keeps ``q_proj`` ``[np*hn, h]``, ``k_proj`` and
+``v_proj`` ``[G*hn, h]``, query head ``i`` reading key/value head ``i // (np/G)`` in both.
+Qwen2 is Llama with a bias on q/k/v only (``--add-qkv-bias --disable-bias-linear``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.checkpointing import CheckpointError
+from tools.checkpoint.hf_files import optional_module
+from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
+
+LAYER = "language_model.encoder.layers.{}."
+HF_LAYER = "model.layers.{}."
+FINAL_NORM = "language_model.encoder.final_layernorm.weight"
+# (ours, HF): whole-tensor renames of one layer.
+LAYER_TENSORS = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.dense.weight", "self_attn.o_proj.weight"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"),
+)
+LAYER_ORDER = ("input_layernorm.weight", "self_attention.query_key_value.weight",
+               "self_attention.query_key_value.bias", "self_attention.dense.weight",
+               "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight",
+               "mlp.dense_4h_to_h.weight")
+"""A layer's tensors in the order Megatron's modules hold them (the bias only with Qwen2's)."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+"""model_type -> class: the ones whose weights and forward are Llama's (Mistral without a
+sliding window, Qwen2 with its q/k/v bias)."""
+
+
+def is_llama_style(args: argparse.Namespace) -> bool:
+    """A GPT checkpoint that exports as Llama rather than GPT-2: RoPE or RMSNorm or SwiGLU."""
+    return (getattr(args, "position_embedding_type", "learned_absolute") == "rope"
+            or getattr(args, "use_rotary_position_embeddings", False)
+            or getattr(args, "normalization", "LayerNorm") == "RMSNorm"
+            or bool(getattr(args, "swiglu", False)))
+
+
+def check_llama_compatible(args: argparse.Namespace) -> None:
+    """Refuse Megatron GPTs ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` cannot express.
+
+    Raises:
+        ValueError: naming the flags (what is missing, what is extra).
+    """
+    rope = (getattr(args, "position_embedding_type", "learned_absolute") == "rope"
+            or getattr(args, "use_rotary_position_embeddings", False))
+    problems = [flag for flag, bad in (
+        ("no --position-embedding-type rope", not rope),
+        ("no --normalization RMSNorm", getattr(args, "normalization", "LayerNorm") != "RMSNorm"),
+        ("no --swiglu", not getattr(args, "swiglu", False)),
+        ("no --disable-bias-linear", getattr(args, "add_bias_linear", True)),
+        ("--rotary-percent < 1", float(getattr(args, "rotary_percent", 1.0)) != 1.0),
+        ("--apply-layernorm-1p", getattr(args, "apply_layernorm_1p", False)),
+        ("--apply-residual-connection-post-layernorm",
+         getattr(args, "apply_residual_connection_post_layernorm", False)),
+        ("--qk-layernorm", getattr(args, "qk_layernorm", False)),
+    ) if bad]
+    if problems:
+        raise ValueError("--saver hf: LlamaForCausalLM cannot hold this model ("
+                         + ", ".join(problems) + "); keep it a Megatron checkpoint")
+
+
+def query_groups(args: argparse.Namespace) -> int:
+    if getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", None):
+        return int(args.num_query_groups)
+    return int(args.num_attention_heads)
+
+
+def head_dim(args: argparse.Namespace) -> int:
+    kv = getattr(args, "kv_channels", None)
+    return int(kv) if kv else int(args.hidden_size) // int(args.num_attention_heads)
+
+
+def halves_from_interleaved(t: torch.Tensor, hn: int) -> torch.Tensor:
+    """Each head's rows (``hn`` of them) reordered from adjacent rotary pairs ``(2i, 2i+1)`` to
+    halves ``(i, i + hn/2)``: transformers' ``permute`` of Meta's q/k weights."""
+    heads = t.shape[0] // hn
+    return t.reshape(heads, hn // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def split_qkv(t: torch.Tensor, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """Our grouped ``[G*(np/G+2)*hn, ...]`` rows -> HF (q, k, v)."""
+    groups, hn = query_groups(args), head_dim(args)
+    per_group = int(args.num_attention_heads) // groups
+    grouped = t.reshape(groups, per_group + 2, hn, *t.shape[1:])
+    q, k, v = torch.split(grouped, [per_group, 1, 1], dim=1)
+    q, k, v = (x.reshape(-1, *t.shape[1:]) for x in (q, k, v))
+    if getattr(args, "rotary_interleaved", False):
+        q, k = halves_from_interleaved(q, hn), halves_from_interleaved(k, hn)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             args: argparse.Namespace) -> torch.Tensor:
+    """HF (q, k, v) -> our grouped rows (the inverse of :func:`split_qkv`, non-interleaved)."""
+    groups, hn = query_groups(args), head_dim(args)
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, -1, hn, *rest), k.reshape(groups, 1, hn, *rest),
+             v.reshape(groups, 1, hn, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def llama_tensors(md: ModelDescription, vocab: int):
+    """(HF name, tensor) of ``md``, a piece at a time."""
+    args = md.args
+    yield "model.embed_tokens.weight", md.embeddings()[WORD_EMBEDDINGS][:vocab]
+    for i in range(md.num_layers):
+        layer = md.layer(i)
+        ours, theirs = LAYER.format(i), HF_LAYER.format(i)
+        for name, hf_name in LAYER_TENSORS:
+            yield theirs + hf_name, layer[ours + name]
+        q, k, v = split_qkv(layer[ours + "self_attention.query_key_value.weight"], args)
+        yield from ((theirs + f"self_attn.{n}_proj.weight", x) for n, x in zip("qkv", (q, k, v)))
+        bias = layer.get(ours + "self_attention.query_key_value.bias")
+        if bias is not None:
+            q, k, v = split_qkv(bias, args)
+            yield from ((theirs + f"self_attn.{n}_proj.bias", x) for n, x in zip("qkv", (q, k, v)))
+        gate, up = torch.chunk(layer[ours + "mlp.dense_h_to_4h.weight"], 2, dim=0)
+        yield theirs + "mlp.gate_proj.weight", gate
+        yield theirs + "mlp.up_proj.weight", up
+        del layer
+    head = md.head()
+    yield "model.norm.weight", head[FINAL_NORM]
+    if md.untied:
+        yield "lm_head.weight", head[OUTPUT_LAYER][:vocab]
+
+
+def llama_config(md: ModelDescription, vocab: int):
+    """The ``LlamaConfig`` (``Qwen2Config`` with ``--add-qkv-bias``) of ``md``."""
+    check_llama_compatible(md.args)
+    transformers = optional_module("transformers", "--saver hf")
+    args = md.args
+    qwen2 = bool(getattr(args, "add_qkv_bias", False))
+    dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(
+        getattr(args, "params_dtype", torch.float32), "float32")
+    eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
+    common = dict(
+        vocab_size=vocab, hidden_size=int(args.hidden_size),
+        intermediate_size=int(args.ffn_hidden_size), num_hidden_layers=md.num_layers,
+        num_attention_heads=int(args.num_attention_heads),
+        num_key_value_heads=query_groups(args),
+        max_position_embeddings=int(args.max_position_embeddings),
+        rms_norm_eps=float(getattr(args, "layernorm_epsilon", 1e-5)),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": float(getattr(args, "rotary_base", 10000))},
+        tie_word_embeddings=not md.untied, hidden_act="silu", attention_dropout=0.0,
+        bos_token_id=eod, eos_token_id=eod, torch_dtype=dtype)
+    if qwen2:
+        return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+    if head_dim(args) * int(args.num_attention_heads) != int(args.hidden_size):
+        common["head_dim"] = head_dim(args)
+    return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False,
+                                    mlp_bias=False, **common)
+
+
+def _rope_theta(config: dict) -> float:
+    """``rope_theta`` of a config.json (transformers 5 nests it in ``rope_parameters``)."""
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise CheckpointError(f"rope_type {kind!r}: --loader hf maps the default RoPE only "
+                              "(Megatron's --rotary-base); no scaled variants")
+    if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1: not mapped by --loader hf")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _check_llama_config(config: dict) -> None:
+    kind = config.get("model_type")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {config.get('hidden_act')!r}: Megatron's --swiglu "
+                              "is SiLU-gated")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise CheckpointError("attention_bias / mlp_bias (a bias on o_proj or the MLP): not "
+                              "mapped by --loader hf")
+    if kind in ("mistral", "qwen2") and config.get("sliding_window") and \
+            config.get("use_sliding_window", kind == "mistral"):
+        raise CheckpointError(f"{kind} with a sliding window: Megatron attends to the whole "
+                              "sequence; not converted")
+
+
+def llama_args(config: dict) -> argparse.Namespace:
+    """Megatron's args of a Llama / Mistral / Qwen2 config.json."""
+    _check_llama_config(config)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    groups = int(config.get("num_key_value_heads") or heads)
+    theta = _rope_theta(config)
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    return argparse.Namespace(
+        num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
+        num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
+        kv_channels=int(config.get("head_dim") or hidden // heads),
+        group_query_attention=groups != heads, num_query_groups=groups if groups != heads
+        else None, max_position_embeddings=max_positions, seq_length=max_positions,
+        position_embedding_type="rope", use_rotary_position_embeddings=False,
+        rotary_base=int(theta) if theta.is_integer() else theta, rotary_percent=1.0,
+        rotary_interleaved=False, normalization="RMSNorm",
+        layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True,
+        squared_relu=False, add_bias_linear=False,
+        add_qkv_bias=config.get("model_type") == "qwen2", add_position_embedding=False,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        apply_residual_connection_post_layernorm=False, apply_layernorm_1p=False,
+        openai_gelu=False, bias_gelu_fusion=False, make_vocab_size_divisible_by=128,
+        padded_vocab_size=int(config["vocab_size"]), tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,
+        tokenizer_type=None, tokenizer_model=None, vocab_file=None, merge_file=None,
+        iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+
+
+class HuggingFaceLlama(ModelDescription):
+    """A local ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` directory."""
+
+    def __init__(self, config: dict, tensors) -> None:
+        super().__init__(family="GPT", args=llama_args(config),
+                         true_vocab_size=int(config["vocab_size"]))
+        self.repad = True
+        self.tensors = tensors
+
+    def embeddings(self) -> dict[str, torch.Tensor]:
+        return {WORD_EMBEDDINGS: self.tensors.get("model.embed_tokens.weight")}
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        ours, theirs = LAYER.format(index), HF_LAYER.format(index)
+        out = {ours + name: self.tensors.get(theirs + hf_name) for name, hf_name in LAYER_TENSORS}
+        qkv = [self.tensors.get(theirs + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        out[ours + "self_attention.query_key_value.weight"] = fuse_qkv(*qkv, self.args)
+        if self.args.add_qkv_bias:
+            qkv = [self.tensors.get(theirs + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            out[ours + "self_attention.query_key_value.bias"] = fuse_qkv(*qkv, self.args)
+        out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat(
+            [self.tensors.get(theirs + "mlp.gate_proj.weight"),
+             self.tensors.get(theirs + "mlp.up_proj.weight")], dim=0)
+        return {ours + name: out[ours + name] for name in LAYER_ORDER if ours + name in out}
+
+    def head(self) -> dict[str, torch.Tensor]:
+        out = {FINAL_NORM: self.tensors.get("model.norm.weight")}
+        if self.untied:
+            out[OUTPUT_LAYER] = self.tensors.get("lm_head.weight")
+        return out
