@@ -284,6 +284,17 @@ def stage_gpt_fp16(c: Check):
     return 0, losses_figure(lm_losses(out))
 
 
+# A Llama-shaped GPT (as examples/pretrain_llama.sh): RoPE, RMSNorm, SwiGLU, GQA, no biases.
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--ffn-hidden-size", "512", "--group-query-attention", "--num-query-groups", "2",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def stage_llama(c: Check):
+    out = train(c, "llama", ["--bf16", "--train-iters", "10", *LLAMA_FLAGS])
+    return 0, losses_figure(lm_losses(out))
+
+
 def stage_gpt_distopt(c: Check):
     out = train(c, "gpt-distopt", ["--bf16", "--use-distributed-optimizer", "--train-iters",
                                    "10", "--save", os.path.join(c.ck, "distopt"),
@@ -488,6 +499,7 @@ STAGES = [
     Stage("gpt-bf16", stage_gpt_bf16, ("data",)),
     Stage("gpt-fp16", stage_gpt_fp16, ("data",)),
     Stage("gpt-distopt", stage_gpt_distopt, ("data",)),
+    Stage("llama", stage_llama, ("data",)),
     Stage("bert", stage_bert, ("data",)),
     Stage("finetune", stage_finetune, ("data",)),
     Stage("tp2", lambda c: stage_parallel(c, "tp2", ["--tensor-model-parallel-size", "2"]),
@@ -505,7 +517,8 @@ STAGES = [
     Stage("server", stage_server, ("gpt-bf16",)),
     Stage("zeroshot", stage_zeroshot, ("gpt-bf16",)),
     Stage("kernels", stage_kernels, timeout=240, exclusive=True),
-    Stage("speed-gpt2", lambda c: speed(c, "speed-gpt2", "gpt2", "plain,compile,ours,ours-unfused-ce,ours-noext",
+    Stage("speed-gpt2", lambda c: speed(c, "speed-gpt2", "gpt2",
+                                        "plain,compile,ours,ours-unfused-ce,ours-noext",
                                         ["--profile", os.path.join(c.out, "profile_gpt2.txt")]),
           timeout=240, exclusive=True),
     Stage("speed-gpt2-distopt", lambda c: speed(c, "speed-gpt2-distopt", "gpt2", "ours",

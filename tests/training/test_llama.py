@@ -1,8 +1,9 @@
 """A Llama-style GPT (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; issue 27)
-through ``pretrain()`` at TP=2 (with sequence parallelism) and PP=2 equals one process: the
-loss at every iteration to 1e-5 from the one-process run's initial weights
-(``single_process_init``, as the pipeline tests), and TP=2's shards of fc1 are Megatron-LM's
-[gate_r; up_r] and of the QKV weight whole key/value groups."""
+through ``pretrain()`` at TP=2 (with sequence parallelism), PP=2 and TP=2 x PP=2 equals one
+process: the loss at every iteration to 1e-5 from the one-process run's initial weights
+(``single_process_init``, as the pipeline tests); the TP=2 run resumes exactly from its save at
+iteration 2; and TP=2's shards of fc1 are Megatron-LM's [gate_r; up_r] and of the QKV weight
+whole key/value groups."""
 
 from __future__ import annotations
 
@@ -27,15 +28,28 @@ def _run(corpus, tp: int = 1, extra=(), init: bool = True) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt2_corpus):
+def runs(gpt2_corpus, tmp_path_factory):
+    save = tmp_path_factory.mktemp("llama_checkpoint")
     single = e2e.pooled(1, [_run(gpt2_corpus, init=False)])[0][0]
-    tp2, pp2 = e2e.pooled(2, [
-        _run(gpt2_corpus, tp=2, extra=["--sequence-parallel"]),
-        _run(gpt2_corpus, extra=["--pipeline-model-parallel-size", "2"])])
-    return {"single": single, "tp2_sp": tp2, "pp2": pp2}
+    tp2, pp2, resumed = e2e.pooled(2, [
+        _run(gpt2_corpus, tp=2, extra=["--sequence-parallel", "--save", save,
+                                       "--save-interval", "2"]),
+        _run(gpt2_corpus, extra=["--pipeline-model-parallel-size", "2"]),
+        _run(gpt2_corpus, tp=2, extra=["--sequence-parallel", "--load", save, "--ckpt-step",
+                                       "2"], init=False)])
+    (tp2pp2,) = e2e.pooled(4, [_run(gpt2_corpus, tp=2, extra=[
+        "--pipeline-model-parallel-size", "2"])])
+    return {"single": single, "tp2_sp": tp2, "pp2": pp2, "tp2pp2": tp2pp2, "resumed": resumed}
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_tp2_resumes_exactly(runs):
+    """Iterations 3 and 4 after loading the iteration-2 save equal the straight run's."""
+    for straight, resumed in zip(runs["tp2_sp"], runs["resumed"]):
+        assert resumed["iteration"] == ITERS and len(resumed["history"]) == 2
+        assert e2e.max_abs_diff(e2e.losses(straight)[2:], e2e.losses(resumed)) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "tp2pp2"])
 def test_llama_equals_one_process(runs, layout):
     ref = e2e.losses(runs["single"])
     # Four iterations at warmup learning rates: each batch's loss, not a trend, is compared.
