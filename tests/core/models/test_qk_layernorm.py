@@ -1,7 +1,8 @@
 """--qk-layernorm on the model (issue 27): a Llama-style GPT (GQA, RoPE, RMSNorm, no biases;
-GeLU, whose fc1 gathers rank-major, unlike SwiGLU's [gate_r; up_r]) at TP = 2, with and without sequence parallelism, gives TP = 1's loss and re-assembled
-gradients (float64) once the q/k norms' per-rank partial gradients are summed over TP; without
-that sum they differ, which is why the norms are marked even without sequence parallelism."""
+GeLU, whose fc1 gathers rank-major, unlike SwiGLU's [gate_r; up_r]) at TP = 2, with and
+without sequence parallelism, gives TP = 1's parameters and gradients (float64) once the q/k
+norms' per-rank partial gradients are summed over TP; without that sum they differ, which is
+why the norms are marked even without sequence parallelism."""
 
 from __future__ import annotations
 
