@@ -14,6 +14,7 @@ language_model.embedding.word_embeddings.weight            0 vocab  first
 language_model.embedding.{position,tokentype}_embeddings   -        first
 layers.N.{input,post_attention}_layernorm.*                -        layer N's
 layers.N.self_attention.query_key_value.* (column-par.)    0        layer N's
+layers.N.self_attention.{q,k}_layernorm.* (per head, hn)  -        layer N's
 layers.N.self_attention.dense.weight (row-parallel)        1        layer N's
 layers.N.self_attention.dense.bias (after the reduce)      -        layer N's
 layers.N.mlp.dense_h_to_4h.* (column-parallel)             0        layer N's
@@ -294,6 +295,8 @@ LANGUAGE_MODEL_RULES: tuple[TensorRule, ...] = (
                "layers", "layer norm"),
     TensorRule(_ATTENTION + "query_key_value.{weight,bias}", 0, "layers",
                "column-parallel: whole heads, rows [np, 3, hn]"),
+    TensorRule(_ATTENTION + "{q_layernorm,k_layernorm}.{weight,bias}", None, "layers",
+               "--qk-layernorm: one norm over hn shared by all heads (Megatron core's names)"),
     TensorRule(_ATTENTION + "dense.weight", 1, "layers", "row-parallel"),
     TensorRule(_ATTENTION + "dense.bias", None, "layers", "row-parallel bias (after the reduce)"),
     TensorRule(_LAYER + "mlp.dense_h_to_4h.{weight,bias}", 0, "layers", "column-parallel"),

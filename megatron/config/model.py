@@ -77,6 +77,9 @@ class ModelConfig:
     """Disable biases in the linear layers."""
     add_qkv_bias: bool = False
     """Keep the QKV projection's bias with --disable-bias-linear (Qwen2-style)."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head over its kv-channels (the --normalization norm,
+    after the QKV projection, before RoPE; OLMo-2 / Qwen3-style)."""
 
     attention_dropout: float = 0.1
     """Dropout probability of the attention probabilities."""

@@ -28,8 +28,8 @@ def test_llama_flags_reach_the_transformer_config():
     cfg = _parse("--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --ffn-hidden-size 256 "
                  "--position-embedding-type rope --rotary-percent 0.5 --rotary-base 500000 "
                  "--rotary-interleaved --group-query-attention --num-query-groups 4 "
-                 "--tensor-model-parallel-size 2 --disable-bias-linear --add-qkv-bias",
-                 world_size=2)
+                 "--tensor-model-parallel-size 2 --disable-bias-linear --add-qkv-bias "
+                 "--qk-layernorm", world_size=2)
     tc = transformer_config(cfg)
     assert (tc.normalization, tc.layernorm_epsilon) == ("RMSNorm", 1e-6)
     assert tc.swiglu and tc.ffn_hidden_size == 256
@@ -37,6 +37,7 @@ def test_llama_flags_reach_the_transformer_config():
             tc.rotary_interleaved) == ("rope", 0.5, 500000, True)
     assert not tc.add_position_embedding  # no learned table with RoPE
     assert tc.num_query_groups == 4 and not tc.add_bias_linear and tc.add_qkv_bias
+    assert tc.qk_layernorm and not transformer_config(_parse("")).qk_layernorm
 
 
 def test_older_spellings():

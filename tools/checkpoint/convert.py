@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="accepted for Megatron-LM compatibility and ignored")
     parser.add_argument("--hf-architecture", default=None,
                         choices=["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                 "MegatronBertForPreTraining",
+                                 "Qwen3ForCausalLM", "MegatronBertForPreTraining",
                                  "BertForPreTraining"],
                         help="HF export: the class to write (default: the one the checkpoint "
                              "needs: BERT trained with --apply-residual-connection-post-layernorm"

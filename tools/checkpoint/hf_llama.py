@@ -1,5 +1,5 @@
-"""Megatron Llama-style GPT <-> HuggingFace ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, both
-directions (``--saver hf`` / ``--loader hf``).
+"""Megatron Llama-style GPT <-> HuggingFace ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM``, both directions (``--saver hf`` / ``--loader hf``).
 
 ==============================================  ==============================================
 ours                                            LlamaForCausalLM
@@ -7,6 +7,7 @@ ours                                            LlamaForCausalLM
 language_model.embedding.word_embeddings        model.embed_tokens
 layers.N.input_layernorm (RMSNorm)              model.layers.N.input_layernorm
 layers.N.self_attention.query_key_value         self_attn.{q,k,v}_proj (rows regrouped)
+layers.N.self_attention.{q,k}_layernorm         self_attn.{q,k}_norm (Qwen3, --qk-layernorm)
 layers.N.self_attention.dense                   self_attn.o_proj
 layers.N.post_attention_layernorm               model.layers.N.post_attention_layernorm
 layers.N.mlp.dense_h_to_4h ([gate; up])         mlp.gate_proj, mlp.up_proj
@@ -26,7 +27,9 @@ permutation applied to both) and imports back as a non-interleaved model.
 QKV: our fused rows are Megatron's grouped layout ``[G, np/G + 2, hn]`` (a group's query heads,
 then its key head, then its value head); HF keeps ``q_proj`` ``[np*hn, h]``, ``k_proj`` and
 ``v_proj`` ``[G*hn, h]``, query head ``i`` reading key/value head ``i // (np/G)`` in both.
-Qwen2 is Llama with a bias on q/k/v only (``--add-qkv-bias --disable-bias-linear``).
+Qwen2 is Llama with a bias on q/k/v only (``--add-qkv-bias --disable-bias-linear``). Qwen3 is
+Llama with an RMSNorm over each q/k head before RoPE (``--qk-layernorm``), the same weight for
+every head as ours; with ``--rotary-interleaved`` its weight takes the q/k rows' permutation.
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ LAYER_TENSORS = (
     ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"),
 )
 LAYER_ORDER = ("input_layernorm.weight", "self_attention.query_key_value.weight",
-               "self_attention.query_key_value.bias", "self_attention.dense.weight",
+               "self_attention.query_key_value.bias", "self_attention.q_layernorm.weight",
+               "self_attention.k_layernorm.weight", "self_attention.dense.weight",
                "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight",
                "mlp.dense_4h_to_h.weight")
-"""A layer's tensors in the order Megatron's modules hold them (the bias only with Qwen2's)."""
+"""A layer's tensors in the order Megatron's modules hold them (the bias only with Qwen2's, the
+q/k norms only with Qwen3's)."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """model_type -> class: the ones whose weights and forward are Llama's (Mistral without a
-sliding window, Qwen2 with its q/k/v bias)."""
+sliding window, Qwen2 with its q/k/v bias, Qwen3 with its q/k norms)."""
 
 
 def is_llama_style(args: argparse.Namespace) -> bool:
@@ -74,6 +79,7 @@ def check_llama_compatible(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the flags (what is missing, what is extra).
     """
+    qk_norm = bool(getattr(args, "qk_layernorm", False))
     rope = (getattr(args, "position_embedding_type", "learned_absolute") == "rope"
             or getattr(args, "use_rotary_position_embeddings", False))
     problems = [flag for flag, bad in (
@@ -85,7 +91,8 @@ def check_llama_compatible(args: argparse.Namespace) -> None:
         ("--apply-layernorm-1p", getattr(args, "apply_layernorm_1p", False)),
         ("--apply-residual-connection-post-layernorm",
          getattr(args, "apply_residual_connection_post_layernorm", False)),
-        ("--qk-layernorm", getattr(args, "qk_layernorm", False)),
+        ("--qk-layernorm with --add-qkv-bias (Qwen3's attention_bias covers o_proj too)",
+         qk_norm and getattr(args, "add_qkv_bias", False)),
     ) if bad]
     if problems:
         raise ValueError("--saver hf: LlamaForCausalLM cannot hold this model ("
@@ -148,6 +155,7 @@ def llama_tensors(md: ModelDescription, vocab: int):
             q, k, v = split_qkv(bias, args)
             yield from ((theirs + f"self_attn.{n}_proj.bias", x) for n, x in zip("qkv", (q, k, v)))
         gate, up = torch.chunk(layer[ours + "mlp.dense_h_to_4h.weight"], 2, dim=0)
+        yield from _qk_norms(layer, ours, theirs, args)
         yield theirs + "mlp.gate_proj.weight", gate
         yield theirs + "mlp.up_proj.weight", up
         del layer
@@ -157,12 +165,30 @@ def llama_tensors(md: ModelDescription, vocab: int):
         yield "lm_head.weight", head[OUTPUT_LAYER][:vocab]
 
 
+def _qk_norms(layer: dict, ours: str, theirs: str, args: argparse.Namespace):
+    """Qwen3's ``self_attn.{q,k}_norm`` of ``--qk-layernorm`` (none without it)."""
+    for n in "qk":
+        weight = layer.get(ours + f"self_attention.{n}_layernorm.weight")
+        if weight is not None:
+            if getattr(args, "rotary_interleaved", False):
+                weight = halves_from_interleaved(weight, weight.shape[0])
+            yield theirs + f"self_attn.{n}_norm.weight", weight
+
+
+def hf_architecture(args: argparse.Namespace) -> str:
+    """The HF class a Llama-style GPT exports as."""
+    if getattr(args, "qk_layernorm", False):
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if getattr(args, "add_qkv_bias", False) else "LlamaForCausalLM"
+
+
 def llama_config(md: ModelDescription, vocab: int):
-    """The ``LlamaConfig`` (``Qwen2Config`` with ``--add-qkv-bias``) of ``md``."""
+    """The ``LlamaConfig`` (``Qwen2Config`` with ``--add-qkv-bias``, ``Qwen3Config`` with
+    ``--qk-layernorm``) of ``md``."""
     check_llama_compatible(md.args)
     transformers = optional_module("transformers", "--saver hf")
     args = md.args
-    qwen2 = bool(getattr(args, "add_qkv_bias", False))
+    architecture = hf_architecture(args)
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(
         getattr(args, "params_dtype", torch.float32), "float32")
     eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
@@ -177,8 +203,11 @@ def llama_config(md: ModelDescription, vocab: int):
                          "rope_theta": float(getattr(args, "rotary_base", 10000))},
         tie_word_embeddings=not md.untied, hidden_act="silu", attention_dropout=0.0,
         bos_token_id=eod, eos_token_id=eod, torch_dtype=dtype)
-    if qwen2:
-        return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+    if architecture == "Qwen2ForCausalLM":
+        return transformers.Qwen2Config(architectures=[architecture], **common)
+    if architecture == "Qwen3ForCausalLM":  # its head_dim defaults to 128: always written
+        return transformers.Qwen3Config(architectures=[architecture], head_dim=head_dim(args),
+                                        attention_bias=False, **common)
     if head_dim(args) * int(args.num_attention_heads) != int(args.hidden_size):
         common["head_dim"] = head_dim(args)
     return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False,
@@ -206,7 +235,7 @@ def _check_llama_config(config: dict) -> None:
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise CheckpointError("attention_bias / mlp_bias (a bias on o_proj or the MLP): not "
                               "mapped by --loader hf")
-    if kind in ("mistral", "qwen2") and config.get("sliding_window") and \
+    if kind in ("mistral", "qwen2", "qwen3") and config.get("sliding_window") and \
             config.get("use_sliding_window", kind == "mistral"):
         raise CheckpointError(f"{kind} with a sliding window: Megatron attends to the whole "
                               "sequence; not converted")
@@ -230,7 +259,8 @@ def llama_args(config: dict) -> argparse.Namespace:
         rotary_interleaved=False, normalization="RMSNorm",
         layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True,
         squared_relu=False, add_bias_linear=False,
-        add_qkv_bias=config.get("model_type") == "qwen2", add_position_embedding=False,
+        add_qkv_bias=config.get("model_type") == "qwen2",
+        qk_layernorm=config.get("model_type") == "qwen3", add_position_embedding=False,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         apply_residual_connection_post_layernorm=False, apply_layernorm_1p=False,
         openai_gelu=False, bias_gelu_fusion=False, make_vocab_size_divisible_by=128,
@@ -241,7 +271,8 @@ def llama_args(config: dict) -> argparse.Namespace:
 
 
 class HuggingFaceLlama(ModelDescription):
-    """A local ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` directory."""
+    """A local ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
+    ``Qwen3ForCausalLM`` directory."""
 
     def __init__(self, config: dict, tensors) -> None:
         super().__init__(family="GPT", args=llama_args(config),
@@ -260,6 +291,10 @@ class HuggingFaceLlama(ModelDescription):
         if self.args.add_qkv_bias:
             qkv = [self.tensors.get(theirs + f"self_attn.{n}_proj.bias") for n in "qkv"]
             out[ours + "self_attention.query_key_value.bias"] = fuse_qkv(*qkv, self.args)
+        if self.args.qk_layernorm:
+            for n in "qk":
+                out[ours + f"self_attention.{n}_layernorm.weight"] = self.tensors.get(
+                    theirs + f"self_attn.{n}_norm.weight")
         out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat(
             [self.tensors.get(theirs + "mlp.gate_proj.weight"),
              self.tensors.get(theirs + "mlp.up_proj.weight")], dim=0)

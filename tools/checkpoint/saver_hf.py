@@ -1,7 +1,8 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
 GPT -> ``GPT2LMHeadModel`` or, Llama-style (RoPE / RMSNorm / SwiGLU), ``LlamaForCausalLM``
-(``Qwen2ForCausalLM`` with ``--add-qkv-bias``: ``hf_llama``), BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
+(``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``:
+``hf_llama``), BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
 ``BertForPreTraining`` (``hf_bert``):
 ``config.json``, ``model.safetensors`` (or ``model-0000K-of-0000N.safetensors`` shards +
 ``model.safetensors.index.json`` past ``max_shard_bytes``, written as they fill: the saver holds
@@ -26,7 +27,8 @@ from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
 from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
-from tools.checkpoint.hf_llama import is_llama_style, llama_config, llama_tensors
+from tools.checkpoint.hf_llama import (hf_architecture, is_llama_style, llama_config,
+                                       llama_tensors)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -181,12 +183,13 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
 def _gpt_architecture(md: ModelDescription) -> str:
     if not is_llama_style(md.args):
         return "GPT2LMHeadModel"
-    return "Qwen2ForCausalLM" if getattr(md.args, "add_qkv_bias", False) else "LlamaForCausalLM"
+    return hf_architecture(md.args)
 
 
 def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
                 max_shard_bytes: int) -> Path:
-    """Llama-style GPT -> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (``hf_llama``)."""
+    """Llama-style GPT -> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+    (``hf_llama``)."""
     config = llama_config(md, vocab)  # refuses what Llama cannot hold, before any write
     writer = ShardWriter(out, max_shard_bytes)
     for name, tensor in llama_tensors(md, vocab):

@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 
 # Megatron fills masked scores with this value rather than -inf: fully masked rows (padding
@@ -180,6 +181,10 @@ class SelfAttention(torch.nn.Module):
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             sequence_parallel=config.sequence_parallel)
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
+        else:
+            self.q_layernorm = self.k_layernorm = None
         self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
@@ -190,6 +195,14 @@ class SelfAttention(torch.nn.Module):
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             sequence_parallel=config.sequence_parallel)
+
+    def _head_norm(self) -> torch.nn.Module:
+        """``--qk-layernorm``: one norm over ``hn`` shared by every head, replicated on all TP
+        ranks. Each rank normalizes only its own heads (of the full sequence, even with
+        sequence parallelism), so its weight gradient is a partial sum over heads: marked for
+        the TP all-reduce whenever TP > 1, as Megatron's ``_allreduce_layernorm_grads`` sums
+        ``q_layernorm`` / ``k_layernorm`` with ``config.qk_layernorm``."""
+        return build_norm(self.config, self.head_dim, partial_grads=True)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
@@ -212,6 +225,8 @@ class SelfAttention(torch.nn.Module):
         query, key, value = torch.split(
             mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         query = query.reshape(s, b, g * per_group, self.head_dim)  # [s, b, np, hn]
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)

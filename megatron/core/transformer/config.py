@@ -55,6 +55,9 @@ class TransformerConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     """A bias on the QKV projection even with ``add_bias_linear`` off (Qwen2)."""
+    qk_layernorm: bool = False
+    """A ``normalization`` norm over ``kv_channels`` applied to every query and key head after
+    the QKV projection and before RoPE (Megatron core's ``q_layernorm`` / ``k_layernorm``)."""
     swiglu: bool = False
     """Gated MLP: fc1 is 2 x ffn_hidden_size wide, silu(gate) * up (Megatron's ``glu``)."""
     squared_relu: bool = False

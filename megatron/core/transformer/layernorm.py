@@ -91,11 +91,18 @@ class RMSNorm(torch.nn.Module):
         return normed.type_as(x) * weight
 
 
-def build_norm(config, hidden_size: int | None = None) -> torch.nn.Module:
+def build_norm(config, hidden_size: int | None = None,
+               partial_grads: bool | None = None) -> torch.nn.Module:
     """The norm a :class:`~megatron.core.transformer.config.TransformerConfig` asks for
-    (``normalization``, ``layernorm_epsilon``, ``apply_layernorm_1p``, sequence parallelism)."""
+    (``normalization``, ``layernorm_epsilon``, ``apply_layernorm_1p``).
+
+    ``partial_grads``: each TP rank sees only part of the norm's rows, so its weight gradients
+    are summed over TP ranks (the ``sequence_parallel`` attribute); default: sequence
+    parallelism is on."""
+    if partial_grads is None:
+        partial_grads = config.sequence_parallel
     kwargs = dict(eps=config.layernorm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
-                  params_dtype=config.params_dtype, sequence_parallel=config.sequence_parallel)
+                  params_dtype=config.params_dtype, sequence_parallel=partial_grads)
     size = config.hidden_size if hidden_size is None else hidden_size
     if config.normalization == "RMSNorm":
         return RMSNorm(size, **kwargs)

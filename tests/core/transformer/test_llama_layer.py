@@ -53,8 +53,8 @@ def _layer_ref(layer, x, cfg, positions):
     p = dict(layer.named_parameters())
     norm = (lambda t, name: _rms(t, p[name + ".weight"], cfg.layernorm_epsilon)) \
         if cfg.normalization == "RMSNorm" else \
-        (lambda t, name: F.layer_norm(t, (H,), p[name + ".weight"], p[name + ".bias"],
-                                      cfg.layernorm_epsilon))
+        (lambda t, name: F.layer_norm(t, t.shape[-1:], p[name + ".weight"],
+                                      p[name + ".bias"], cfg.layernorm_epsilon))
     g, hn, np_ = cfg.num_query_groups, cfg.kv_channels, cfg.num_attention_heads
     ln = norm(x, "input_layernorm")
     qkv = ln @ p["self_attention.query_key_value.weight"].T
@@ -63,6 +63,8 @@ def _layer_ref(layer, x, cfg, positions):
     qkv = qkv.view(S, B, g, np_ // g + 2, hn)  # rows [G, np/G + 2, hn]
     q = qkv[:, :, :, :-2].reshape(S, B, np_, hn)
     k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, hn]
+    if cfg.qk_layernorm:  # each head over its hn channels, before RoPE
+        q, k = norm(q, "self_attention.q_layernorm"), norm(k, "self_attention.k_layernorm")
     if cfg.position_embedding_type == "rope":
         rot = int(hn * cfg.rotary_percent)
         q = _rope_ref(q, positions, rot, cfg.rotary_base, cfg.rotary_interleaved)
@@ -96,6 +98,8 @@ def _layer_ref(layer, x, cfg, positions):
     {"num_query_groups": 1, "add_qkv_bias": True},  # multi-query, Qwen2's QKV bias
     {"num_query_groups": NP, "swiglu": False, "squared_relu": True},  # MHA
     {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute"},
+    {"qk_layernorm": True},
+    {"qk_layernorm": True, "normalization": "LayerNorm", "num_query_groups": NP},
 ])
 @pytest.mark.parametrize("backend", ["auto", "unfused"])
 def test_layer_equals_reference(changes, backend):

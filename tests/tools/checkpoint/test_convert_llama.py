@@ -102,3 +102,35 @@ def test_swiglu_fc1_shards_are_gate_r_up_r(tmp_path):
         for rank in range(2):
             expected = torch.cat([torch.chunk(gate, 2)[rank], torch.chunk(up, 2)[rank]])
             assert torch.equal(helpers.flat_model(tp2[(rank, 0)])[key], expected)
+
+
+def test_qk_layernorm_round_trip_is_bitwise(tmp_path):
+    """--qk-layernorm's q/k norms (Megatron core's names) are whole on every TP rank and
+    survive TP/PP changes bitwise; LayerNorm's bias too."""
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint import convert
+
+    model = helpers.gpt(qk_layernorm=True, num_query_groups=2)
+    with torch.no_grad():  # away from the ones/zeros init, so a mix-up would show
+        for name, p in model.named_parameters():
+            if "_layernorm" in name:
+                p.add_(torch.randn(p.shape, dtype=p.dtype, device=p.device))
+    args = helpers.args_of(model, qk_layernorm=True, group_query_attention=True,
+                           num_query_groups=2)
+    helpers.save_single(tmp_path / "src", model, args)
+    previous = tmp_path / "src"
+    for i, (tp, pp) in enumerate([(2, 2), (1, 1)]):
+        dst = tmp_path / f"step{i}"
+        assert convert.main(["--model-type", "GPT", "--load-dir", str(previous), "--save-dir",
+                             str(dst), "--target-tensor-parallel-size", str(tp),
+                             "--target-pipeline-parallel-size", str(pp)]) == 0
+        previous = dst
+    source = helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    back = helpers.flat_model(helpers.shards(previous / "iter_0000007")[(0, 0)])
+    helpers.assert_same_tensors(source, back)
+    key = "language_model.encoder.layers.0.self_attention.{}_layernorm.{}"
+    assert all(key.format(n, w) in source for n in "qk" for w in ("weight", "bias"))
+    tp2 = helpers.shards(tmp_path / "step0" / "iter_0000007")
+    for rank in range(2):
+        shard = helpers.flat_model(tp2[(rank, 0)])
+        assert torch.equal(shard[key.format("k", "weight")], source[key.format("k", "weight")])

@@ -27,20 +27,21 @@ def _convert(src: Path, dst: Path, *flags: str) -> Path:
 
 
 def _ours(vocab: int, groups: int = 2, untied: bool = True, qkv_bias: bool = False,
-          interleaved: bool = False, theta: int = 10000):
+          interleaved: bool = False, theta: int = 10000, qk_norm: bool = False):
     return helpers.gpt(num_layers=2, vocab=vocab, normalization="RMSNorm",
                        position_embedding_type="rope", num_query_groups=groups,
                        add_bias_linear=False, add_qkv_bias=qkv_bias, swiglu=True,
                        ffn_hidden_size=FFN, untie_embeddings_and_output_weights=untied,
                        layernorm_epsilon=1e-6, rotary_base=theta,
-                       rotary_interleaved=interleaved)
+                       rotary_interleaved=interleaved, qk_layernorm=qk_norm)
 
 
 def _our_args(model, **extra):
     c = model.config
     values = dict(add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
                   swiglu=True, group_query_attention=True, num_query_groups=c.num_query_groups,
-                  add_qkv_bias=c.add_qkv_bias, layernorm_epsilon=1e-6,
+                  add_qkv_bias=c.add_qkv_bias, qk_layernorm=c.qk_layernorm,
+                  layernorm_epsilon=1e-6,
                   rotary_base=c.rotary_base, rotary_interleaved=c.rotary_interleaved,
                   make_vocab_size_divisible_by=128)
     return helpers.args_of(model, **{**values, **extra})
@@ -160,3 +161,44 @@ def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys, extra, flag):
     assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
                          "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
     assert flag in capsys.readouterr().err
+
+
+def _perturbed_qk_norms(model):
+    with torch.no_grad():  # the init leaves them at one: a mix-up of q and k would not show
+        for name, param in model.named_parameters():
+            if "_layernorm" in name:
+                param.add_(0.5 * torch.randn(param.shape, dtype=param.dtype))
+    return model
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_layernorm_exports_as_qwen3(tmp_path, interleaved):
+    """--qk-layernorm is Qwen3's q_norm / k_norm: our logits from HF, and back bitwise."""
+    model = _perturbed_qk_norms(_ours(384, interleaved=interleaved, qk_norm=True))
+    helpers.save_single(tmp_path / "src", model, _our_args(model))
+    out = _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf", "--true-vocab-size",
+                   str(VOCAB))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_logits(model, ids)[..., :VOCAB] - theirs).abs().max() <= TOL
+    if interleaved:
+        return  # imports back as a non-interleaved model (permuted rows): not bitwise
+    back = _convert(_convert(out, tmp_path / "tp2", "--loader", "hf",
+                             "--target-tensor-parallel-size", "2"), tmp_path / "tp1")
+    sd = helpers.shards(back / "iter_0000000")[(0, 0)]
+    assert sd["args"].qk_layernorm
+    source = helpers.flat_model(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    # The vocabulary rows past the true 300 come back as fresh padding: compare the real ones.
+    helpers.assert_same_tensors({k: v[:VOCAB] for k, v in source.items()},
+                                {k: v[:VOCAB] for k, v in helpers.flat_model(sd).items()})
+
+
+def test_qk_layernorm_with_qkv_bias_is_refused(tmp_path, capsys):
+    model = _ours(256, qkv_bias=True, qk_norm=True)
+    helpers.save_single(tmp_path / "src", model, _our_args(model))
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
+    assert "--qk-layernorm with --add-qkv-bias" in capsys.readouterr().err
