@@ -148,7 +148,10 @@ def _check(op: str, group: ProcessGroup | None, tensors: list[torch.Tensor],
         return
     mine = _descriptor(tensors[0], compute)
     every = torch.empty(world_size(group) * mine.numel(), dtype=mine.dtype, device=compute)
-    _all_gather_single(every, mine, group=group)
+    # Marked as the collective it checks: a rank waiting here for a hung peer is blocked in a
+    # collective (the watchdog then names the peer, not this rank).
+    with _blocking(op, group):
+        _all_gather_single(every, mine, group=group)
     rows = every.view(world_size(group), -1).tolist()
     if any(row != rows[0] for row in rows):
         described = "; ".join(f"rank {i}: {_describe(row)}" for i, row in enumerate(rows))
