@@ -191,11 +191,7 @@ def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
     """Llama-style GPT -> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
     (``hf_llama``)."""
     config = llama_config(md, vocab)  # refuses what Llama cannot hold, before any write
-    writer = ShardWriter(out, max_shard_bytes)
-    for name, tensor in llama_tensors(md, vocab):
-        writer.add(name, tensor)
-    writer.finish()
-    config.save_pretrained(out)
+    _write_model(out, config, llama_tensors(md, vocab), max_shard_bytes)
     if tokenizer_dir is not None:
         _copy_tokenizer(md, out, tokenizer_dir)
         return out
@@ -212,15 +208,20 @@ def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
     return out
 
 
+def _write_model(out: Path, config, tensors, max_shard_bytes: int) -> None:
+    """The ``(name, tensor)`` pairs in safetensors shards, then HF's ``config.json``."""
+    writer = ShardWriter(out, max_shard_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    writer.finish()
+    config.save_pretrained(out)
+
+
 def _save_bert(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
                max_shard_bytes: int, architecture: str) -> Path:
     """BERT -> ``MegatronBertForPreTraining`` / ``BertForPreTraining`` (``hf_bert``)."""
     config = bert_config(md, vocab, architecture)
-    writer = ShardWriter(out, max_shard_bytes)
-    for name, tensor in bert_tensors(md, vocab, architecture):
-        writer.add(name, tensor)
-    writer.finish()
-    config.save_pretrained(out)
+    _write_model(out, config, bert_tensors(md, vocab, architecture), max_shard_bytes)
     if tokenizer_dir is not None:
         _copy_tokenizer(md, out, tokenizer_dir)
         return out
