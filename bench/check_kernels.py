@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.core import device  # noqa: E402
 from megatron.core.fusions import kernels  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import _FusedLayerNormAffine  # noqa: E402
 from megatron.core.fusions.fused_softmax import _ScaledSoftmax  # noqa: E402
@@ -41,7 +42,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def sync(dev: str) -> None:
     if dev == "cuda":
-        torch.cuda.synchronize()
+        device.synchronize()
 
 
 def eager_softmax(x, mask, scale):
@@ -239,7 +240,7 @@ def format_row(row: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--device", default=device.get_device().type,
                         choices=["cuda", "cpu"])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")

@@ -39,8 +39,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
 import bench_train  # noqa: E402
 import plain_gpt  # noqa: E402
+
+from megatron.core import device  # noqa: E402
 
 VOCAB = 50304
 SHAPES = {
@@ -57,13 +60,8 @@ class Side:
     first_step_s: float = 0.0
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def plain_side(shape: bench_train.Shape, compiled: bool) -> Side:
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device.get_device()
     torch.manual_seed(0)
     cfg = plain_gpt.GPTConfig(shape.layers, shape.hidden, shape.heads, shape.seq, VOCAB)
     model = plain_gpt.GPT(cfg).to(dev)
@@ -83,7 +81,7 @@ def ours_side(shape: bench_train.Shape, extra: list[str]) -> Side:
     import profile_train
 
     step = profile_train.ours_step(shape, True, ["--distributed-backend",
-                                                 "nccl" if torch.cuda.is_available() else "gloo",
+                                                 device.default_backend(),
                                                  *extra])
     h, layers = shape.hidden, shape.layers
     n_params = VOCAB * h + layers * (12 * h * h + 13 * h) + 2 * h
@@ -94,28 +92,28 @@ def hide_extension() -> None:
     """Make the fused-kernel extension of this device look unbuilt from now on."""
     from megatron.core.fusions import kernels
 
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    kernels._loaded[device_type] = None
+    kernels._loaded[device.get_device().type] = None
 
 
 def time_side(side: Side, warmup: int, steps: int) -> dict:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    synchronize()
+    if device.accelerator_available():
+        torch.cuda.reset_peak_memory_stats()  # cuda-only
+    device.synchronize()
     t0 = time.perf_counter()
     side.step()
-    synchronize()
+    device.synchronize()
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         side.step()
     times = []
     for _ in range(steps):
-        synchronize()
+        device.synchronize()
         t0 = time.perf_counter()
         side.step()
-        synchronize()
+        device.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    peak_mib = device.memory_stats().get("mem-max-allocated-MiB")
+    peak = None if peak_mib is None else peak_mib / 1024
     return {"ms": 1000 * statistics.median(times), "first_step_s": first, "peak_GiB": peak,
             "spread_ms": [1000 * min(times), 1000 * max(times)]}
 
@@ -125,12 +123,12 @@ def profile_table(side: Side, rows: int) -> str:
 
     activities = [ProfilerActivity.CPU]
     sort = "self_cpu_time_total"
-    if torch.cuda.is_available():
+    if device.accelerator_available():
         activities.append(ProfilerActivity.CUDA)
         sort = "self_cuda_time_total"
     with profile(activities=activities) as prof:
         side.step()
-        synchronize()
+        device.synchronize()
     return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
@@ -181,7 +179,7 @@ def main() -> None:
                           + profile_table(side, args.rows))
         if name in ("plain", "compile"):
             del side
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            device.empty_cache()
     if args.profile:
         with open(args.profile, "w") as f:
             f.write("\n\n".join(tables) + "\n")
