@@ -331,9 +331,6 @@ class _HostStagedRecv:
             self.target.copy_(self.host)
         return True
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
 
 def _check_p2p(op: str, tensor: torch.Tensor) -> None:
     if checking_collectives():

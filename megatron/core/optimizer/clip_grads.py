@@ -38,21 +38,15 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], groups: list[comm.ProcessGroup
     Returns:
         The global norm as a Python float.
     """
-    if norm_type == math.inf:
-        total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
-        if grads:
-            total[0] = torch.stack([g.abs().max().float() for g in grads]).max()
-        for group in groups:
-            comm.all_reduce(total, group, "max")
-        return float(total.item())
+    infinity = norm_type == math.inf
     total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
     if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads],
-                                    norm_type)
-        total += torch.stack(norms).pow(norm_type).sum()
+        norms = torch.stack(torch._foreach_norm(
+            [g.float() if g.dtype != torch.float32 else g for g in grads], norm_type))
+        total += norms.max() if infinity else norms.pow(norm_type).sum()
     for group in groups:
-        comm.all_reduce(total, group, "sum")
-    return float(total.item() ** (1.0 / norm_type))
+        comm.all_reduce(total, group, "max" if infinity else "sum")
+    return float(total.item()) if infinity else float(total.item() ** (1.0 / norm_type))
 
 
 def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float,
