@@ -147,16 +147,15 @@ class TransformerLanguageModel(torch.nn.Module):
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            # Every stage gets the batch's position ids in training (pretrain_gpt's get_batch);
-            # without them (later stages while generating) the positions follow the cache.
+            # Megatron-LM's angles: the position in the sequence (after the cache's offset while
+            # decoding), not position_ids, which later stages do not get while generating.
             offset = getattr(inference_params, "sequence_len_offset", 0)
             if position_ids is not None:
                 seq = position_ids.size(1)
             else:  # [s, b, h] from the previous stage ([s/p, b, h] with sequence parallelism)
                 seq = self.encoder.input_tensor.size(0) * self._sequence_split()
-            rotary = self.rotary_pos_emb(position_ids, seq, offset,
-                                         min_length=self.max_position_embeddings,
-                                         device=device_mod.get_device())  # [s, b|1, 1, rot]
+            rotary = self.rotary_pos_emb(seq, offset, min_length=self.max_position_embeddings,
+                                         device=device_mod.get_device())  # [s, 1, 1, rot]
         hidden = self.encoder(hidden, attention_mask, inference_params, rotary)
         if self.gather_sequence:
             # Every rank computes the replicated head's whole gradient: backward keeps its rows.

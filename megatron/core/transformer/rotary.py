@@ -1,8 +1,9 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) as Megatron-LM applies them.
 
 The angles are computed in fp32 (``inv_freq`` and the position products: bf16 positions would
-round above 256) and cached per table length; the language model looks up the angles of the
-batch's position ids and every attention layer rotates its queries and keys with them. Only the
+round above 256) and cached per table length; the language model takes the angles of the
+positions in the sequence (offset by the KV cache while decoding) and every attention layer
+rotates its queries and keys with them. Only the
 first ``rotary_percent`` of each head's dimensions rotate; the rest pass through.
 
 Layouts of the rotated dimensions (``rot`` of them), as Megatron-LM's ``_rotate_half``:
@@ -57,20 +58,16 @@ class RotaryEmbedding(torch.nn.Module):
         self._cache = (length, device, angles)
         return angles
 
-    def forward(self, position_ids: torch.Tensor | None, seq_length: int, offset: int = 0,
-                min_length: int = 0, device: torch.device | None = None) -> torch.Tensor:
-        """Angles ``[s, b|1, 1, rot]`` of ``position_ids`` ``[b, s]``; without them (pipeline
-        stages after the first during generation, unit tests) positions ``offset ..
-        offset + seq_length - 1`` (``[s, 1, 1, rot]``). The table covers ``min_length``
-        positions (the caller's maximum position + 1: reading the ids' maximum would cost a
-        device sync every forward)."""
-        if position_ids is None:
-            table = self.table(max(min_length, offset + seq_length),
-                               device or device_mod.get_device())
-            return table[offset:offset + seq_length].view(seq_length, 1, 1, self.dim)
-        table = self.table(max(min_length, offset + seq_length), position_ids.device)
-        angles = table[position_ids]  # [b, s, rot]
-        return angles.transpose(0, 1).unsqueeze(2)  # [s, b, 1, rot]
+    def forward(self, seq_length: int, offset: int = 0, min_length: int = 0,
+                device: torch.device | None = None) -> torch.Tensor:
+        """Angles ``[s, 1, 1, rot]`` of positions ``offset .. offset + seq_length - 1``: the
+        position in the sequence (plus the KV cache's offset while decoding), never the batch's
+        position ids, as Megatron-LM's GPT model (so ``--reset-position-ids`` does not restart
+        the angles per document there either). The table covers ``min_length`` positions (the
+        model's maximum, so one table serves every step)."""
+        table = self.table(max(min_length, offset + seq_length),
+                           device or device_mod.get_device())
+        return table[offset:offset + seq_length].view(seq_length, 1, 1, self.dim)
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

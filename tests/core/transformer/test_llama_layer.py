@@ -118,7 +118,8 @@ def test_layer_equals_reference(changes, backend):
     if cfg.position_embedding_type == "rope":
         rope = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_interleaved,
                                cfg.rotary_base)
-        rotary = rope(positions.T.contiguous(), S, min_length=16)
+        # Per-sample angles (offsets 0 and 5): the layer takes any [s, b, 1, rot] angles.
+        rotary = rope.table(16, x.device)[positions].unsqueeze(2)  # [s, b, 1, rot]
     got = layer(x, None, rotary_pos_emb=rotary)
     # RoPE angles are fp32 (Megatron's): ~1e-7 relative on angles up to ~10 radians.
     torch.testing.assert_close(got, _layer_ref(layer, x, cfg, positions), rtol=1e-5, atol=1e-5)
@@ -156,13 +157,13 @@ def test_generation_with_the_cache_equals_recomputation():
         # Only the G key/value heads are cached.
         keys, _ = cache.key_value_memory_dict[1]
         assert keys.shape == (16, B, cfg.num_query_groups, cfg.kv_channels)
-        # Later pipeline stages get no position ids while generating: the cache offset.
-        cache2 = InferenceParams(B, 16)
-        model(ids[:, :6], positions[:, :6], inference_params=cache2)
-        cache2.sequence_len_offset = 6
-        rotary = model.language_model.rotary_pos_emb(None, 1, 6, min_length=16)
-        torch.testing.assert_close(
-            rotary[0, 0, 0], model.language_model.rotary_pos_emb(positions[:, 6:7], 1, min_length=16)[0, 0, 0])
+        # The angles follow the sequence and the cache offset, not position_ids (Megatron-LM):
+        # ids restarting mid-sequence (--reset-position-ids) leave the logits unchanged.
+        restarted = torch.cat([positions[:, :4], positions[:, :6]], dim=1)
+        torch.testing.assert_close(model(ids, restarted), full, rtol=1e-10, atol=1e-10)
+        rotary = model.language_model.rotary_pos_emb(1, 6, min_length=16)
+        torch.testing.assert_close(rotary[0, 0, 0], model.language_model.rotary_pos_emb.table(
+            16, rotary.device)[6])
 
 
 @pytest.mark.parametrize("changes", [{}, {"add_qkv_bias": True, "num_query_groups": 1},
