@@ -65,7 +65,7 @@ setup(
     # torch is a range on purpose: GPU users keep their CUDA build. On the CPU-only machines
     # scripts/bootstrap.sh installs torch==2.13.0 first, which this range accepts as is.
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.5",  # SDPA's enable_gqa (grouped-query attention without key copies)
         "numpy>=1.24",
         "tokenizers>=0.15",
         "tiktoken>=0.5",

@@ -79,14 +79,22 @@ class CoreAttention(torch.nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """q, k, v ``[s, b, np, hn]`` -> context ``[s, b, hp]``."""
+        """q ``[s, b, np, hn]``, k, v ``[sk, b, g, hn]`` (g = np, or the key/value groups of
+        grouped-query attention: query head i reads group i // (np/g)) -> context
+        ``[s, b, hp]``."""
         if self.config.use_sdpa:
             return self._sdpa(query, key, value, attention_mask)
+        key, value = _repeat_groups(key, query.size(2)), _repeat_groups(value, query.size(2))
         return self._unfused(query, key, value, attention_mask)
 
     def _sdpa(self, query, key, value, attention_mask):
         sq, b, np_, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        # SDPA reads the groups itself (no np/g copies of the keys and values) where its kernel
+        # takes them without a mask, as transformers decides; a mask takes the copies.
+        enable_gqa = key.size(2) != np_ and attention_mask is None
+        if not enable_gqa:
+            key, value = _repeat_groups(key, np_), _repeat_groups(value, np_)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np|g, s, hn]
         mask, is_causal = None, False
         if attention_mask is not None:
             mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
@@ -100,7 +108,8 @@ class CoreAttention(torch.nn.Module):
         with rng:
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=is_causal,
-                                                 scale=1.0 / math.sqrt(hn))
+                                                 scale=1.0 / math.sqrt(hn),
+                                                 enable_gqa=enable_gqa)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, hp]
 
     def _unfused(self, query, key, value, attention_mask):
@@ -233,10 +242,6 @@ class SelfAttention(torch.nn.Module):
         if inference_params is not None:
             key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, g, hn]
             attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)
-        if per_group > 1:
-            # Query head i reads group i // (np/g): repeat each key/value head np/g times.
-            key = key.repeat_interleave(per_group, dim=2)  # [sk, b, np, hn]
-            value = value.repeat_interleave(per_group, dim=2)  # [sk, b, np, hn]
         if self.checkpoint_core_attention and self.training:
             # Selective recompute: the s^2 scores are the memory hog, cheap to recompute.
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
@@ -258,3 +263,11 @@ class SelfAttention(torch.nn.Module):
         query_positions = torch.arange(sk - sq, sk, device=device).view(sq, 1)
         key_positions = torch.arange(sk, device=device).view(1, sk)
         return (key_positions > query_positions).view(1, 1, sq, sk)
+
+
+def _repeat_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value ``[sk, b, g, hn]`` -> ``[sk, b, heads, hn]``: each group's head repeated
+    ``heads / g`` times (grouped-query attention), or ``t`` itself when g == heads."""
+    if t.size(2) == heads:
+        return t
+    return t.repeat_interleave(heads // t.size(2), dim=2)
