@@ -25,12 +25,27 @@ def _special_token(config: dict, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _special_tokens(directory: Path) -> dict:
+    """The eos/bos names of a tokenizer directory, as ``AutoTokenizer`` finds them:
+    ``tokenizer_config.json``, then the older ``special_tokens_map.json`` for what it lacks."""
+    found: dict = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = directory / name
+        config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+        for key in ("eos_token", "bos_token"):
+            if found.get(key) is None:
+                found[key] = _special_token(config, key)
+    return found
+
+
 class HuggingFaceTokenizer(VocabTokenizer):
-    """A ``tokenizers`` JSON tokenizer; EOD = ``eos_token`` of ``tokenizer_config.json``.
+    """A ``tokenizers`` JSON tokenizer; EOD = ``eos_token`` of ``tokenizer_config.json`` (or
+    ``special_tokens_map.json``), Megatron-LM's ``eos_token_id``.
 
     Args:
         path: ``tokenizer.json`` or a directory with ``tokenizer.json`` (and optionally
-            ``tokenizer_config.json``, which names the eos/bos tokens).
+            ``tokenizer_config.json`` / ``special_tokens_map.json``, which name the eos/bos
+            tokens).
 
     Raises:
         ValueError: no ``tokenizer.json`` at ``path`` (hub names are not downloaded).
@@ -45,14 +60,13 @@ class HuggingFaceTokenizer(VocabTokenizer):
             raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there (give a local file "
                              "or directory; models are not downloaded)")
         self._tokenizer = Tokenizer.from_file(str(file))
-        config_file = file.parent / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        special = _special_tokens(file.parent)
         self._set_vocab(self._tokenizer.get_vocab(with_added_tokens=True))
-        eos = _special_token(config, "eos_token")
+        eos = special["eos_token"]
         if eos is None:
             eos = next((t for t in _EOS_CANDIDATES if t in self._vocab), None)
         self._eos_id = self._vocab.get(eos) if eos is not None else None
-        bos = _special_token(config, "bos_token")
+        bos = special["bos_token"]
         self._bos_id = self._vocab.get(bos) if bos is not None else None
 
     @property

@@ -346,6 +346,30 @@ def _warn_on_another_gelu(ckpt_args: argparse.Namespace, ours: argparse.Namespac
                     "--use-checkpoint-args)")
 
 
+def _warn_past_a_sliding_window(ckpt_args: argparse.Namespace | None, cfg, path: Path,
+                                weights_only: bool) -> None:
+    """A checkpoint imported from a model with a sliding-window attention (Mistral's
+    ``sliding_window``, recorded by tools/checkpoint/hf_llama.py) is that model only for
+    sequences within the window: Megatron attends to the whole sequence. Say so when this run's
+    sequences can be longer: a training run's ``--seq-length``; a tool that only reads the
+    weights (generation, evaluation) takes up to ``--max-position-embeddings`` tokens."""
+    window = getattr(ckpt_args, "sliding_window", None) if ckpt_args is not None else None
+    if not window:
+        return
+    if weights_only:
+        longest, flag = cfg.model.max_position_embeddings, "--max-position-embeddings"
+        advice = f"keep prompt and generated text within {window} tokens"
+    else:
+        longest, flag = cfg.data.seq_length, "--seq-length"
+        advice = f"train with --seq-length {window} or less"
+    if longest is None or longest <= window:
+        return
+    warn_rank_0(f"{path} was imported from a model whose attention is a sliding window of "
+                f"{window} tokens; Megatron attends to the whole sequence, and this run takes "
+                f"sequences of up to {longest} tokens ({flag}): past {window} tokens its "
+                f"outputs differ from the source model's ({advice} to keep them)")
+
+
 def _both_padded_sizes(ckpt_args: argparse.Namespace, ours: argparse.Namespace) -> bool:
     return getattr(ckpt_args, "padded_vocab_size", None) is not None and \
         getattr(ours, "padded_vocab_size", None) is not None
@@ -484,6 +508,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     unverified: list[Path] = []
     sd = _read_verified(name, cfg, unverified)
     _check_compatible(sd.get("args"), cfg, name)
+    _warn_past_a_sliding_window(sd.get("args"), cfg, name, weights_only=optimizer is None)
     fresh = release or ck.finetune  # weights only: counters, optimizer and RNG start afresh
     iteration = 0 if fresh else _saved_iteration(sd, name)
     # Resuming training (pretrain passes the optimizer; tools that only read weights do not).

@@ -74,12 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--megatron-path", default=None,
                         help="accepted for Megatron-LM compatibility and ignored")
     parser.add_argument("--hf-architecture", default=None,
-                        choices=["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "MegatronBertForPreTraining",
-                                 "BertForPreTraining"],
+                        choices=["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
+                                 "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                 "MegatronBertForPreTraining", "BertForPreTraining"],
                         help="HF export: the class to write (default: the one the checkpoint "
                              "needs: BERT trained with --apply-residual-connection-post-layernorm"
-                             " -> BertForPreTraining, else MegatronBertForPreTraining)")
+                             " -> BertForPreTraining, else MegatronBertForPreTraining; a Mistral "
+                             "import -> MistralForCausalLM with its sliding window; "
+                             "MistralForCausalLM holds any other Llama-style GPT without one)")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="HF export: copy the tokenizer files from here (else the "
                              "checkpoint's --vocab-file / --merge-file)")

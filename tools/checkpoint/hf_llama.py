@@ -1,5 +1,5 @@
-"""Megatron Llama-style GPT <-> HuggingFace ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
-``Qwen3ForCausalLM``, both directions (``--saver hf`` / ``--loader hf``).
+"""Megatron Llama-style GPT <-> HuggingFace ``LlamaForCausalLM`` / ``MistralForCausalLM`` /
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``, both directions (``--saver hf`` / ``--loader hf``).
 
 ==============================================  ==============================================
 ours                                            LlamaForCausalLM
@@ -30,6 +30,19 @@ then its key head, then its value head); HF keeps ``q_proj`` ``[np*hn, h]``, ``k
 Qwen2 is Llama with a bias on q/k/v only (``--add-qkv-bias --disable-bias-linear``). Qwen3 is
 Llama with an RMSNorm over each q/k head before RoPE (``--qk-layernorm``), the same weight for
 every head as ours; with ``--rotary-interleaved`` its weight takes the q/k rows' permutation.
+
+Mistral is Llama's weights under Llama's names, with ``sliding_window`` W: each token attends to
+the W latest tokens (itself included). Megatron has no such attention (Megatron-LM's
+``loader_llama_mistral.py`` drops the window too): the import attends to the whole sequence,
+which is the same computation for sequences of up to W tokens. So the import records the window
+(``sliding_window`` in the checkpoint's args), sets ``seq_length`` to at most W (what
+``--use-checkpoint-args`` trains at) and warns when the window is shorter than
+``max_position_embeddings``; loading such a checkpoint for a run whose sequences can be longer
+than W warns again (``megatron.training.checkpointing``). The export writes a checkpoint that
+records a window back as ``MistralForCausalLM`` with it (``--hf-architecture LlamaForCausalLM``:
+as Llama, the whole-sequence attention Megatron computes); ``--hf-architecture
+MistralForCausalLM`` exports any other Llama-style model as Mistral without a window. (A run
+that trains on from the import saves its own args, without the record.)
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import argparse
 import torch
 
 from megatron.checkpointing import CheckpointError
+from megatron.core.log import warn_rank_0
 from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
@@ -61,7 +75,7 @@ LAYER_ORDER = ("input_layernorm.weight", "self_attention.query_key_value.weight"
 q/k norms only with Qwen3's)."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-"""model_type -> class: the ones whose weights and forward are Llama's (Mistral without a
+"""model_type -> class: the ones whose weights and forward are Llama's (Mistral's up to its
 sliding window, Qwen2 with its q/k/v bias, Qwen3 with its q/k norms)."""
 
 
@@ -175,20 +189,40 @@ def _qk_norms(layer: dict, ours: str, theirs: str, args: argparse.Namespace):
             yield theirs + f"self_attn.{n}_norm.weight", weight
 
 
-def hf_architecture(args: argparse.Namespace) -> str:
-    """The HF class a Llama-style GPT exports as."""
+def hf_architecture(args: argparse.Namespace, requested: str | None = None) -> str:
+    """The HF class a Llama-style GPT exports as: the one its flags need (Qwen3 for the q/k
+    norms, Qwen2 for the q/k/v bias, Mistral for a recorded sliding window, else Llama), or
+    ``requested`` (``--hf-architecture``) where that class holds the same model (Llama and
+    Mistral for each other).
+
+    Raises:
+        ValueError: ``requested`` cannot hold this model.
+    """
     if getattr(args, "qk_layernorm", False):
-        return "Qwen3ForCausalLM"
-    return "Qwen2ForCausalLM" if getattr(args, "add_qkv_bias", False) else "LlamaForCausalLM"
+        needed = "Qwen3ForCausalLM"
+    elif getattr(args, "add_qkv_bias", False):
+        needed = "Qwen2ForCausalLM"
+    elif getattr(args, "sliding_window", None):
+        needed = "MistralForCausalLM"
+    else:
+        needed = "LlamaForCausalLM"
+    if requested in (None, needed):
+        return needed
+    # Either holds our model exactly (Mistral without a window, or Llama: the whole-sequence
+    # attention Megatron computed, also for a Mistral import).
+    if {requested, needed} == {"LlamaForCausalLM", "MistralForCausalLM"}:
+        return requested
+    raise ValueError(f"--hf-architecture {requested}: this GPT exports as {needed}")
 
 
-def llama_config(md: ModelDescription, vocab: int):
+def llama_config(md: ModelDescription, vocab: int, architecture: str | None = None):
     """The ``LlamaConfig`` (``Qwen2Config`` with ``--add-qkv-bias``, ``Qwen3Config`` with
-    ``--qk-layernorm``) of ``md``."""
+    ``--qk-layernorm``, ``MistralConfig`` with a recorded sliding window or when asked) of
+    ``md``."""
     check_llama_compatible(md.args)
     transformers = optional_module("transformers", "--saver hf")
     args = md.args
-    architecture = hf_architecture(args)
+    architecture = hf_architecture(args, architecture)
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(
         getattr(args, "params_dtype", torch.float32), "float32")
     eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
@@ -208,6 +242,11 @@ def llama_config(md: ModelDescription, vocab: int):
     if architecture == "Qwen3ForCausalLM":  # its head_dim defaults to 128: always written
         return transformers.Qwen3Config(architectures=[architecture], head_dim=head_dim(args),
                                         attention_bias=False, **common)
+    if architecture == "MistralForCausalLM":  # no biases to switch off; head_dim always set
+        window = getattr(args, "sliding_window", None)  # a Mistral import's, else none
+        return transformers.MistralConfig(architectures=[architecture], head_dim=head_dim(args),
+                                          sliding_window=int(window) if window else None,
+                                          **common)
     if head_dim(args) * int(args.num_attention_heads) != int(args.hidden_size):
         common["head_dim"] = head_dim(args)
     return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False,
@@ -235,10 +274,32 @@ def _check_llama_config(config: dict) -> None:
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise CheckpointError("attention_bias / mlp_bias (a bias on o_proj or the MLP): not "
                               "mapped by --loader hf")
-    if kind in ("mistral", "qwen2", "qwen3") and config.get("sliding_window") and \
-            config.get("use_sliding_window", kind == "mistral"):
-        raise CheckpointError(f"{kind} with a sliding window: Megatron attends to the whole "
-                              "sequence; not converted")
+    if kind in ("qwen2", "qwen3") and config.get("sliding_window") and \
+            config.get("use_sliding_window"):
+        # Qwen's window covers only the layers from max_window_layers on.
+        raise CheckpointError(f"{kind} with use_sliding_window: Megatron attends to the whole "
+                              "sequence in every layer; not converted")
+
+
+def sliding_window(config: dict) -> int | None:
+    """Mistral's attention window (tokens each token attends to, itself included), or None."""
+    window = config.get("sliding_window") if config.get("model_type") == "mistral" else None
+    return int(window) if window else None
+
+
+def warn_about_the_window(config: dict, load_dir) -> None:
+    """Mistral's window is dropped on import (Megatron attends to the whole sequence): say so
+    where it is shorter than the positions the model takes."""
+    window = sliding_window(config)
+    positions = int(config.get("max_position_embeddings", 2048))
+    if window is None or window >= positions:
+        return
+    warn_rank_0(f"--loader hf: {load_dir} is a MistralForCausalLM whose attention is a sliding "
+                f"window of {window} tokens (sliding_window); Megatron attends to the whole "
+                f"sequence, so the import computes the same model only for sequences of up to "
+                f"{window} tokens (its max_position_embeddings is {positions}). The checkpoint "
+                f"records seq_length {window} (what --use-checkpoint-args trains at); train and "
+                f"evaluate with --seq-length <= {window} to keep Mistral's model")
 
 
 def llama_args(config: dict) -> argparse.Namespace:
@@ -248,12 +309,14 @@ def llama_args(config: dict) -> argparse.Namespace:
     groups = int(config.get("num_key_value_heads") or heads)
     theta = _rope_theta(config)
     max_positions = int(config.get("max_position_embeddings", 2048))
+    window = sliding_window(config)
     return argparse.Namespace(
         num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
         num_attention_heads=heads, ffn_hidden_size=int(config["intermediate_size"]),
         kv_channels=int(config.get("head_dim") or hidden // heads),
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads
-        else None, max_position_embeddings=max_positions, seq_length=max_positions,
+        else None, max_position_embeddings=max_positions,
+        seq_length=min(max_positions, window or max_positions), sliding_window=window,
         position_embedding_type="rope", use_rotary_position_embeddings=False,
         rotary_base=int(theta) if theta.is_integer() else theta, rotary_percent=1.0,
         rotary_interleaved=False, normalization="RMSNorm",

@@ -24,7 +24,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from tools.checkpoint.hf_files import HuggingFaceWeights
-from tools.checkpoint.hf_llama import ARCHITECTURES, HuggingFaceLlama
+from tools.checkpoint.hf_llama import ARCHITECTURES, HuggingFaceLlama, warn_about_the_window
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, LAYER_ORDER, qkv_from_hf)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
@@ -37,7 +37,7 @@ def gpt2_args(config: dict) -> argparse.Namespace:
     if config.get("model_type", "gpt2") != "gpt2":
         raise CheckpointError(f"model_type {config.get('model_type')!r}: --loader hf reads the "
                               "GPT-2 and Llama families (model_type gpt2, llama, "
-                              "mistral, qwen2)")
+                              "mistral, qwen2, qwen3)")
     hidden, heads = int(config["n_embd"]), int(config["n_head"])
     activation = config.get("activation_function", "gelu_new")
     if activation not in (*_TANH_GELUS, "gelu"):
@@ -120,6 +120,7 @@ def load(directory: str | Path, family: str) -> ModelDescription:
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if config.get("model_type") in ARCHITECTURES:
         md = HuggingFaceLlama(config, HuggingFaceWeights(Path(directory)))
+        warn_about_the_window(config, directory)
         _llama_tokenizer(md.args, Path(directory))
         return md
     return HuggingFaceGPT2(directory)

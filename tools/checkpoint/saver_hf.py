@@ -1,9 +1,10 @@
 """Saver plug-in: a model description -> a local HuggingFace model directory.
 
 GPT -> ``GPT2LMHeadModel`` or, Llama-style (RoPE / RMSNorm / SwiGLU), ``LlamaForCausalLM``
-(``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``:
-``hf_llama``), BERT -> ``MegatronBertForPreTraining`` or, trained post-LN,
-``BertForPreTraining`` (``hf_bert``):
+(``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``,
+``MistralForCausalLM`` for an imported Mistral or with ``--hf-architecture``: ``hf_llama``),
+BERT -> ``MegatronBertForPreTraining`` or, trained post-LN, ``BertForPreTraining``
+(``hf_bert``):
 ``config.json``, ``model.safetensors`` (or ``model-0000K-of-0000N.safetensors`` shards +
 ``model.safetensors.index.json`` past ``max_shard_bytes``, written as they fill: the saver holds
 one shard), the tokenizer files (``vocab.json`` / ``merges.txt``; BERT ``vocab.txt``). The
@@ -138,9 +139,8 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     """
     if md.family == "BERT":
         architecture = architecture_for(md.args, architecture)  # before anything is written
-    elif architecture not in (None, _gpt_architecture(md)):
-        raise ValueError(f"--hf-architecture {architecture}: this GPT exports as "
-                         f"{_gpt_architecture(md)}")
+    else:
+        architecture = _gpt_architecture(md, architecture)  # before anything is written
     out = Path(save_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--save-dir {out} is not empty")
@@ -151,7 +151,7 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     if md.family == "BERT":
         return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     if is_llama_style(md.args):
-        return _save_llama(md, out, vocab, tokenizer_dir, max_shard_bytes)
+        return _save_llama(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     config = gpt2_config(md, vocab)
     heads = int(md.args.num_attention_heads)
     writer = ShardWriter(out, max_shard_bytes)
@@ -180,17 +180,21 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     return out
 
 
-def _gpt_architecture(md: ModelDescription) -> str:
-    if not is_llama_style(md.args):
-        return "GPT2LMHeadModel"
-    return hf_architecture(md.args)
+def _gpt_architecture(md: ModelDescription, requested: str | None) -> str:
+    """The HF class of a GPT: ``requested`` where it holds the model (else ValueError)."""
+    if is_llama_style(md.args):
+        return hf_architecture(md.args, requested)
+    if requested not in (None, "GPT2LMHeadModel"):
+        raise ValueError(f"--hf-architecture {requested}: this GPT exports as GPT2LMHeadModel")
+    return "GPT2LMHeadModel"
 
 
 def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
-                max_shard_bytes: int) -> Path:
-    """Llama-style GPT -> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
-    (``hf_llama``)."""
-    config = llama_config(md, vocab)  # refuses what Llama cannot hold, before any write
+                max_shard_bytes: int, architecture: str) -> Path:
+    """Llama-style GPT -> ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
+    / ``Qwen3ForCausalLM`` (``hf_llama``)."""
+    # Refuses what the class cannot hold, before anything is written.
+    config = llama_config(md, vocab, architecture)
     _write_model(out, config, llama_tensors(md, vocab), max_shard_bytes)
     if tokenizer_dir is not None:
         _copy_tokenizer(md, out, tokenizer_dir)

@@ -1,6 +1,7 @@
 """Llama-style checkpoints (issue 27) in tools/checkpoint/convert.py: round trips over TP/PP
 layouts (RMSNorm, RoPE, GQA, SwiGLU's fc1 re-split as [gate_r; up_r] per rank), and a target
-TP size that does not divide the query groups refused, naming the flag."""
+TP size that does not divide the query groups refused, naming the flag; the Adam moments of a
+SwiGLU + GQA model split over TP as its weights."""
 
 from __future__ import annotations
 
@@ -134,3 +135,58 @@ def test_qk_layernorm_round_trip_is_bitwise(tmp_path):
     for rank in range(2):
         shard = helpers.flat_model(tp2[(rank, 0)])
         assert torch.equal(shard[key.format("k", "weight")], source[key.format("k", "weight")])
+
+
+def _adam_state_by_key(sd: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """A plain fp32 shard's Adam moments under the model keys (the torch optimizer's state
+    indices follow Megatron's param groups: tests/tools/checkpoint/test_optimizer_state.py)."""
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint.optimizer_state import param_groups
+
+    members = [key for _, group in param_groups([helpers.flat_model(sd)]) for _, key in group]
+    state = sd["optimizer"]["state"]
+    return {name: {key: state[i][name] for i, key in enumerate(members)}
+            for name in ("exp_avg", "exp_avg_sq")}
+
+
+def test_swiglu_and_gqa_optimizer_state_is_split_as_the_weights(tmp_path):
+    """--keep-optimizer-state, TP 1 -> 2: rank r's Adam moments of fc1 are [gate_r; up_r] of
+    the whole moments and those of QKV its whole query group r, as the weights. (Resuming
+    training from such a conversion: tests/tools/checkpoint/test_convert_training.py.)"""
+    from megatron.checkpointing import checkpoint_dir, checkpoint_name, publish_tracker, save_file
+    from megatron.core.optimizer import get_param_groups
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint import convert
+
+    model = helpers.gpt(num_layers=2, normalization="RMSNorm", position_embedding_type="rope",
+                        num_query_groups=2, add_bias_linear=False, swiglu=True,
+                        ffn_hidden_size=32, untie_embeddings_and_output_weights=True).train()
+    adam = torch.optim.Adam(get_param_groups([model], weight_decay=0.1), lr=1e-3)
+    ids = torch.randint(0, 200, (2, 8))
+    positions = torch.arange(8).unsqueeze(0).expand_as(ids)
+    for _ in range(2):  # two steps: exp_avg and exp_avg_sq no longer proportional to one grad
+        adam.zero_grad()
+        model(ids, positions).square().mean().backward()
+        adam.step()
+    args = helpers.args_of(model, add_bias_linear=False, normalization="RMSNorm",
+                           position_embedding_type="rope", swiglu=True, optimizer="adam",
+                           group_query_attention=True, num_query_groups=2)
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": 7,
+          "model": model.state_dict_for_save_checkpoint(), "optimizer": adam.state_dict()}
+    save_file(sd, checkpoint_name(tmp_path / "src", 7))
+    publish_tracker(tmp_path / "src", 7, checkpoint_dir(tmp_path / "src", 7))
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
+                         "--save-dir", str(tmp_path / "tp2"), "--target-tensor-parallel-size",
+                         "2", "--keep-optimizer-state"]) == 0
+    whole = _adam_state_by_key(helpers.shards(tmp_path / "src" / "iter_0000007")[(0, 0)])
+    ranks = [_adam_state_by_key(shard) for _, shard in
+             sorted(helpers.shards(tmp_path / "tp2" / "iter_0000007").items())]
+    fc1 = "language_model.encoder.layers.1.mlp.dense_h_to_4h.weight"
+    qkv = "language_model.encoder.layers.1.self_attention.query_key_value.weight"
+    for name in ("exp_avg", "exp_avg_sq"):
+        gate, up = torch.chunk(whole[name][fc1], 2, dim=0)
+        groups = torch.chunk(whole[name][qkv], 2, dim=0)  # [G=2, np/G + 2, hn] rows
+        for rank, state in enumerate(ranks):
+            expected = torch.cat([torch.chunk(gate, 2)[rank], torch.chunk(up, 2)[rank]])
+            assert torch.equal(state[name][fc1], expected), (name, rank)
+            assert torch.equal(state[name][qkv], groups[rank]), (name, rank)

@@ -9,7 +9,12 @@ optimizer; untied, TP2.DP2 distributed optimizer -> TP1.DP4 plain and -> TP2.PP2
 (DP1); bf16 (fp32 main params), TP2.DP2 plain -> TP1.DP4 distributed (1e-3: bf16 at another
 DP size). A control converted without the state (fresh Adam) must miss the losses. bf16: plain
 TP2 -> distributed TP1 -> plain TP2 is bitwise. Pooled gloo worlds; the converter runs without
-processes."""
+processes.
+
+Llama-style (issue 27): SwiGLU (fc1's rows, and so its moments, are [gate_r; up_r] per TP rank)
+with GQA (whole query groups per rank), RoPE, RMSNorm, no biases, untied; TP1.DP4 plain ->
+TP2.DP2 plain and -> TP2.PP2 distributed optimizer resume the uninterrupted run, and TP2.PP2
+distributed -> TP1 plain gives the source's state back bit for bit."""
 
 from __future__ import annotations
 
@@ -25,19 +30,24 @@ from tools.checkpoint import convert
 LAYERS = ["--num-layers", "4"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 DISTOPT = ["--use-distributed-optimizer"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--ffn-hidden-size", "96", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", *UNTIED]
 SAVED_AT, TOTAL_ITERS = 1, 3
 LOSS_TOL = 1e-5
 BF16_LOSS_TOL = 1e-3  # bf16 at another DP size (tests/training/test_checkpoint_load_modes.py)
 
 # source: (TP, extra flags); saved at iteration SAVED_AT of a TOTAL_ITERS run at world 4
 SOURCES = {"tied": (1, []), "distopt_untied": (2, [*DISTOPT, *UNTIED]),
-           "bf16": (2, ["--bf16"])}
+           "bf16": (2, ["--bf16"]), "llama": (1, LLAMA)}
 # target: (source, TP, PP, layers per virtual stage, target distributed optimizer)
 TARGETS = {"tp2pp2_vpp": ("tied", 2, 2, 1, False),
            "tp2dp2_distopt": ("tied", 2, 1, None, True),
            "distopt_to_tp1dp4_plain": ("distopt_untied", 1, 1, None, False),
            "distopt_to_tp2pp2_distopt": ("distopt_untied", 2, 2, None, True),
-           "bf16_to_tp1dp4_distopt": ("bf16", 1, 1, None, True)}
+           "bf16_to_tp1dp4_distopt": ("bf16", 1, 1, None, True),
+           "llama_to_tp2dp2": ("llama", 2, 1, None, False),
+           "llama_to_tp2pp2_distopt": ("llama", 2, 2, None, True)}
 CONTROL = "tp2pp2_vpp"
 """Also converted without the optimizer state and resumed with --no-load-optim."""
 FRESH_ADAM_MIN_DIFF = 1e-3
@@ -149,7 +159,8 @@ def _assert_equal(a, b, where: str = "") -> None:
 
 @pytest.mark.parametrize("source, hops", [
     ("tied", [(2, 2, 1, None), (1, 1, None, None)]),
-    ("bf16", [(1, 1, None, True), (2, 1, None, False)])])
+    ("bf16", [(1, 1, None, True), (2, 1, None, False)]),
+    ("llama", [(2, 2, None, True), (1, 1, None, False)])])
 def test_optimizer_state_round_trip_is_bitwise(trained, tmp_path, source, hops):
     """Through other layouts and back (bf16: through the distributed optimizer's layout):
     moments, fp32 main params, step, grad scaler and scheduler come back bit for bit."""

@@ -6,6 +6,7 @@ HF and ours -> HF -> ours are bitwise, through TP 2 (SwiGLU re-split, whole GQA 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,137 @@ def test_qk_layernorm_with_qkv_bias_is_refused(tmp_path, capsys):
     assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "src"),
                          "--save-dir", str(tmp_path / "hf"), "--saver", "hf"]) == 2
     assert "--qk-layernorm with --add-qkv-bias" in capsys.readouterr().err
+
+
+WINDOW = 8
+"""The tiny Mistral's sliding window: shorter than its 32 positions, so that it matters."""
+
+
+def _random_mistral(directory: Path):
+    torch.manual_seed(6)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=helpers.HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=helpers.HEADS, num_key_value_heads=2,
+        max_position_embeddings=helpers.MAX_POSITIONS, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        sliding_window=WINDOW, tie_word_embeddings=False)
+    model = transformers.MistralForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    model.eval().save_pretrained(directory)
+    return model
+
+
+def _warnings(records, text: str) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING
+            and text in r.getMessage()]
+
+
+def test_mistral_import_is_exact_inside_its_window(tmp_path, megatron_log):
+    """Mistral's weights are Llama's; its sliding window is dropped (Megatron attends to the
+    whole sequence, as Megatron-LM's loader does): HF's logits inside the window, not past it.
+    The import says so, records the window and keeps seq_length within it."""
+    hf = _random_mistral(tmp_path / "hf")
+    tp2 = _convert(tmp_path / "hf", tmp_path / "tp2", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2")
+    said = _warnings(megatron_log, "sliding window of 8 tokens")
+    assert len(said) == 1 and "--seq-length <= 8" in said[0], said
+    back = _convert(tp2, tmp_path / "tp1")
+    sd = helpers.shards(back / "iter_0000000")[(0, 0)]
+    args = sd["args"]
+    assert (args.sliding_window, args.seq_length, args.max_position_embeddings) == (
+        WINDOW, WINDOW, helpers.MAX_POSITIONS)
+    ours = _ours(args.padded_vocab_size)
+    ours.load_state_dict(sd["model"])
+    ids = torch.randint(0, VOCAB, (2, 2 * WINDOW))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    mine = _logits(ours, ids)[..., :VOCAB]
+    assert (mine[:, :WINDOW] - theirs[:, :WINDOW]).abs().max() <= TOL
+    assert (mine[:, WINDOW:] - theirs[:, WINDOW:]).abs().max() > 1e-2  # the window matters
+
+
+def test_mistral_exports_back_with_its_window(tmp_path):
+    """HF -> ours (TP 2) -> HF: MistralForCausalLM with the same window, weights bitwise; as
+    --hf-architecture LlamaForCausalLM it is the whole-sequence model Megatron computes."""
+    hf = _random_mistral(tmp_path / "hf")
+    tp2 = _convert(tmp_path / "hf", tmp_path / "tp2", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2")
+    out = _convert(tp2, tmp_path / "hf2", "--saver", "hf", "--true-vocab-size", str(VOCAB))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], WINDOW)
+    from safetensors.torch import load_file
+    first, second = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", out))
+    helpers.assert_same_tensors(dict(sorted(first.items())), dict(sorted(second.items())))
+    ids = torch.randint(0, VOCAB, (2, 2 * WINDOW))
+    exported = transformers.MistralForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, hf(ids).logits)
+    llama = _convert(tp2, tmp_path / "llama", "--saver", "hf", "--true-vocab-size",
+                     str(VOCAB), "--hf-architecture", "LlamaForCausalLM")
+    sd = helpers.shards(_convert(tp2, tmp_path / "tp1") / "iter_0000000")[(0, 0)]
+    ours = _ours(sd["args"].padded_vocab_size)
+    ours.load_state_dict(sd["model"])
+    with torch.no_grad():
+        theirs = transformers.LlamaForCausalLM.from_pretrained(llama).eval()(ids).logits
+    assert (_logits(ours, ids)[..., :VOCAB] - theirs).abs().max() <= TOL
+
+
+def test_a_llama_style_model_exports_as_mistral_without_a_window(tmp_path, capsys):
+    model = _ours(384)
+    helpers.save_single(tmp_path / "src", model, _our_args(model))
+    out = _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf", "--true-vocab-size",
+                   str(VOCAB), "--hf-architecture", "MistralForCausalLM")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], None)
+    hf = transformers.MistralForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 2 * WINDOW))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_logits(model, ids)[..., :VOCAB] - theirs).abs().max() <= TOL
+    biased = _ours(256, qkv_bias=True)  # Qwen2's q/k/v bias: not Mistral's
+    helpers.save_single(tmp_path / "qwen2", biased, _our_args(biased))
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "qwen2"),
+                         "--save-dir", str(tmp_path / "no"), "--saver", "hf",
+                         "--hf-architecture", "MistralForCausalLM"]) == 2
+    assert "this GPT exports as Qwen2ForCausalLM" in capsys.readouterr().err
+
+
+class _FreshOptimizer:
+    """What load_checkpoint asks of an optimizer it does not load (--finetune)."""
+
+    def reload_model_params(self) -> None:
+        pass
+
+
+def test_loading_a_mistral_import_past_its_window_warns(tmp_path, megatron_log):
+    """A run whose sequences can be longer than the recorded window hears it at load:
+    training by --seq-length, a weights-only tool by --max-position-embeddings."""
+    import pretrain_gpt
+    from megatron.config.cli import build_parser, parse_flags
+    from megatron.config.validate import validate
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.initialize import apply_checkpoint_args
+
+    _random_mistral(tmp_path / "hf")
+    ckpt = _convert(tmp_path / "hf", tmp_path / "ckpt", "--loader", "hf")
+    run = ["--load", str(ckpt), "--use-checkpoint-args", "--finetune", "--tokenizer-type",
+           "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--micro-batch-size", "1",
+           "--train-iters", "1", "--lr", "1e-4", "--use-cpu-initialization"]
+
+    def load(optimizer, seq_length: int | None = None) -> list[str]:
+        flags = parse_flags(build_parser(), run)
+        apply_checkpoint_args(flags)
+        if seq_length is not None:  # as the flags of a run without --use-checkpoint-args
+            flags.data.seq_length = seq_length
+        cfg = validate(flags, world_size=1)
+        megatron_log.clear()
+        load_checkpoint([pretrain_gpt.model_provider(cfg)], optimizer, None, cfg)
+        return _warnings(megatron_log, "sliding window of 8 tokens")
+
+    assert load(_FreshOptimizer()) == []  # training at the import's seq_length: the window
+    said = load(_FreshOptimizer(), seq_length=2 * WINDOW)
+    assert len(said) == 1 and "up to 16 tokens (--seq-length)" in said[0], said
+    said = load(None)  # generation: up to max_position_embeddings
+    assert len(said) == 1 and "up to 32 tokens (--max-position-embeddings)" in said[0], said
