@@ -139,6 +139,8 @@ def _ask(url: str, out: dict) -> None:
             "prompts": PROMPTS, "tokens_to_generate": NEW_TOKENS, "top_k": 1,
             "logprobs": True})
         out["status"], out["body"] = answer.status_code, answer.json()
+    except Exception as err:  # noqa: BLE001 - reported by the test, the server still stopped
+        out["error"] = f"{type(err).__name__}: {err}"
     finally:
         signal.raise_signal(signal.SIGTERM)  # as a user stops it: the server's own handler
 
@@ -235,7 +237,7 @@ def test_server_and_generate_equal_the_models_greedy_tokens(checkpoints, tp):
             assert out[f"generate_{name}"] == expected, (rank, name)
     for name in ("cache", "recompute"):
         served = results[0][f"serve_{name}"]
-        assert served["status"] == 200, served
+        assert served.get("status") == 200, served
         assert served["body"]["text"] == expected, name
         for got, (_, logprobs) in zip(served["body"]["logprobs"], checkpoints["reference"]):
             assert torch.allclose(torch.tensor(got, dtype=torch.float64),
