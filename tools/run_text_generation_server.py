@@ -97,7 +97,9 @@ def _check_config(cfg) -> None:
 TOOL_CHECKS = ToolChecks(given=[_check_flags_given], validated=[_check_config])
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None) -> None:
+    """Parse, check, load, then serve (rank 0) or follow rank 0's requests (the other ranks)
+    until SIGINT/SIGTERM; the process group is left as it is (see :func:`main`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
     cfg = initialize_from_config(weights_only(flags), parser, tool_checks=TOOL_CHECKS)
@@ -116,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         follow_requests(model, tokenizer, **common)
     else:
         serve(model, tokenizer, ex, common)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

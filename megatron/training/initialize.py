@@ -124,7 +124,8 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
 # Flags --use-checkpoint-args copies from the checkpoint's saved args. The activation is part
 # of the architecture: bias_gelu_fusion picks the tanh GeLU over the exact erf one (with
 # openai_gelu, onnx_safe and add_bias_linear: gelu_tanh_approximation), which Megatron-LM does
-# not restore.
+# not restore; nor does it restore qk_layernorm, whose q/k norm weights a model built without
+# it could not load.
 _CHECKPOINT_ARCH_FIELDS = {
     "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
               "max_position_embeddings", "add_position_embedding", "make_vocab_size_divisible_by",
@@ -133,7 +134,8 @@ _CHECKPOINT_ARCH_FIELDS = {
               "untie_embeddings_and_output_weights", "add_bias_linear",
               "apply_query_key_layer_scaling", "bert_binary_head", "position_embedding_type",
               "rotary_percent", "rotary_base", "rotary_interleaved", "normalization",
-              "group_query_attention", "num_query_groups", "add_qkv_bias"),
+              "apply_layernorm_1p", "group_query_attention", "num_query_groups",
+              "add_qkv_bias", "qk_layernorm"),
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
     "data": ("seq_length",),
     "tokenizer": ("tokenizer_type", "vocab_file", "merge_file", "vocab_size", "tokenizer_model"),

@@ -1,6 +1,7 @@
 """Generation with the KV cache equals full recomputation (tokens identical, log-probs to 1e-5)
-at TP = 1 and 2; a batch of prompts of different lengths equals each prompt alone; Megatron's
-stop rules, scoring, top-p decay and seeded sampling."""
+at TP = 1 and 2, for the GPT and for Llama-style models (RoPE, GQA; with --qk-layernorm, the
+QKV bias, interleaved partial RoPE); a batch of prompts of different lengths equals each prompt
+alone; Megatron's stop rules, scoring, top-p decay and seeded sampling."""
 
 from __future__ import annotations
 
@@ -40,6 +41,35 @@ def test_kv_cache_equals_recomputation(backend):
     _assert_same(cached, full)
     assert [len(t) for t in cached.tokens] == [len(p) + 12 for p in PROMPTS]
     # The outputs say something: not one token repeated (a dead model would pass anything).
+    assert len(set(cached.tokens[0][5:])) > 1
+
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=24,
+             position_embedding_type="rope", num_query_groups=2, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
+LLAMA_EXTRAS = [{}, {"qk_layernorm": True},
+                {"qk_layernorm": True, "add_qkv_bias": True, "rotary_interleaved": True,
+                 "rotary_percent": 0.5}]
+
+
+def _llama(tp_group=None, **extras):
+    """The tiny model Llama-style (RoPE, GQA: 4 heads in 2 groups); the q/k norms' weights off
+    their all-ones init, so each of their channels counts."""
+    model = tiny_model(tp_group, attention_backend="unfused", **LLAMA, **extras)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                param.copy_(torch.linspace(0.5, 1.5, param.numel(), dtype=param.dtype))
+    return model
+
+
+@pytest.mark.parametrize("extras", LLAMA_EXTRAS)
+def test_llama_kv_cache_equals_recomputation(extras):
+    """RoPE at the cache offset, only the G key/value heads cached, the q/k norms applied to
+    each new token before RoPE: the cached steps equal recomputing the whole sequence."""
+    model = _llama(**extras)
+    cached, full = _generate(model, PROMPTS), _generate(model, PROMPTS, use_kv_cache=False)
+    _assert_same(cached, full)
     assert len(set(cached.tokens[0][5:])) > 1
 
 
@@ -168,6 +198,26 @@ def _tp_equivalence(rank, world_size):
     sampled = _generate(tp2, PROMPTS, mp_group=group,
                         sampling=SamplingOptions(top_k=5, seed=11 + rank))
     return results, sampled.tokens
+
+
+def _llama_tp_equivalence(rank, world_size):
+    del rank, world_size
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = []
+    for extras in LLAMA_EXTRAS[1:]:
+        tp2 = _llama(ps.get_tensor_model_parallel_group(), **extras)
+        out.append([_generate(tp2, PROMPTS, mp_group=comm.world_group(), use_kv_cache=cache)
+                    for cache in (True, False)])
+    return out
+
+
+def test_llama_qk_layernorm_tp2_equals_tp1_with_and_without_cache():
+    """Each TP rank holds one key/value group and normalizes its own heads' q/k."""
+    for rank_out in run_distributed(2, _llama_tp_equivalence):
+        for extras, (cached, recomputed) in zip(LLAMA_EXTRAS[1:], rank_out):
+            tp1 = _generate(_llama(**extras), PROMPTS)
+            _assert_same(cached, tp1)
+            _assert_same(recomputed, tp1)
 
 
 def test_tp2_equals_tp1_with_and_without_cache():

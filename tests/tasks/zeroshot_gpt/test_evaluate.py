@@ -1,7 +1,8 @@
 """Zero-shot evaluation end to end: tasks/main.py's perplexity equals a straightforward
-computation written here (same windows, one model) at TP=1 (with DP=2), TP=2 and PP=2; LAMBADA's
-accuracy counts what the model predicts; strict and non-strict LAMBADA differ where they should;
-a checkpoint of another vocabulary and a bad jsonl line are refused before the model is built."""
+computation written here (same windows, one model) at TP=1 (with DP=2), TP=2 and PP=2, and for a
+Llama-style checkpoint at TP=2; LAMBADA's accuracy counts what the model predicts; strict and
+non-strict LAMBADA differ where they should; a checkpoint of another vocabulary and a bad jsonl
+line are refused before the model is built."""
 
 from __future__ import annotations
 
@@ -298,6 +299,70 @@ def test_perplexity_and_accuracy_equal_the_reference_at_tp1_tp2_pp2(tmp_path, sh
     assert results[1]["bad_line"] == (f"tasks/main.py: error: --valid-data {tmp_path}/bad.jsonl, "
                                       "line 2: no \"text\" string (each line must be a JSON "
                                       "object like {\"text\": \"...\"})")
+
+
+# ---------------------------------------------------------------------------------------------
+# A Llama-style checkpoint (RMSNorm, SwiGLU, RoPE with its own base, GQA, no biases, untied
+# output layer) through both tasks at TP=2, its flags taken from the checkpoint: the perplexity
+# equals the reference's over the saved TP=1 model, LAMBADA counts what that model predicts.
+
+LLAMA = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length {SEQ} "
+         f"--max-position-embeddings {SEQ} --micro-batch-size 3 --distributed-backend gloo "
+         "--seed 11 --make-vocab-size-divisible-by 64 --normalization RMSNorm "
+         "--norm-epsilon 1e-6 --swiglu --ffn-hidden-size 64 --position-embedding-type rope "
+         "--rotary-base 1000 --group-query-attention --num-query-groups 2 "
+         "--disable-bias-linear --untie-embeddings-and-output-weights").split()
+
+
+def _llama_equivalence(rank: int, world_size: int, tmp: str, shared: str, wiki: str) -> dict:
+    with _each_tokenizer_loaded_once():
+        return _llama_runs(rank, tmp, shared, wiki)
+
+
+def _llama_runs(rank: int, tmp: str, shared: str, wiki: str) -> dict:
+    from megatron.core import comm, parallel_state
+    from megatron.training.initialize import build_tokenizer_from_config
+
+    tok_flags = _gpt2_flags(shared)
+    cfg, model = _save(LLAMA + tok_flags, f"{tmp}/llama_tp1")
+    out = {}
+    lambada = f"{tmp}/lambada_test.jsonl"
+    if rank == 0:
+        tokenizer = build_tokenizer_from_config(cfg)
+        out["reference"] = _reference_perplexity(model, tokenizer, wiki)
+        corpus = open(f"{shared}/corpus/tinyshakespeare.txt", encoding="utf-8").read()[:20000]
+        out["lambada_expected"] = _lambada_from_predictions(model, tokenizer, corpus, lambada)
+    comm.barrier(comm.world_group())
+    parallel_state.destroy_model_parallel()
+    # The init is the same at any TP size: the TP=2 checkpoint holds the same scaled model.
+    _save(LLAMA + tok_flags + ["--tensor-model-parallel-size", "2"], f"{tmp}/llama_tp2")
+    parallel_state.destroy_model_parallel()
+
+    # TP=2: each rank holds one key/value group and half the untied output layer's rows.
+    load = ["--load", f"{tmp}/llama_tp2", "--use-checkpoint-args"]
+    out["wiki"] = _task(evaluate.run_wikitext, tok_flags + load + [
+        "--valid-data", wiki, "--overlapping-eval", str(STRIDE)])
+    out["lambada"] = _task(evaluate.run_lambada, tok_flags + load + [
+        "--valid-data", lambada, "--eval-micro-batch-size", "2"])
+    return out
+
+
+def test_llama_perplexity_and_accuracy_equal_the_reference(tmp_path, shared_data, wiki_file):
+    results = run_distributed(2, _llama_equivalence, str(tmp_path), str(shared_data),
+                              str(wiki_file))
+    ref = results[0]["reference"]
+    assert abs(ref["avg_loss"] - math.log(50257)) > 0.5  # scaled weights: far from uniform
+    expected, total = results[0]["lambada_expected"]
+    assert 4 <= expected < total
+    for rank in (0, 1):
+        got = results[rank]["wiki"]
+        assert isinstance(got, dict), got
+        assert got["num_tokenized_tokens"] == ref["num_tokenized_tokens"]
+        for key in ("avg_loss", "ppl", "adjusted_ppl"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), key
+        lam = results[rank]["lambada"]
+        assert isinstance(lam, dict), lam
+        assert (lam["correct"], lam["total"]) == (expected, total)
 
 
 def test_windows_that_score_nothing_are_not_run():
