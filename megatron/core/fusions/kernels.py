@@ -29,7 +29,8 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # win (causal 2.7-4.0x, masked 1.9-2.8x, plain 1.3-2.4x eager at [4, 12, 1024, 1024]).
 # ``bench/gpu_check.py`` re-measures the CUDA kernels, ``bench/bench_kernels.py`` the CPU ones.
 FASTER_THAN_PYTORCH = {
-    "cpu": frozenset({"layer_norm", "softmax_plain", "softmax_masked", "softmax_causal"}),
+    "cpu": frozenset({"layer_norm", "rms_norm", "softmax_plain", "softmax_masked",
+                      "softmax_causal"}),
     "cuda": frozenset({"softmax_plain", "softmax_masked", "softmax_causal"}),
 }
 
