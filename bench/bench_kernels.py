@@ -2,8 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_kernels.py [--seqs 512,1024] [--dtypes fp32,bf16]
         [--threads 2] [--reps 10] [--no-compile]
-        [--kernels softmax,layer_norm,cross_entropy,bias_gelu]
-        [--untuned-malloc] [--ce-seqs 512]
+        [--kernels softmax,layer_norm,cross_entropy,bias_gelu,rms_norm]
+        [--untuned-malloc] [--ce-seqs 512] [--rms-shapes 1024x512,4096x1024,...]
 
 GPT-2-small shapes: batch 4, 12 heads, sequence 512 and 1024 (scores ``[4, 12, s, s]``); layer
 norm over 768 on ``[s, 4, 768]``; cross entropy over the 50304-word vocabulary on ``[s, 4]``
@@ -24,6 +24,11 @@ page faults for its fresh outputs every call, as in training:
 * ``compile``: ``torch.compile`` of the eager function (inductor's generated C++; skipped with
   ``--no-compile`` or when it fails here).
 
+RMS norm has a table of its own, at the Llama-style models' ``[s * b, h]`` (``--rms-shapes``,
+rows x h), with two PyTorch paths beside the kernel: ``megatron``, the model's PyTorch RMSNorm
+(``rms_norm_reference``: fp32 upcast, ``x * rsqrt(mean(x^2) + eps)``, cast, ``* weight``), and
+ATen's ``F.rms_norm``; the kernel is the default only where it beats the faster of the two.
+
 "saved MiB" is what autograd keeps for the backward (counted with saved-tensor hooks, distinct
 storages), the memory a fusion saves during training besides the forward's temporaries.
 """
@@ -42,8 +47,9 @@ import torch.nn.functional as F
 from megatron.core.device import tune_host_allocator
 from megatron.core.fusions import fused_softmax, kernels
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
-from megatron.core.fusions.fused_layer_norm import fused_layer_norm
+from megatron.core.fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.transformer.layernorm import rms_norm_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -188,6 +194,57 @@ def bench_case(name, inputs, fused, eager, reps, use_compile, label) -> list[str
             f"{compiled} | {speedup:.2f}x | {vs_compile} | {saved_fused:.0f} | {saved_eager:.0f} |"]
 
 
+RMS_EPS = 1e-5
+
+
+def rms_norm_row(rows: int, h: int, dname: str, reps: int, use_compile: bool) -> str:
+    """One row of the RMS-norm table: the kernel, Megatron's PyTorch RMSNorm and F.rms_norm
+    (and torch.compile of the first), forward + backward, interleaved."""
+    dtype = DTYPES[dname]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, h, generator=gen).to(dtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype).requires_grad_(True)
+    grad = torch.randn(rows, h, generator=gen).to(dtype)
+
+    def megatron(x_, w_):
+        return rms_norm_reference(x_, w_, RMS_EPS)
+
+    fns = {"fused": lambda x_, w_: fused_rms_norm(x_, w_, RMS_EPS), "megatron": megatron,
+           "aten": lambda x_, w_: F.rms_norm(x_, (h,), w_, RMS_EPS)}
+    if fns["fused"](x, w) is None:
+        raise SystemExit("the RMS-norm kernel did not run (not in kernels.FASTER_THAN_PYTORCH "
+                         "or an extension built before it): rebuild, or add it to time it")
+    compiled = "n/a"
+    if use_compile:
+        try:
+            torch._dynamo.reset()  # every row compiles anew (else dynamo's recompile limit)
+            fn = torch.compile(megatron, dynamic=False)
+            fn(x, w).backward(grad)
+            fns["compile"] = fn
+        except Exception as exc:  # no compiler here: say so, keep the row
+            compiled = f"failed ({type(exc).__name__})"
+    t = time_interleaved(fns, [x, w], grad, reps)
+    if "compile" in t:
+        compiled = f"{t['compile'] * 1e3:.2f}"
+    best = min(t["megatron"], t["aten"])
+    return (f"| [{rows}, {h}] | {dname} | {t['fused'] * 1e3:.2f} | {t['megatron'] * 1e3:.2f} | "
+            f"{t['aten'] * 1e3:.2f} | {compiled} | {t['megatron'] / t['fused']:.2f}x | "
+            f"{t['aten'] / t['fused']:.2f}x | {best / t['fused']:.2f}x |")
+
+
+def rms_norm_table(args) -> None:
+    print(f"\n# RMS norm, load average {os.getloadavg()[0]:.1f}; ms, forward + backward, median "
+          f"of {args.reps} interleaved rounds")
+    print("| rows, h | dtype | fused | megatron (PyTorch) | F.rms_norm | compile | "
+          "vs megatron | vs F.rms_norm | vs faster PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in args.rms_shapes.split(","):
+        rows, h = (int(v) for v in shape.split("x"))
+        for dname in args.dtypes.split(","):
+            print(rms_norm_row(rows, h, dname, args.reps, not args.no_compile), flush=True)
+    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", default="512,1024")
@@ -195,10 +252,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--kernels", default="softmax,layer_norm,cross_entropy,bias_gelu")
+    parser.add_argument("--kernels",
+                        default="softmax,layer_norm,cross_entropy,bias_gelu,rms_norm")
     # The loss at GPT-2-small's training shape (mb 4 x seq 512 = 2048 tokens) only by default:
     # at s = 1024 the fp32 logits and their gradients alone take 3.3 GB on each side.
     parser.add_argument("--ce-seqs", default="512")
+    # RMS norm's rows x h: the Llama-style models' [s * b, h] (h 512-2048, 1k-16k tokens).
+    parser.add_argument("--rms-shapes",
+                        default="1024x512,4096x512,4096x1024,16384x1024,4096x2048,16384x2048")
     parser.add_argument("--untuned-malloc", action="store_true",
                         help="leave glibc's allocator as it is (fresh pages every call)")
     args = parser.parse_args()
@@ -209,13 +270,14 @@ def main() -> None:
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; allocator tuned: {tuned}; load average "
           f"{os.getloadavg()[0]:.1f}; times in ms, forward + backward")
-    print("| kernel | shape, dtype | fused | eager | compile | fused vs eager | "
-          "fused vs compile | saved MiB fused | saved MiB eager |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    wanted = args.kernels.split(",")
+    if wanted != ["rms_norm"]:
+        print("| kernel | shape, dtype | fused | eager | compile | fused vs eager | "
+              "fused vs compile | saved MiB fused | saved MiB eager |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for s in (int(v) for v in args.seqs.split(",")):
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
-            wanted = args.kernels.split(",")
             cases = (softmax_cases(s, dtype) if "softmax" in wanted else []) + \
                 ([layer_norm_case(s, dtype)] if "layer_norm" in wanted else []) + \
                 ([cross_entropy_case(s, dtype)] if "cross_entropy" in wanted and
@@ -226,6 +288,8 @@ def main() -> None:
                 for line in bench_case(name, inputs, fused, eager, args.reps,
                                        not args.no_compile, label):
                     print(line, flush=True)
+    if "rms_norm" in wanted:
+        rms_norm_table(args)
 
 
 if __name__ == "__main__":

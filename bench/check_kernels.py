@@ -13,7 +13,10 @@ synchronisations; ``x eager`` > 1 means the kernel is faster. Layer norm also sh
 achieved GB/s (x, dy read; y, dx written: the memory floor) beside a device copy's.
 
 Shapes are the models': GPT-2-small attention scores ``[4, 12, 1024, 1024]`` and layer norm
-``[16384, 768]`` and ``[8192, 2048]`` (1.3B); ``--small`` shrinks them for a CPU smoke test.
+``[16384, 768]`` and ``[8192, 2048]`` (1.3B); RMS norm (Llama-style) ``[16384, 1024]``,
+``[8192, 2048]`` and ``[8192, 4096]``, twice each: against Megatron's PyTorch RMSNorm (the model's
+fallback, ``rms_norm_reference``) and against ATen's ``F.rms_norm`` (fused on CUDA), since the
+kernel is worth enabling only where it beats both; ``--small`` shrinks them for a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core import device  # noqa: E402
 from megatron.core.fusions import kernels  # noqa: E402
-from megatron.core.fusions.fused_layer_norm import _FusedLayerNormAffine  # noqa: E402
+from megatron.core.fusions.fused_layer_norm import (_FusedLayerNormAffine,  # noqa: E402
+                                                    _FusedRMSNorm)
 from megatron.core.fusions.fused_softmax import _ScaledSoftmax  # noqa: E402
+from megatron.core.transformer.layernorm import rms_norm_reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -55,6 +60,10 @@ def eager_softmax(x, mask, scale):
 
 def eager_layer_norm(x, w, b, eps=1e-5):
     return F.layer_norm(x, (x.size(-1),), w, b, eps)
+
+
+def aten_rms_norm(x, w, eps=1e-5):
+    return F.rms_norm(x, (x.size(-1),), w, eps)
 
 
 def fwd_bwd(fn: Callable, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
@@ -112,6 +121,18 @@ def cases(ext, dev: str, dtype: torch.dtype, small: bool):
         yield (f"layer_norm[{rows},{h}]",
                lambda x_, w_, b_: _FusedLayerNormAffine.apply(ext, x_, w_, b_, 1e-5),
                eager_layer_norm, [x, w, bias], g, moved)
+    if not hasattr(ext, "rms_norm_forward"):  # an extension built before the kernel
+        return
+    for rows, h in ([(256, 512)] if small else [(16384, 1024), (8192, 2048), (8192, 4096)]):
+        x = torch.randn(rows, h, generator=gen, device=dev).to(dtype)
+        w = (1 + 0.1 * torch.randn(h, generator=gen, device=dev)).to(dtype)
+        g = torch.randn(rows, h, generator=gen, device=dev).to(dtype)
+        moved = 4 * rows * h * x.element_size()  # read x, dy; write y, dx
+        for suffix, eager in (("", lambda x_, w_: rms_norm_reference(x_, w_, 1e-5)),
+                              (" vs F.rms_norm", aten_rms_norm)):
+            yield (f"rms_norm[{rows},{h}]{suffix}",
+                   lambda x_, w_: _FusedRMSNorm.apply(ext, x_, w_, 1e-5), eager, [x, w], g,
+                   moved)
 
 
 def fusion_checks(dev: str, small: bool, reps: int) -> list[dict]:
@@ -226,7 +247,7 @@ def check(ext, dev: str, small: bool, reps: int, use_compile: bool,
 
 
 def format_row(row: dict) -> str:
-    text = (f"{row['kernel']:<22} {row['dtype']:<5} {'ok ' if row['ok'] else 'BAD'} "
+    text = (f"{row['kernel']:<36} {row['dtype']:<5} {'ok ' if row['ok'] else 'BAD'} "
             f"{'used  ' if row['used'] else 'unused'} "
             f"err {row['err']:.1e} (eager {row['eager_err']:.1e})  fused {row['fused_ms']:.3f} ms"
             f"  eager {row['eager_ms']:.3f} ms  x eager {row['eager_ms'] / row['fused_ms']:.2f}")

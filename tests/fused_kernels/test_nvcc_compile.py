@@ -53,3 +53,4 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
     if names:
         for dtype in ("float", "__half", "__nv_bfloat16"):
             assert f"launch_layer_norm_backward<{dtype}>" in names, dtype
+            assert f"launch_rms_norm_backward<{dtype}>" in names, dtype

@@ -27,9 +27,13 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (bench/README.md, 2026-11-26) the CUDA layer norm ran at 0.03-0.05x ATen's fused
 # F.layer_norm (15-77 GB/s against ATen's 370-1435), so ATen runs it on CUDA; the softmaxes
 # win (causal 2.7-4.0x, masked 1.9-2.8x, plain 1.3-2.4x eager at [4, 12, 1024, 1024]).
+# RMS norm on CPU (2026-11-26): 3.7-15.5x the faster of Megatron's PyTorch RMSNorm and ATen's
+# F.rms_norm (both unfused op chains on CPU) forward + backward at [1k-16k, 512-2048], fp32 and
+# bf16, 2 threads (2.9-8.6x at 1); its CUDA kernel is unmeasured, so off there.
 # ``bench/gpu_check.py`` re-measures the CUDA kernels, ``bench/bench_kernels.py`` the CPU ones.
 FASTER_THAN_PYTORCH = {
-    "cpu": frozenset({"layer_norm", "softmax_plain", "softmax_masked", "softmax_causal"}),
+    "cpu": frozenset({"layer_norm", "rms_norm", "softmax_plain", "softmax_masked",
+                      "softmax_causal"}),
     "cuda": frozenset({"softmax_plain", "softmax_masked", "softmax_causal"}),
 }
 
@@ -73,8 +77,8 @@ def _import(device_type: str) -> ModuleType | None:
         module = importlib.import_module(name)
     except ImportError as exc:  # not built (isolated build, no toolchain) or a broken binary
         log_rank_0(f"> fused kernels: {name} unavailable ({type(exc).__name__}: {exc}); using "
-                   "the PyTorch implementations of the masked softmax, layer norm, cross entropy, "
-                   "bias-GeLU and few-row linear. Build it with "
+                   "the PyTorch implementations of the masked softmax, layer norm, RMS norm, cross "
+                   "entropy, bias-GeLU and few-row linear. Build it with "
                    "`pip install --no-build-isolation -e .` (scripts/bootstrap.sh does).")
         return None
     log_rank_0(f"> fused kernels: using {name}")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device as device_mod
-from megatron.core.fusions.fused_layer_norm import fused_layer_norm
+from megatron.core.fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
 from megatron.core.tensor_parallel.utils import (set_defaults_if_not_set,
                                                  set_sequence_parallel_attribute)
 
@@ -61,6 +61,9 @@ class RMSNorm(torch.nn.Module):
 
     As Megatron-LM's PyTorch ``RMSNorm``, half-precision inputs are normalized in fp32 and cast
     back before the weight multiplies (a sum of squares in fp16 overflows at |x| ~ 256/sqrt(h)).
+    It runs the fused RMS-norm kernel (``megatron.core.fusions.fused_layer_norm``) where one
+    covers the device and dtype and beats PyTorch there (``kernels.FASTER_THAN_PYTORCH``), with
+    the same roundings; else the PyTorch ops below.
 
     Args:
         hidden_size: normalized size.
@@ -68,15 +71,17 @@ class RMSNorm(torch.nn.Module):
         apply_layernorm_1p: store ``gamma - 1`` (initialized to 0), as for LayerNorm.
         params_dtype: dtype of the weight.
         device: where it lives.
+        fused: use the fused kernel where it is the default (False: always the PyTorch ops).
         sequence_parallel: it normalizes this rank's ``s/p`` rows: the weight's partial
             gradients are summed over TP ranks.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, apply_layernorm_1p: bool = False,
                  params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, sequence_parallel: bool = False) -> None:
+                 device: torch.device | None = None, fused: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.eps, self.apply_layernorm_1p = eps, apply_layernorm_1p
+        self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
         dev = device or device_mod.get_device()
         init = torch.zeros if apply_layernorm_1p else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
@@ -84,11 +89,20 @@ class RMSNorm(torch.nn.Module):
         set_sequence_parallel_attribute(self.weight, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp64 stays fp64 (tests); fp16/bf16 go up to fp32.
-        compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        normed = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
-        return normed.type_as(x) * weight
+        if self.fused:
+            out = fused_rms_norm(x, weight, self.eps)
+            if out is not None:
+                return out
+        return rms_norm_reference(x, weight, self.eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Megatron-LM's PyTorch RMSNorm: fp16/bf16 normalized in fp32 and cast back, then times the
+    weight (fp64 stays fp64)."""
+    compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    normed = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
 
 
 def build_norm(config, hidden_size: int | None = None,

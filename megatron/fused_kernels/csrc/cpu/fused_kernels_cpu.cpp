@@ -291,6 +291,80 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
 }
 
 // ---------------------------------------------------------------------------------------------
+// RMS norm
+// ---------------------------------------------------------------------------------------------
+
+void check_rms_norm_input(const at::Tensor& input, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), name,
+              ": expected CPU tensors");
+  TORCH_CHECK(input.dim() >= 1, name, ": expected input [..., h]");
+  const int64_t h = input.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h, name, ": weight must be [", h, "]");
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), name,
+              ": input and weight must share one dtype");
+}
+
+// y = round(round(x * rstd) * weight) over the last dim (Megatron's RMSNorm; the inner rounding
+// is to the input's dtype, the identity in fp32); returns (y, rstd), rstd fp32 [rows] for the
+// backward.
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& input_, const at::Tensor& weight,
+                                         double eps) {
+  check_rms_norm_input(input_, weight, "rms_norm_forward");
+  const at::Tensor input = input_.contiguous();
+  const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
+  at::Tensor output = at::empty_like(input);
+  at::Tensor rstd = at::empty({rows}, input.options().dtype(at::kFloat));
+  const std::vector<float> w = to_float_vector(weight);
+  float* rstd_data = rstd.data_ptr<float>();
+  dispatch_codec(input.scalar_type(), "rms_norm_forward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* x = data<C>(input);
+    auto* y = data<C>(output);
+    at::parallel_for(0, rows, grain_for(h), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        megatron_cpu::rms_norm_forward_row<C>(x + r * h, w.data(), h, static_cast<float>(eps),
+                                              y + r * h, rstd_data + r);
+      }
+    });
+  });
+  return {output, rstd};
+}
+
+// (grad_input, grad_weight); the weight gradient summed over row chunks (row_chunks: the same
+// bits for any thread count), rounded once to the weight's dtype.
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad_output_,
+                                          const at::Tensor& input_, const at::Tensor& rstd_,
+                                          const at::Tensor& weight) {
+  check_rms_norm_input(input_, weight, "rms_norm_backward");
+  const at::Tensor grad_output = grad_output_.contiguous(), input = input_.contiguous();
+  const at::Tensor rstd = rstd_.to(at::kFloat).contiguous();
+  TORCH_CHECK(grad_output.sizes() == input.sizes() &&
+                  grad_output.scalar_type() == input.scalar_type(),
+              "rms_norm_backward: grad_output must have the input's shape and dtype");
+  const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(rstd.numel() == rows, "rms_norm_backward: rstd must have one entry per row");
+  const int64_t chunks = row_chunks(rows);
+  at::Tensor grad_input = at::empty_like(input);
+  at::Tensor partial = at::zeros({chunks, h}, input.options().dtype(at::kFloat));
+  const std::vector<float> w = to_float_vector(weight);
+  const float* rs = rstd.data_ptr<float>();
+  float* dw_partial = partial.data_ptr<float>();
+  dispatch_codec(input.scalar_type(), "rms_norm_backward", [&](auto codec) {
+    using C = decltype(codec);
+    const auto* dy = data<C>(grad_output);
+    const auto* x = data<C>(input);
+    auto* dx = data<C>(grad_input);
+    for_each_row_chunk(rows, chunks, [&](int64_t c, int64_t row_begin, int64_t row_end) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        megatron_cpu::rms_norm_backward_row<C>(dy + r * h, x + r * h, rs[r], w.data(), h,
+                                               dx + r * h, dw_partial + c * h);
+      }
+    });
+  });
+  return {grad_input, partial.sum(0).to(weight.scalar_type())};
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cross entropy (the vocabulary-parallel loss's per-rank passes; the all-reduces stay in
 // Python, in megatron/core/fusions/fused_cross_entropy.py)
 // ---------------------------------------------------------------------------------------------
@@ -499,6 +573,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "fused layer norm -> (y, mean, invvar)");
   m.def("layer_norm_backward", &layer_norm_backward,
         "fused layer norm backward -> (grad_input, grad_weight, grad_bias)");
+  m.def("rms_norm_forward", &rms_norm_forward,
+        "fused RMS norm (Megatron's: x * rstd rounded to x's dtype, then * weight) -> (y, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward,
+        "fused RMS norm backward -> (grad_input, grad_weight)");
   m.def("cross_entropy_stats", &cross_entropy_stats,
         "per row of logits [..., V/p]: (max, sum exp(l - max), sum l), one read");
   m.def("cross_entropy_backward", &cross_entropy_backward,

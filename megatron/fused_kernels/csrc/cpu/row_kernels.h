@@ -1,5 +1,5 @@
-// Per-row CPU kernels of the fused softmax, layer norm, cross entropy and bias + GeLU, on plain
-// pointers.
+// Per-row CPU kernels of the fused softmax, layer norm, RMS norm, cross entropy and bias + GeLU,
+// on plain pointers.
 //
 // Depends on the C++ standard library only (fused_kernels_cpu.cpp binds them to torch and
 // instantiates them for float, bf16 and fp16), so the vectoriser's report can be read on a file
@@ -214,6 +214,61 @@ void layer_norm_backward_row(const typename C::storage* dy, const typename C::st
 #pragma omp simd
   for (int64_t i = 0; i < h; ++i) {
     dx[i] = C::from_float(rstd * (g[i] - mean_g - xhat[i] * mean_g_xhat));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMS norm (Megatron-LM's RMSNorm: no mean, no bias)
+// ---------------------------------------------------------------------------------------------
+
+// v rounded to the storage dtype and back: the identity for fp32.
+template <typename C>
+inline float round_to_storage(float v) {
+  return C::to_float(C::from_float(v));
+}
+
+// One row: n = x * rstd in fp32, rounded to the storage dtype, then times w, rounded again; as
+// Megatron's PyTorch RMSNorm (`_norm(x.float()).type_as(x) * weight`: the weight multiplies in
+// the input's dtype). Returns rstd = 1 / sqrt(mean(x^2) + eps). The row is read twice (the
+// second time from L1), which costs less than an fp32 copy of it.
+template <typename C>
+void rms_norm_forward_row(const typename C::storage* x, const float* w, int64_t h, float eps,
+                          typename C::storage* y, float* rstd_out) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < h; ++i) {
+    const float v = C::to_float(x[i]);
+    squares += v * v;
+  }
+  const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = C::from_float(round_to_storage<C>(C::to_float(x[i]) * rstd) * w[i]);
+  }
+  *rstd_out = rstd;
+}
+
+// One row of the backward: dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd
+// (the rounding of n to storage in the forward is taken as the identity, as autograd does
+// through Megatron's cast); dw += dy * n into fp32 partial sums, n rounded to storage as the
+// forward multiplied it.
+template <typename C>
+void rms_norm_backward_row(const typename C::storage* dy, const typename C::storage* x,
+                           float rstd, const float* w, int64_t h, typename C::storage* dx,
+                           float* dw) {
+  float sum_g_n = 0.0f;
+#pragma omp simd reduction(+ : sum_g_n)
+  for (int64_t i = 0; i < h; ++i) {
+    const float d = C::to_float(dy[i]);
+    const float n = C::to_float(x[i]) * rstd;
+    dw[i] += d * round_to_storage<C>(n);
+    sum_g_n += d * w[i] * n;
+  }
+  const float mean_g_n = sum_g_n / static_cast<float>(h);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    const float n = C::to_float(x[i]) * rstd;
+    dx[i] = C::from_float(rstd * (C::to_float(dy[i]) * w[i] - n * mean_g_n));
   }
 }
 

@@ -1,4 +1,4 @@
-// CUDA kernels of Megatron-LM's fused softmaxes and layer norm.
+// CUDA kernels of Megatron-LM's fused softmaxes, layer norm and RMS norm.
 //
 // This header depends on CUDA only (no torch), so `nvcc` alone compile-checks it
 // (tests/fused_kernels/test_nvcc_compile.py instantiates every dtype). fused_kernels_cuda.cu
@@ -213,6 +213,84 @@ __global__ void layer_norm_grad_weight_bias_kernel(const T* dy, const T* x, cons
   dbias[col] = db;
 }
 
+// RMS norm forward, one row per block, with Megatron's roundings: x * rstd in fp32, rounded to
+// T, then times the weight (the CPU kernel's and Megatron's PyTorch RMSNorm's order).
+template <typename T>
+__global__ void rms_norm_forward_kernel(const T* x, const T* weight, T* y, float* invrms,
+                                        int64_t h, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  x += row * h;
+  y += row * h;
+  float local = 0.0f;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = to_float(x[i]);
+    local += v * v;
+  }
+  const float rstd = rsqrtf(block_reduce(local, SumOp(), scratch) / static_cast<float>(h) + eps);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float normed = to_float(from_float<T>(to_float(x[i]) * rstd));
+    y[i] = from_float<T>(normed * to_float(weight[i]));
+  }
+  if (threadIdx.x == 0) invrms[row] = rstd;
+}
+
+// RMS norm input gradient, one row per block: dx = rstd * (g - n * mean(g * n)), g = dy * w,
+// n = x * rstd.
+template <typename T>
+__global__ void rms_norm_grad_input_kernel(const T* dy, const T* x, const float* invrms,
+                                           const T* weight, T* dx, int64_t h) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  dy += row * h;
+  x += row * h;
+  dx += row * h;
+  const float rstd = invrms[row];
+  float local = 0.0f;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    local += to_float(dy[i]) * to_float(weight[i]) * to_float(x[i]) * rstd;
+  }
+  const float mean_g_n = block_reduce(local, SumOp(), scratch) / static_cast<float>(h);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float g = to_float(dy[i]) * to_float(weight[i]);
+    dx[i] = from_float<T>(rstd * (g - to_float(x[i]) * rstd * mean_g_n));
+  }
+}
+
+// RMS norm weight gradient, partial sums: block (kColumns, kRowLanes) covers kColumns columns
+// of the rows of chunk blockIdx.y (coalesced along a row); the lanes are added in order, so
+// partial[chunk, col] (fp32) is deterministic; the caller sums the chunks.
+constexpr int kColumns = 32;
+constexpr int kRowLanes = 8;
+constexpr int64_t kMaxWeightGradChunks = 128;
+
+__host__ __device__ inline int64_t weight_grad_chunks(int64_t rows) {
+  return rows < 1 ? 1 : (rows < kMaxWeightGradChunks ? rows : kMaxWeightGradChunks);
+}
+
+template <typename T>
+__global__ void rms_norm_grad_weight_kernel(const T* dy, const T* x, const float* invrms,
+                                            float* partial, int64_t rows, int64_t h) {
+  __shared__ float lanes[kRowLanes][kColumns + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColumns + threadIdx.x;
+  const int64_t chunks = gridDim.y;
+  const int64_t begin = rows * blockIdx.y / chunks, end = rows * (blockIdx.y + 1) / chunks;
+  float acc = 0.0f;
+  if (col < h) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
+      const float normed = to_float(from_float<T>(to_float(x[r * h + col]) * invrms[r]));
+      acc += to_float(dy[r * h + col]) * normed;
+    }
+  }
+  lanes[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < h) {
+    float sum = 0.0f;
+    for (int lane = 0; lane < kRowLanes; ++lane) sum += lanes[lane][threadIdx.x];
+    partial[blockIdx.y * h + col] = sum;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launchers (host side, CUDA runtime only)
 // ---------------------------------------------------------------------------------------------
@@ -270,6 +348,27 @@ void launch_layer_norm_backward(const T* dy, const T* x, const float* mean, cons
   const int64_t blocks = (h + kThreads - 1) / kThreads;
   layer_norm_grad_weight_bias_kernel<T><<<blocks, kThreads, 0, stream>>>(dy, x, mean, invvar,
                                                                         dweight, dbias, rows, h);
+}
+
+template <typename T>
+void launch_rms_norm_forward(const T* x, const T* weight, T* y, float* invrms, int64_t rows,
+                             int64_t h, float eps, cudaStream_t stream) {
+  if (rows == 0) return;
+  rms_norm_forward_kernel<T><<<rows, kThreads, 0, stream>>>(x, weight, y, invrms, h, eps);
+}
+
+// `dweight_partial`: weight_grad_chunks(rows) x h floats, summed over the chunks by the caller.
+template <typename T>
+void launch_rms_norm_backward(const T* dy, const T* x, const float* invrms, const T* weight,
+                              T* dx, float* dweight_partial, int64_t rows, int64_t h,
+                              cudaStream_t stream) {
+  if (rows > 0) {
+    rms_norm_grad_input_kernel<T><<<rows, kThreads, 0, stream>>>(dy, x, invrms, weight, dx, h);
+  }
+  const dim3 grid(static_cast<unsigned>((h + kColumns - 1) / kColumns),
+                  static_cast<unsigned>(weight_grad_chunks(rows)));
+  rms_norm_grad_weight_kernel<T><<<grid, dim3(kColumns, kRowLanes), 0, stream>>>(
+      dy, x, invrms, dweight_partial, rows, h);
 }
 
 }  // namespace megatron_fused

@@ -1,6 +1,7 @@
 // Torch bindings of the CUDA kernels in fused_kernels.cuh (module megatron.fused_kernels._cuda).
-// The softmax and layer-norm functions of the CPU module (csrc/cpu/fused_kernels_cpu.cpp), with the
-// same arguments and results; the cross entropy and bias-GeLU run as PyTorch / TorchScript ops on CUDA.
+// The softmax, layer-norm and RMS-norm functions of the CPU module (csrc/cpu/fused_kernels_cpu.cpp),
+// with the same arguments and results; the cross entropy and bias-GeLU run as PyTorch /
+// TorchScript ops on CUDA.
 
 #include <torch/extension.h>
 
@@ -188,6 +189,54 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_output_,
   return {grad_input, dweight.to(weight.scalar_type()), dbias.to(weight.scalar_type())};
 }
 
+// RMS norm: the CPU module's rms_norm_forward / rms_norm_backward (same arguments, results).
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& input_, const at::Tensor& weight_,
+                                         double eps) {
+  check_input(input_, -1, "rms_norm_forward");
+  const int64_t h = input_.size(-1);
+  TORCH_CHECK(weight_.dim() == 1 && weight_.numel() == h &&
+                  weight_.scalar_type() == input_.scalar_type(),
+              "rms_norm_forward: weight must be [", h, "] of the input's dtype");
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = input_.contiguous(), weight = weight_.contiguous();
+  const int64_t rows = input.numel() / std::max<int64_t>(h, 1);
+  at::Tensor output = at::empty_like(input);
+  at::Tensor invrms = at::empty({rows}, input.options().dtype(at::kFloat));
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(), "rms_norm_forward", [&] {
+    megatron_fused::launch_rms_norm_forward(
+        ptr<scalar_t>(input), ptr<scalar_t>(weight), mut_ptr<scalar_t>(output),
+        invrms.data_ptr<float>(), rows, h, static_cast<float>(eps),
+        c10::cuda::getCurrentCUDAStream());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {output, invrms};
+}
+
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad_output_,
+                                          const at::Tensor& input_, const at::Tensor& invrms_,
+                                          const at::Tensor& weight_) {
+  check_input(input_, -1, "rms_norm_backward");
+  TORCH_CHECK(grad_output_.sizes() == input_.sizes() &&
+                  grad_output_.scalar_type() == input_.scalar_type(),
+              "rms_norm_backward: grad_output must have the input's shape and dtype");
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor grad_output = grad_output_.contiguous(), input = input_.contiguous();
+  const at::Tensor invrms = invrms_.to(at::kFloat).contiguous(), weight = weight_.contiguous();
+  const int64_t h = input.size(-1), rows = input.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(invrms.numel() == rows, "rms_norm_backward: one statistic per row expected");
+  at::Tensor grad_input = at::empty_like(input);
+  at::Tensor partial = at::empty({megatron_fused::weight_grad_chunks(rows), h},
+                                 input.options().dtype(at::kFloat));
+  DISPATCH_FLOAT_HALF_BF16(input.scalar_type(), "rms_norm_backward", [&] {
+    megatron_fused::launch_rms_norm_backward(
+        ptr<scalar_t>(grad_output), ptr<scalar_t>(input), invrms.data_ptr<float>(),
+        ptr<scalar_t>(weight), mut_ptr<scalar_t>(grad_input), partial.data_ptr<float>(), rows,
+        h, c10::cuda::getCurrentCUDAStream());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {grad_input, partial.sum(0).to(weight.scalar_type())};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -204,4 +253,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_forward", &layer_norm_forward, "fused layer norm -> (y, mean, invvar)");
   m.def("layer_norm_backward", &layer_norm_backward,
         "fused layer norm backward -> (grad_input, grad_weight, grad_bias)");
+  m.def("rms_norm_forward", &rms_norm_forward,
+        "fused RMS norm (Megatron's: x * rstd rounded to x's dtype, then * weight) -> (y, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward,
+        "fused RMS norm backward -> (grad_input, grad_weight)");
 }

@@ -17,7 +17,11 @@ namespace megatron_fused {
                                              int64_t, int64_t, float, cudaStream_t);            \
   template void launch_layer_norm_backward<T>(const T*, const T*, const float*, const float*,   \
                                               const T*, T*, float*, float*, int64_t, int64_t,   \
-                                              cudaStream_t);
+                                              cudaStream_t);                                    \
+  template void launch_rms_norm_forward<T>(const T*, const T*, T*, float*, int64_t, int64_t,    \
+                                           float, cudaStream_t);                                \
+  template void launch_rms_norm_backward<T>(const T*, const T*, const float*, const T*, T*,     \
+                                            float*, int64_t, int64_t, cudaStream_t);
 
 MEGATRON_INSTANTIATE(float)
 MEGATRON_INSTANTIATE(__half)
