@@ -47,7 +47,6 @@ import json
 import os
 import shlex
 import sys
-import time
 
 import torch
 

@@ -85,19 +85,12 @@ def ours_model(shape: Shape, bf16: bool) -> torch.nn.Module:
 
 def hf_model(model: torch.nn.Module, shape: Shape, dtype: torch.dtype):
     """``GPT2LMHeadModel`` with ``model``'s weights, on the device, in ``dtype``."""
-    if not _has_transformers():
-        raise SystemExit("transformers is not installed: the HF side cannot run")
     hf_shape = bench_generation.Shape(shape.layers, shape.hidden, shape.heads, shape.positions,
                                       shape.prompt, shape.new_tokens)
-    return bench_generation.to_hf(model, hf_shape).to(device.get_device(), dtype).eval()
-
-
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    hf = bench_generation.to_hf(model, hf_shape)
+    if hf is None:
+        raise SystemExit("transformers is not installed: the HF side cannot run")
+    return hf.to(device.get_device(), dtype).eval()
 
 
 def ours_generate(model, prompts: torch.Tensor, shape: Shape) -> list[list[int]]:
