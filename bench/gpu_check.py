@@ -28,6 +28,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -116,6 +117,13 @@ class Check:
             return None
         self.env["PYTHONPATH"] += os.pathsep + site  # after ours: the machine's own win ties
         return site
+
+    def installed(self, module: str) -> bool:
+        """Whether ``module`` can be found, here or among the wheels, without importing it
+        (transformers takes seconds to import)."""
+        if importlib.util.find_spec(module) is not None:
+            return True
+        return self.site is not None and os.path.isdir(os.path.join(self.site, module))
 
     def importable(self, module: str) -> bool:
         return subprocess.run([PY, "-c", f"import {module}"], env=self.env,
@@ -492,6 +500,50 @@ def speed(c: Check, stage: str, shape: str, sides: str, extra: list[str]):
                                + ": " + ln.split(": ", 1)[1]) for ln in lines)
 
 
+def report_env(c: Check) -> dict:
+    """The speed stages' environment; the CPU smoke at one thread (two threads of a tiny model on
+    a loaded 2-core machine spin-wait each other: seen 40x slower)."""
+    threads = {} if c.gpu else {"OMP_NUM_THREADS": "1"}
+    return dict(c.env, MEGATRON_CHECK_COLLECTIVES="0", **threads)
+
+
+def speed_bert(c: Check):
+    """Report-only: BERT-base seq 512 training steps, ours against HF's BertForPreTraining."""
+    if not c.installed("transformers"):
+        return None, "skipped: transformers not installed (put its wheels in --wheels)"
+    c.wait_for_build("speed-bert")
+    c.sh("speed-bert", [PY, "bench/gpu_speed_bert.py",
+                        "--shape", "bert-base" if c.gpu else "tiny",
+                        "--json", os.path.join(c.out, "speed-bert.json")],
+         env=report_env(c))
+    with open(os.path.join(c.out, "speed-bert.json")) as f:
+        res = json.load(f)
+    sides = res["results"]
+    figure = "; ".join(
+        f"{name} {r['ms']:.1f} ms/step, {r['tokens_per_s'] / 1e3:.1f}k tok/s"
+        + ("" if r["peak_GiB"] is None else f", peak {r['peak_GiB']:.2f} GiB")
+        for name, r in sides.items())
+    figure += f"; ours/HF {sides['hf']['ms'] / sides['ours']['ms']:.2f}x"
+    return 0, figure + f"; same-function loss diff {res['check']['diff']:.1e}"
+
+
+def speed_generate(c: Check):
+    """Report-only: greedy generation tokens/s with the KV cache, ours against HF generate()."""
+    if not c.installed("transformers"):
+        return None, "skipped: transformers not installed (put its wheels in --wheels)"
+    c.wait_for_build("speed-generate")
+    c.sh("speed-generate", [PY, "bench/gpu_speed_generate.py",
+                            "--shape", "gpt2" if c.gpu else "tiny",
+                            "--json", os.path.join(c.out, "speed-generate.json")],
+         env=report_env(c))
+    with open(os.path.join(c.out, "speed-generate.json")) as f:
+        res = json.load(f)
+    return 0, "; ".join(
+        f"batch {r['batch']}: ours {r['ours']['tokens_per_s']:.0f} vs HF "
+        f"{r['hf']['tokens_per_s']:.0f} tok/s ({r['ours/HF']:.2f}x), {r['agreement']}"
+        for r in res["results"])
+
+
 STAGES = [
     Stage("env", stage_env, timeout=60),
     Stage("build", stage_build, timeout=420),
@@ -526,6 +578,10 @@ STAGES = [
           timeout=120, exclusive=True),
     Stage("speed-1.3b", lambda c: speed(c, "speed-1.3b", "1.3b", "plain,ours", []),
           timeout=240, exclusive=True),
+    # Report-only (no target): ~30-60 s each on an H100/H200; the timeouts keep the whole check
+    # inside one 10-minute device call.
+    Stage("speed-bert", speed_bert, timeout=120, exclusive=True),
+    Stage("speed-generate", speed_generate, timeout=150, exclusive=True),
 ]
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ def test_the_stages_are_listed():
     assert proc.returncode == 0, proc.stderr
     for stage in ("build", "data", "gpt-bf16", "llama", "resume", "eval-cpu", "convert",
                   "generate", "server", "zeroshot", "finetune", "tp2", "pp2", "tp2-sp", "kernels",
-                  "speed-gpt2"):
+                  "speed-gpt2", "speed-bert", "speed-generate"):
         assert stage in proc.stdout
 
 
@@ -42,3 +44,27 @@ def test_a_cpu_smoke_run_generates_its_data_and_skips_gpu_only_stages(tmp_path):
 def test_unknown_stages_are_refused_by_name():
     proc = _check("--only", "gpt-bf16,nonsense")
     assert proc.returncode == 2 and "nonsense" in proc.stderr
+
+
+def test_the_report_only_speed_stages_run_on_the_cpu_at_a_tiny_shape(tmp_path):
+    """speed-bert and speed-generate time both sides, and show that they did the same work:
+    BERT's same-function losses agree, HF's greedy tokens equal ours (fp32 on the CPU)."""
+    pytest.importorskip("transformers")
+    proc = _check("--out", str(tmp_path), "--only", "speed-bert,speed-generate")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {json.loads(line)["stage"]: json.loads(line)
+            for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()}
+    assert rows["speed-bert"]["rc"] == 0 and "ours/HF" in rows["speed-bert"]["figure"]
+    bert = json.loads((tmp_path / "speed-bert.json").read_text())
+    assert bert["check"]["diff"] < 1e-4
+    tokens = bert["shape"]["mb"] * bert["shape"]["seq"]
+    for side in ("hf", "ours"):
+        res = bert["results"][side]
+        assert res["ms"] > 0
+        assert abs(res["tokens_per_s"] - tokens / (res["ms"] / 1000)) < 1e-6 * tokens
+    generation = json.loads((tmp_path / "speed-generate.json").read_text())
+    assert [row["batch"] for row in generation["results"]] == [1, 8]
+    for row in generation["results"]:
+        assert row["agreement"] == f"{row['batch']}/{row['batch']} rows equal"
+        assert row["ours"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0
+    assert "| speed-generate | 0 |" in (tmp_path / "gpu_check.md").read_text()
