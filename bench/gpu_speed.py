@@ -19,11 +19,12 @@ micro-batch 16; ``1.3b`` = 24 x 2048, 16 heads, seq 2048, micro-batch 4; ``small
 * ``ours-unfused-ce``: the same model with the compiled cross entropy off
   (``MEGATRON_COMPILED_CROSS_ENTROPY=0``: the loss's unfused PyTorch path), to show its share.
 
-``ours-noext`` and ``ours-unfused-ce`` reuse ``ours``'s model (one build); ``ours-noext``
-hides the extension for good, so it comes last. Every step is timed between two device synchronisations; the figures are medians of ``--steps``
-after ``--warmup``. MFU is 6 N tokens/s over the bf16 peak given by ``--peak-tflops`` (790:
-an H200's measured 8192^3 bf16 matmul); N excludes position embeddings. ``--profile`` writes
-torch.profiler's top device kernels of one step of each side.
+``ours-noext`` and ``ours-unfused-ce`` reuse ``ours``'s model (one build); ``ours-noext`` hides
+the extension for good, so it comes last. Every step is timed between two device
+synchronisations; the figures are medians of ``--steps`` after ``--warmup``. MFU is 6 N tokens/s
+over the bf16 peak given by ``--peak-tflops`` (790: an H200's measured 8192^3 bf16 matmul); N
+excludes position embeddings. ``--profile`` writes torch.profiler's top device kernels of one
+step of each side.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def run_in_tp_stream(function, *args, tp_size: int, **kwargs):
-    """``function(*args, **kwargs)`` with draws that differ between the ``tp_size`` TP ranks: eagerly,
-    under ``get_rng_tracker().fork()``.
+    """``function(*args, **kwargs)`` with draws that differ between the ``tp_size`` TP ranks:
+    eagerly, under ``get_rng_tracker().fork()``.
 
     Inside a region that ``torch.compile`` traces (``--compile-layers``) a generator swap has no
     meaning: inductor draws the seeds of all of a graph's random ops from the default generator
