@@ -322,6 +322,28 @@ def stage_resume(c: Check):
     return 0, f"iterations 11-20 equal to the uninterrupted run (max diff {worst:.1e})"
 
 
+# bf16 training of the same model with and without compiled layers drifts apart by rounding
+# only; a wrong compiled layer (a lost gradient, a mask applied twice) moves the loss by more.
+COMPILED_LOSS_TOL = 0.05
+
+
+def stage_gpt_compiled(c: Check):
+    """--compile-layers: gpt-bf16's first 10 iterations (same schedule) with every layer
+    compiled (its first iteration and evaluation compile), the losses against gpt-bf16's."""
+    compiled = lm_losses(train(c, "gpt-compiled", ["--bf16", "--train-iters", "20",
+                                                   "--exit-interval", "10",
+                                                   "--compile-layers"]))
+    with open(os.path.join(c.logs, "gpt-bf16.log")) as f:
+        reference = lm_losses(f.read())
+    common = sorted(set(compiled) & set(reference))
+    if len(common) < 10:
+        raise StageFailed(f"compiled iterations {sorted(compiled)}")
+    worst = max(abs(compiled[i] - reference[i]) for i in common)
+    if worst > COMPILED_LOSS_TOL:
+        raise StageFailed(f"compiled layers' losses differ from gpt-bf16's by {worst:.2e}")
+    return 0, f"{losses_figure(compiled)}; max diff to gpt-bf16 {worst:.1e} (bf16)"
+
+
 def evaluate(c: Check, stage: str, env=None) -> float:
     out = train(c, stage, ["--bf16", "--train-iters", "20", "--load", os.path.join(c.ck, "gpt"),
                            "--skip-train", "--distributed-backend",
@@ -509,6 +531,7 @@ STAGES = [
     Stage("tp2-sp", lambda c: stage_parallel(c, "tp2-sp", ["--tensor-model-parallel-size", "2",
                                                            "--sequence-parallel"]), ("data",)),
     Stage("resume", stage_resume, ("gpt-bf16",)),
+    Stage("gpt-compiled", stage_gpt_compiled, ("gpt-bf16",), timeout=300),
     Stage("eval-gpu", stage_eval_gpu, ("gpt-bf16",)),
     Stage("eval-cpu", stage_eval_cpu, ("eval-gpu",), needs_gpu=True),
     Stage("convert", stage_convert, ("gpt-bf16",)),
