@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_train.py [--quick] [--shapes small|gpt2|all]
         [--precisions fp32,bf16] [--tp 1,2] [--no-hf] [--ours-args "--num-workers 0"]
+        [--ours-also=--compile-layers]
         [--tune-baseline-malloc] [--rounds 1]
 
 For every shape x precision it measures, one after the other in this process's run:
@@ -13,6 +14,8 @@ For every shape x precision it measures, one after the other in this process's r
   bf16 = ``--bf16`` (bf16 params, fp32 main params in the optimizer).
 * ``ours TP=2``: ``torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2``,
   one thread per rank. Its baseline is still the one-process plain model.
+* ``--ours-also FLAGS``: ours once more per TP size with FLAGS added, in the same rounds (e.g.
+  ``--compile-layers``: its compilation falls in the warm-up iterations, which are dropped).
 
 Same shapes everywhere (vocab 50304: ``--vocab-size 50303`` + the NullTokenizer's EOD pads to
 exactly 50304), dropout 0, AdamW (wd 0.01 on matrices), clip 1.0, one micro-batch per step.
@@ -202,6 +205,10 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' GPT-2")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain baseline")
     parser.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
+    parser.add_argument("--ours-also", default="",
+                        help="flags of a second ours side per TP size, measured in the same "
+                             "rounds (e.g. --ours-also=--compile-layers); its tokens/s over "
+                             "ours' is printed (median of the per-round ratios)")
     parser.add_argument("--force-bf16", action="store_true",
                         help="run bf16 even where this CPU has no native bf16 GEMMs")
     parser.add_argument("--tune-baseline-malloc", action="store_true",
@@ -246,6 +253,11 @@ def main() -> None:
             del model
             measured = _alternate(shape, bf16, tps, warmup, steps, extra, args)
             for tp in tps:
+                if args.ours_also:
+                    also = measured[f"ours TP={tp} {args.ours_also}"]
+                    print(f"# {shape.name} {prec} TP={tp}: ours {args.ours_also} / ours = "
+                          f"{median_ratio(also, measured[f'ours TP={tp}']):.3f}x (tok/s "
+                          f"{median(also):,.0f}; median of the per-round ratios)", flush=True)
                 ours, plain, hf = (measured.get(k, []) for k in (f"ours TP={tp}", "plain", "hf"))
                 row = (shape.name, prec, tp, median(ours), median(plain), median(hf),
                        median_ratio(ours, plain), median_ratio(ours, hf),
@@ -277,6 +289,10 @@ def _alternate(shape: Shape, bf16: bool, tps: list[int], warmup: int, steps: int
     for tp in tps:
         sides[f"ours TP={tp}"] = lambda tp=tp: tokens / bench_ours(shape, bf16, tp, warmup,
                                                                   steps, extra)
+        if args.ours_also:
+            also = [*extra, *args.ours_also.split()]
+            sides[f"ours TP={tp} {args.ours_also}"] = lambda tp=tp: tokens / bench_ours(
+                shape, bf16, tp, warmup, steps, also)
     return alternate_rounds(sides, args.rounds)
 
 

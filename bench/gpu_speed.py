@@ -1,6 +1,6 @@
 """Training speed on one GPU: ours against plain PyTorch and plain + ``torch.compile``, one process.
 
-    python bench/gpu_speed.py --shape gpt2 [--sides plain,compile,ours,ours-noext]
+    python bench/gpu_speed.py --shape gpt2 [--sides plain,compile,ours-compiled,ours,ours-noext]
         [--warmup 5] [--steps 20] [--profile FILE] [--json FILE] [--ours-args "..."]
 
 Shapes (bf16, vocabulary 50304, the GPU-speed issue's): ``gpt2`` = 12 x 768, 12 heads, seq 1024,
@@ -11,21 +11,27 @@ micro-batch 16; ``1.3b`` = 24 x 2048, 16 heads, seq 2048, micro-batch 4; ``small
 * ``compile``: the same model under ``torch.compile`` (its compile time is the first step's);
 * ``ours``: ``pretrain_gpt.py``'s own pieces and the trainer's ``train_step`` (mock data,
   ``--bf16``: bf16 parameters with fp32 main weights and gradients, as Megatron);
+* ``ours-compiled``: ours with ``--compile-layers`` (every transformer layer through
+  ``torch.compile``), a model of its own, built after the previous side's is freed; its compile
+  time is the first step's less a timed step's;
 * ``ours-noext``: the same model with the compiled fused-kernel extension hidden (the PyTorch
   path: what an install without the extension runs);
 * ``ours-unfused-ce``: the same model with the compiled cross entropy off
   (``MEGATRON_COMPILED_CROSS_ENTROPY=0``: the loss's unfused PyTorch path), to show its share.
 
-Every step is timed between two device synchronisations; the figures are medians of ``--steps``
-after ``--warmup``. MFU is 6 N tokens/s over the bf16 peak given by ``--peak-tflops`` (790:
-an H200's measured 8192^3 bf16 matmul); N excludes position embeddings. ``--profile`` writes
-torch.profiler's top device kernels of one step of each side.
+``ours-noext`` and ``ours-unfused-ce`` reuse ``ours``'s model (one build); ``ours-noext`` hides
+the extension for good, so it comes last. Every step is timed between two device
+synchronisations; the figures are medians of ``--steps`` after ``--warmup``. MFU is 6 N tokens/s
+over the bf16 peak given by ``--peak-tflops`` (790: an H200's measured 8192^3 bf16 matmul); N
+excludes position embeddings. ``--profile`` writes torch.profiler's top device kernels of one
+step of each side.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shlex
@@ -46,6 +52,8 @@ import plain_gpt  # noqa: E402
 from megatron.core import device  # noqa: E402
 
 VOCAB = 50304
+# Sides whose first step compiles their model: the printed line gives the compile time.
+COMPILING_SIDES = ("compile", "ours-compiled")
 SHAPES = {
     "small": bench_train.Shape("small", 2, 256, 8, 256, 8, warmup=2, steps=3),
     "gpt2": bench_train.Shape("gpt2", 12, 768, 12, 1024, 16, warmup=5, steps=20),
@@ -114,8 +122,17 @@ def time_side(side: Side, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak_mib = device.memory_stats().get("mem-max-allocated-MiB")
     peak = None if peak_mib is None else peak_mib / 1024
-    return {"ms": 1000 * statistics.median(times), "first_step_s": first, "peak_GiB": peak,
-            "spread_ms": [1000 * min(times), 1000 * max(times)]}
+    median = statistics.median(times)
+    return {"ms": 1000 * median, "first_step_s": first, "compile_s": first - median,
+            "peak_GiB": peak, "spread_ms": [1000 * min(times), 1000 * max(times)]}
+
+
+def release(side: Side) -> None:
+    """Free a side's model and optimizer before the next side builds its own (two 1.3B models
+    with their fp32 main weights and Adam state do not fit an 80 GB card together)."""
+    del side.step
+    gc.collect()  # the DDP gradient hooks make reference cycles
+    device.empty_cache()
 
 
 def profile_table(side: Side, rows: int) -> str:
@@ -149,7 +166,8 @@ def main() -> None:
     steps = args.steps if args.steps is not None else shape.steps
     tokens = shape.mb * shape.seq
     sides = [s for s in args.sides.split(",") if s]
-    unknown = set(sides) - {"plain", "compile", "ours", "ours-noext", "ours-unfused-ce"}
+    unknown = set(sides) - {"plain", "compile", "ours", "ours-compiled", "ours-noext",
+                            "ours-unfused-ce"}
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}")
     results, tables = {}, []
@@ -157,6 +175,9 @@ def main() -> None:
     for name in sides:
         if name in ("plain", "compile"):
             side = plain_side(shape, compiled=name == "compile")
+        elif name == "ours-compiled":
+            os.environ["MEGATRON_COMPILED_CROSS_ENTROPY"] = "1"
+            side = ours_side(shape, [*shlex.split(args.ours_args), "--compile-layers"])
         else:
             if ours is None:
                 ours = ours_side(shape, shlex.split(args.ours_args))
@@ -170,16 +191,17 @@ def main() -> None:
         res["tokens_per_s"] = tokens / (res["ms"] / 1000)
         res["mfu"] = 6 * side.n_params * res["tokens_per_s"] / (args.peak_tflops * 1e12)
         results[name] = res
+        compiles = f", compile {res['compile_s']:.1f} s" if name in COMPILING_SIDES else ""
         print(f"{shape.name} {name}: {res['ms']:.1f} ms/step, {res['tokens_per_s'] / 1e3:.1f}k "
               f"tokens/s, MFU {100 * res['mfu']:.1f}%, peak "
-              f"{res['peak_GiB'] if res['peak_GiB'] is None else round(res['peak_GiB'], 2)} GiB, "
-              f"first step {res['first_step_s']:.1f} s", flush=True)
+              f"{res['peak_GiB'] if res['peak_GiB'] is None else round(res['peak_GiB'], 2)} GiB"
+              f"{compiles}, first step {res['first_step_s']:.1f} s", flush=True)
         if args.profile:
             tables.append(f"## {shape.name} {name}: one step, top kernels\n\n"
                           + profile_table(side, args.rows))
-        if name in ("plain", "compile"):
+        if name in ("plain", "compile", "ours-compiled"):
+            release(side)
             del side
-            device.empty_cache()
     if args.profile:
         with open(args.profile, "w") as f:
             f.write("\n\n".join(tables) + "\n")

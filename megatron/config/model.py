@@ -116,6 +116,11 @@ class ModelConfig:
     """Do not use APEX's persistent fused LayerNorm kernel. Accepted for Megatron-LM scripts;
     no effect here: the fused layer norm of megatron/fused_kernels has a single kernel (the
     persistent/non-persistent choice is between two APEX kernels with the same numerics)."""
+    compile_layers: bool = False
+    """torch.compile each transformer layer (not Megatron-LM's; as torchtitan compiles per
+    block): inductor fuses its elementwise work (bias + GeLU, layer norms, bias-dropout-add).
+    Training and evaluation forwards; generation runs the layers uncompiled. Off by default:
+    the first step pays the compile time and the GPU gain is not measured yet (README)."""
     use_flash_attn: bool = False
     """Use FlashAttention (here: torch's SDPA, which dispatches to flash kernels on GPUs)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"

@@ -111,6 +111,7 @@ def validate(flags, world_size: int, require_model: bool = True,
         _check_evaluates_a_checkpoint(cfg.checkpoint)
     _check_recompute(cfg)
     _check_sequence_parallel(cfg)
+    _check_compile_layers(cfg)
     _check_misc(cfg)
     _check_data(cfg)
     _check_output_directories(cfg)
@@ -402,6 +403,20 @@ def _check_sequence_parallel(cfg) -> None:
         raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
                          f"ranks: --seq-length ({seq}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp})")
+
+
+def _check_compile_layers(cfg) -> None:
+    """--compile-layers runs with every parallelism (TP, PP, DP, sequence parallelism), either
+    recompute, and fp32/bf16/fp16. Its one refusal: query-key layer scaling on the unfused
+    attention path gives each layer its own constant (1 / layer number), so every layer would
+    compile on its own, and past torch's recompile limit (8) the rest would run uncompiled."""
+    m = cfg.model
+    if m.compile_layers and m.apply_query_key_layer_scaling \
+            and m.attention_backend in ("unfused", "local"):
+        raise ValueError("--compile-layers with --apply-query-key-layer-scaling and "
+                         f"--attention-backend {m.attention_backend}: each layer's own scaling "
+                         "constant would compile every layer separately; drop one of them "
+                         "(SDPA, the default backend, computes in fp32 without the scaling)")
 
 
 def _check_misc(cfg) -> None:

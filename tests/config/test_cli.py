@@ -145,6 +145,8 @@ def test_pipeline_layouts_pass(extra, world):
     ("--fp16 --loss-scale-window 0", 1, ["--loss-scale-window (0.0)"]),
     ("--fp16 --initial-loss-scale 4 --min-loss-scale 8", 1,
      ["--min-loss-scale (8.0)", "--initial-loss-scale (4.0)"]),
+    ("--compile-layers --apply-query-key-layer-scaling --attention-backend unfused", 1,
+     ["--compile-layers", "--apply-query-key-layer-scaling", "--attention-backend unfused"]),
 ])
 def test_impossible_combinations_name_the_flags(extra, world, flags, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -222,3 +224,15 @@ def test_every_field_has_help():
 def test_field_names_unique_across_sections():
     names = [f.name for _, cls, _ in SECTIONS for f in dataclasses.fields(cls)]
     assert len(names) == len(set(names))
+
+
+def test_compile_layers_reaches_the_model_config_off_by_default():
+    from megatron.config.core_configs import transformer_config
+
+    assert transformer_config(parse()).compile_layers is False
+    # Every parallelism and recompute is accepted with it (the one refusal is above).
+    cfg = parse("--compile-layers --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                "--sequence-parallel --recompute-granularity full --recompute-method uniform "
+                "--bf16", world_size=8)
+    assert transformer_config(cfg).compile_layers is True
+    assert cfg.to_namespace().compile_layers is True

@@ -38,6 +38,7 @@ the others waiting in the next collective).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,24 @@ from megatron.core.distributed.grad_buffer import GradBuffer
 # 4M elements: 16 MB fp32 / 8 MB bf16 buckets, the size range gloo reduces fastest
 # (PERF_NOTES.md); Megatron-LM's NCCL default is 40M.
 DEFAULT_BUCKET_SIZE = 4_000_000
+
+
+class _WeakGradHook:
+    """The parameters' post-accumulate-grad hook, holding the wrapper weakly. A parameter that
+    autograd's C++ side references is not traversed by the garbage collector, so a bound
+    method there (parameter -> hook -> wrapper -> module -> parameter) kept every discarded
+    model, its gradient buffers and optimizer alive for the life of the process (in-process
+    runs one after another: tests, ``bench/gpu_speed.py``'s sides)."""
+
+    __slots__ = ("_wrapper",)
+
+    def __init__(self, wrapper: "DistributedDataParallel") -> None:
+        self._wrapper = weakref.ref(wrapper)
+
+    def __call__(self, param: torch.nn.Parameter) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper._grad_hook(param)
 
 
 class _ModuleStateDict(torch.nn.Module):
@@ -126,7 +145,8 @@ class DistributedDataParallel(_ModuleStateDict):
             for dtype, params in by_dtype.items()}
         self.param_to_grad_buffer = {p: buf for buf in self.grad_buffers.values()
                                      for p in buf.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
+        hook = _WeakGradHook(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook)
                        for p in self.param_to_grad_buffer]
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:

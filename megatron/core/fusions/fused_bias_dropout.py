@@ -50,7 +50,8 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
         training: drop (True) or pass through.
         fused: run the TorchScript-fused version (``--bias-dropout-fusion``).
     """
-    if not fused or bias is None:
+    # Traced by torch.compile (--compile-layers): inductor fuses the eager ops itself.
+    if not fused or bias is None or torch.compiler.is_compiling():
         return _eager(x, bias, residual, prob, training)
     if training and prob > 0:
         return _fused_train(x, bias, residual, prob)

@@ -1,7 +1,8 @@
 """Megatron-LM's fused bias + GeLU (``--bias-gelu-fusion``, on by default).
 
 The tanh-approximated GeLU of ``y + bias`` and its gradient, as Megatron's ``bias_gelu_impl``,
-by one of two implementations of the same autograd contract:
+by one of two implementations of the same autograd contract (inside a region that
+``torch.compile`` traces, ``--compile-layers``, the plain ATen ops instead):
 
 * CPU tensors, with the C++ extension built (``megatron.fused_kernels._cpu``, loaded through
   :mod:`megatron.core.fusions.kernels`): one pass over ``y`` computes ``y + bias`` and the GeLU
@@ -95,6 +96,10 @@ def _cpu_kernel(y: torch.Tensor, bias: torch.Tensor) -> ModuleType | None:
 
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(y + bias)`` with ``bias`` ``[f]`` broadcast over ``y`` ``[..., f]``."""
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile (--compile-layers): the plain ops, which inductor fuses
+        # with their neighbours and differentiates itself (a Function would be opaque).
+        return F.gelu(y + bias, approximate="tanh")
     ext = _cpu_kernel(y, bias)
     if ext is not None:
         return _BiasGeLUKernel.apply(ext, y, bias)

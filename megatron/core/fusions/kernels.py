@@ -5,6 +5,10 @@ time and ``megatron.fused_kernels._cuda`` where a CUDA toolchain and a CUDA torc
 compiled at launch. When an extension is missing or fails to import, the first use logs one line
 on rank 0 naming the extension and the reason, and every later call returns ``None`` at once.
 
+Inside a region that ``torch.compile`` traces (``--compile-layers``) every lookup answers
+``None``: a pybind kernel is opaque to the compiler (a graph break), while the PyTorch path it
+replaces is what inductor fuses.
+
 The extensions are binary leaf modules (no Python imports), loaded by name so that the model
 library (layer 0, ``megatron.core``) does not import the ``megatron.fused_kernels`` Python package.
 """
@@ -49,7 +53,10 @@ def extension(device_type: str) -> ModuleType | None:
 
 def preferred(kernel: str, device_type: str) -> ModuleType | None:
     """The extension of ``device_type`` when its ``kernel`` beats the PyTorch path there
-    (:data:`FASTER_THAN_PYTORCH`), else ``None`` (the caller runs PyTorch)."""
+    (:data:`FASTER_THAN_PYTORCH`), else ``None`` (the caller runs PyTorch); ``None`` while
+    ``torch.compile`` traces (module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
     if kernel not in FASTER_THAN_PYTORCH.get(device_type, ()):
         return None
     return extension(device_type)
@@ -58,7 +65,9 @@ def preferred(kernel: str, device_type: str) -> ModuleType | None:
 def cpu_kernel(name: str, *tensors: torch.Tensor) -> ModuleType | None:
     """The CPU extension when it exports ``name`` and every tensor is a CPU tensor of one dtype
     of :data:`KERNEL_DTYPES`, else ``None``. An extension built before a kernel existed
-    still serves the others."""
+    still serves the others. ``None`` while ``torch.compile`` traces (module docstring)."""
+    if torch.compiler.is_compiling():
+        return None
     dtypes = {t.dtype for t in tensors}
     if (len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES)
             or any(t.device.type != "cpu" for t in tensors)):

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from megatron.core import comm
 from megatron.core import device as device_mod
 from megatron.core.fusions import fused_linear_few_rows
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+from megatron.core.tensor_parallel.mappings import (communicate,
+                                                    copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
@@ -199,13 +200,17 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     gradient is reduce-scattered back to ``[s/p, b, in]`` (the gathered input is not stored)."""
     if tp_world_size(tp_group) == 1:
         return _linear(x, weight, bias, gradient_accumulation_fusion)
-    return _SequenceParallelLinear.apply(x, weight, bias, tp_group,
-                                         gradient_accumulation_fusion)
+    return communicate(_SequenceParallelLinear, x, weight, bias, tp_group,
+                       gradient_accumulation_fusion)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             gradient_accumulation_fusion: bool) -> torch.Tensor:
-    if gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled():
+    # Inside a compiled layer (--compile-layers) the weight gradient comes out of the compiled
+    # backward as weight.grad, which the DDP hook adds into main_grad: a Function whose
+    # backward writes a tensor attribute cannot be traced.
+    if gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
         return _LinearWithGradAccumulationFusion.apply(x, weight, bias)
     return fused_linear_few_rows.linear(x, weight, bias)
 

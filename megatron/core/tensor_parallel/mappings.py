@@ -19,7 +19,8 @@ sequence of ``[s, b, h]``) instead; its operators are *g* and *g-bar* of the pap
   row-parallel linear and keep this rank's ``s/p`` rows; backward all-gathers.
 
 Every function takes the TP group ``tp_group`` explicitly; ``None`` (this rank alone: no tensor
-parallelism) or a group of one makes it a no-op.
+parallelism) or a group of one makes it a no-op (nothing left for ``torch.compile`` to break on);
+otherwise it runs eagerly, a graph break inside a compiled layer (:func:`communicate`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def _reduce_scatter_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> tor
     out = torch.empty((divide(x.size(0), size), *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_into(out, x.contiguous(), tp_group)
     return out  # [s/p, ...]
+
+
+@torch.compiler.disable
+def communicate(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)``, eagerly even inside a compiled layer (``--compile-layers``):
+    the collectives, with comm's NCCL-rule checks and watchdog bookkeeping, are graph breaks
+    rather than traced (a Python-side effect in every call)."""
+    return function.apply(*args)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -164,7 +173,7 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor,
     """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _CopyToRegion.apply(x, tp_group)
+    return communicate(_CopyToRegion, x, tp_group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
@@ -172,7 +181,7 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
     """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _ReduceFromRegion.apply(x, tp_group)
+    return communicate(_ReduceFromRegion, x, tp_group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor,
@@ -180,7 +189,7 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor,
     """Keep this rank's slice of the last dimension; backward all-gathers."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _ScatterToRegion.apply(x, tp_group)
+    return communicate(_ScatterToRegion, x, tp_group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor,
@@ -188,7 +197,7 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor,
     """All-gather the last dimension over ``tp_group``; backward keeps this rank's slice."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _GatherFromRegion.apply(x, tp_group)
+    return communicate(_GatherFromRegion, x, tp_group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor,
@@ -197,7 +206,7 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor,
     all-gathers the rows' gradients."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _ScatterToSequenceRegion.apply(x, tp_group)
+    return communicate(_ScatterToSequenceRegion, x, tp_group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None,
@@ -212,7 +221,7 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, tp_group: ProcessGroup
     """
     if tp_world_size(tp_group) == 1:
         return x
-    return _GatherFromSequenceRegion.apply(x, tp_group, grad_is_partial)
+    return communicate(_GatherFromSequenceRegion, x, tp_group, grad_is_partial)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
@@ -221,4 +230,4 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
     backward all-gathers."""
     if tp_world_size(tp_group) == 1:
         return x
-    return _ReduceScatterToSequenceRegion.apply(x, tp_group)
+    return communicate(_ReduceScatterToSequenceRegion, x, tp_group)

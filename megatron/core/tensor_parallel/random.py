@@ -91,6 +91,30 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
+def run_in_tp_stream(function, *args, tp_size: int, **kwargs):
+    """``function(*args, **kwargs)`` with draws that differ between the ``tp_size`` TP ranks:
+    eagerly, under ``get_rng_tracker().fork()``.
+
+    Inside a region that ``torch.compile`` traces (``--compile-layers``) a generator swap has no
+    meaning: inductor draws the seeds of all of a graph's random ops from the default generator
+    once, when the graph starts. With one TP rank there is no other rank's mask to differ from,
+    so ``function`` is traced and draws from the default generator like the rest of the graph
+    (reproducible: that generator is checkpointed and restored by recompute). With several
+    ranks it runs eagerly under the fork, between two compiled graphs (a graph break)."""
+    if not torch.compiler.is_compiling():
+        with _TRACKER.fork():
+            return function(*args, **kwargs)
+    if tp_size == 1:
+        return function(*args, **kwargs)
+    return _forked_eagerly(function, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _forked_eagerly(function, *args, **kwargs):
+    with _TRACKER.fork():
+        return function(*args, **kwargs)
+
+
 def model_parallel_manual_seed(seed: int, tensor_model_parallel_rank: int) -> None:
     """Seed the default device stream (same on all TP ranks) and the per-TP-rank stream.
 
@@ -199,3 +223,8 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
         ``function(*args)``.
     """
     return _CheckpointFunction.apply(function, distribute_saved_activations, tp_group, *args)
+
+
+# A region whose random draws use the TP stream inside a compiled layer: run eagerly, it must
+# also be recomputed eagerly by the checkpoint above (the one that restores the tracker).
+checkpoint_eagerly = torch.compiler.disable(checkpoint)

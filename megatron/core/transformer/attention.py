@@ -28,16 +28,17 @@ Masks are boolean ``[b or 1, 1, sq, sk]`` with True = masked out (Megatron's con
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from megatron.core.fusions.fused_softmax import fused_scale_mask_softmax
 from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel import layers as tp_layers
-from megatron.core.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron.core.tensor_parallel.random import (checkpoint, checkpoint_eagerly,
+                                                  run_in_tp_stream)
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
@@ -61,12 +62,14 @@ class CoreAttention(torch.nn.Module):
         config: transformer settings.
         layer_number: 1-based layer index (query-key layer scaling uses it).
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
+        tp_size: the TP size (heads split over that many ranks).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 attn_mask_type: AttnMaskType = "causal") -> None:
+                 attn_mask_type: AttnMaskType = "causal", tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
+        self.tp_size = tp_size  # ranks the heads are split over (their dropout streams)
         self.attn_mask_type = attn_mask_type
         self.layer_number = max(1, layer_number)
         self.softmax_in_fp32 = (config.attention_softmax_in_fp32
@@ -76,6 +79,11 @@ class CoreAttention(torch.nn.Module):
         self.coeff = self.layer_number if config.apply_query_key_layer_scaling else None
         self.norm_factor = math.sqrt(config.kv_channels) * (self.coeff or 1)
         self.dropout_p = config.attention_dropout
+
+    def draws_per_rank(self) -> bool:
+        """Its dropout is active and must differ between TP ranks: inside a compiled layer it
+        runs eagerly under the TP stream (:func:`run_in_tp_stream`)."""
+        return self.training and self.dropout_p > 0 and self.tp_size > 1
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -103,13 +111,14 @@ class CoreAttention(torch.nn.Module):
             # One query (a generation step: the newest position) sees every key: no mask.
             is_causal = True
         dropout_p = self.dropout_p if self.training else 0.0
-        # Heads are split over TP ranks, so their dropout must differ per rank: TP stream.
-        rng = get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
-        with rng:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=is_causal,
-                                                 scale=1.0 / math.sqrt(hn),
-                                                 enable_gqa=enable_gqa)
+        kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                      scale=1.0 / math.sqrt(hn), enable_gqa=enable_gqa)
+        if dropout_p > 0:
+            # Heads are split over TP ranks, so their dropout must differ per rank: TP stream.
+            ctx = run_in_tp_stream(F.scaled_dot_product_attention, q, k, v,
+                                   tp_size=self.tp_size, **kwargs)
+        else:
+            ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, hp]
 
     def _unfused(self, query, key, value, attention_mask):
@@ -126,8 +135,7 @@ class CoreAttention(torch.nn.Module):
         scores = scores.view(b, np_, sq, sk)  # [b, np, sq, sk]
         probs = self._scale_mask_softmax(scores, attention_mask)
         if self.training and self.dropout_p > 0:
-            with get_rng_tracker().fork():
-                probs = F.dropout(probs, p=self.dropout_p)
+            probs = run_in_tp_stream(F.dropout, probs, tp_size=self.tp_size, p=self.dropout_p)
         ctx = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
         ctx = ctx.view(b, np_, sq, hn).permute(2, 0, 1, 3)  # [sq, b, np, hn]
         return ctx.reshape(sq, b, np_ * hn)  # [sq, b, hp]
@@ -194,7 +202,7 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.core_attention = CoreAttention(config, layer_number, attn_mask_type)
+        self.core_attention = CoreAttention(config, layer_number, attn_mask_type, tp)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
             projection, config.hidden_size, tp_group=tp_group,
@@ -244,10 +252,23 @@ class SelfAttention(torch.nn.Module):
             attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)
         if self.checkpoint_core_attention and self.training:
             # Selective recompute: the s^2 scores are the memory hog, cheap to recompute.
-            context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
+            context = self._recomputed_core_attention(query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, hp]
         return self.dense(context)
+
+    def _recomputed_core_attention(self, *args: torch.Tensor | None) -> torch.Tensor:
+        """The core attention, its activations recomputed in backward (selective recompute)."""
+        if not torch.compiler.is_compiling():
+            return checkpoint(self.core_attention, False, *args)
+        if self.core_attention.draws_per_rank():
+            # Its dropout runs eagerly under the TP stream, whose state only our checkpoint
+            # restores for the recompute: the whole region runs eagerly (a graph break).
+            return checkpoint_eagerly(self.core_attention, False, *args)
+        # Traced (--compile-layers): torch's checkpoint is what the compiler understands; the
+        # compiled backward recomputes the region with the forward's random draws.
+        return torch.utils.checkpoint.checkpoint(self.core_attention, *args,
+                                                 use_reentrant=False)
 
     def _cached_causal_mask(self, attention_mask: torch.Tensor | None, sq: int, sk: int,
                             device: torch.device) -> torch.Tensor | None:

@@ -1,10 +1,20 @@
 """A stack of transformer layers with the final LayerNorm (Megatron-LM's ``ParallelTransformer``,
 the ``encoder`` of the checkpoint), with full activation recomputation and pipeline hooks.
 
+With ``compile_layers`` (``--compile-layers``) every layer runs through ``torch.compile``. At
+TP=1 a layer is one graph (tests/core/transformer/test_compile_layers.py counts the breaks). At
+TP>1 the tensor-parallel communication stays eager, a graph break at each: the four
+all-reduce/identity regions of a layer (``tensor_parallel.mappings``), or with sequence
+parallelism its gathers and reduce-scatters; and, only while their dropout is active, the
+attention core (and with sequence parallelism the bias-dropout-adds) run eagerly under the
+per-rank RNG stream (``tensor_parallel.random.run_in_tp_stream``).
+
 Legend: s sequence, b batch, h hidden.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -49,6 +59,12 @@ class TransformerBlock(torch.nn.Module):
         self.distribute_saved_activations = (config.distribute_saved_activations
                                              and not config.sequence_parallel)
         self.input_tensor: torch.Tensor | None = None
+        # --compile-layers: each layer compiled on its own, as torchtitan compiles per block, so
+        # what surrounds the layers (pipeline stages, full recompute, the loss) stays eager. A
+        # plain list, out of the module tree: the wrappers share the layers' parameters, and
+        # state-dict names, .parameters() and .to() see the layers alone.
+        self.compiled_layers = ([torch.compile(layer) for layer in self.layers]
+                                if config.compile_layers else None)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The activation received from the previous pipeline stage (``[s, b, h]``)."""
@@ -67,7 +83,7 @@ class TransformerBlock(torch.nn.Module):
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
                                                        rotary_pos_emb)
         else:
-            for layer in self.layers:
+            for layer in self._runnable_layers(inference_params):
                 hidden_states = layer(hidden_states, attention_mask, inference_params,
                                       rotary_pos_emb)
         if self.final_layernorm is not None:
@@ -81,10 +97,11 @@ class TransformerBlock(torch.nn.Module):
         ``block`` checkpoints only the first ``recompute_num_layers`` layers of the stage."""
         cfg, n = self.config, len(self.layers)
         step = cfg.recompute_num_layers
+        layers = self._runnable_layers(None)
 
         def run(start: int, end: int):
             def chunk(x, mask):
-                for layer in self.layers[start:end]:
+                for layer in layers[start:end]:
                     # The angles need no gradient: closed over, not a checkpoint input.
                     x = layer(x, mask, rotary_pos_emb=rotary_pos_emb)
                 return x
@@ -101,6 +118,14 @@ class TransformerBlock(torch.nn.Module):
                 hidden_states = checkpoint(run(i, i + 1), self.distribute_saved_activations,
                                            hidden_states, attention_mask, tp_group=self.tp_group)
             else:
-                hidden_states = self.layers[i](hidden_states, attention_mask,
-                                               rotary_pos_emb=rotary_pos_emb)
+                hidden_states = layers[i](hidden_states, attention_mask,
+                                          rotary_pos_emb=rotary_pos_emb)
         return hidden_states
+
+    def _runnable_layers(self, inference_params) -> Sequence[torch.nn.Module]:
+        """The compiled layers (``compile_layers``) for training and evaluation forwards; the
+        layers themselves for generation with a KV cache, whose Python-side cache updates and
+        one-token steps would break and recompile the graphs."""
+        if self.compiled_layers is None or inference_params is not None:
+            return self.layers
+        return self.compiled_layers

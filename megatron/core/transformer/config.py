@@ -78,6 +78,12 @@ class TransformerConfig:
     attention_softmax_in_fp32: bool = False
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
 
+    compile_layers: bool = False
+    """``torch.compile`` each layer of a :class:`TransformerBlock` (its forward without a KV
+    cache: training and evaluation). Inside the compiled region the fused-kernel extension, the
+    TorchScript fusions and the gradient-accumulation fusion give way to plain PyTorch ops that
+    inductor fuses; see ``megatron/core/transformer/block.py`` for what stays a graph break."""
+
     # Regularization and init.
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1

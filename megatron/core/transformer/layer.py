@@ -10,13 +10,11 @@ Legend: s sequence, b batch, h hidden, p TP size.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
-from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.tensor_parallel.random import run_in_tp_stream
+from megatron.core.tensor_parallel.utils import ProcessGroup, tp_world_size
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
@@ -39,6 +37,7 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        self.tp_size = tp_world_size(tp_group)
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type)
         self.post_attention_layernorm = build_norm(config)
@@ -66,8 +65,8 @@ class TransformerLayer(torch.nn.Module):
     def _bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor | None,
                           residual: torch.Tensor) -> torch.Tensor:
         p = self.config.hidden_dropout
-        # Sequence-split rows differ per rank: their masks must too (the TP stream).
-        split = self.config.sequence_parallel and self.training and p > 0
-        with get_rng_tracker().fork() if split else contextlib.nullcontext():
-            return bias_dropout_add(x, bias, residual, p, self.training,
-                                    self.config.bias_dropout_fusion)
+        args = (x, bias, residual, p, self.training, self.config.bias_dropout_fusion)
+        if self.config.sequence_parallel and self.training and p > 0:
+            # Sequence-split rows differ per rank: their masks must too (the TP stream).
+            return run_in_tp_stream(bias_dropout_add, *args, tp_size=self.tp_size)
+        return bias_dropout_add(*args)
