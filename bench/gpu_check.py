@@ -529,17 +529,27 @@ def report_env(c: Check) -> dict:
     return dict(c.env, MEGATRON_CHECK_COLLECTIVES="0", **threads)
 
 
+NO_TRANSFORMERS = (None, "skipped: transformers not installed (put its wheels in --wheels)")
+
+
+def run_report_script(c: Check, stage: str, script: str, shape: str) -> dict | None:
+    """Run a report-only comparison against transformers (``bench/<script>``) at ``shape`` and
+    return its JSON; None where transformers is not installed (the stage is skipped)."""
+    if not c.installed("transformers"):
+        return None
+    c.wait_for_build(stage)
+    result = os.path.join(c.out, f"{stage}.json")
+    c.sh(stage, [PY, script, "--shape", shape, "--json", result], env=report_env(c))
+    with open(result) as f:
+        return json.load(f)
+
+
 def speed_bert(c: Check):
     """Report-only: BERT-base seq 512 training steps, ours against HF's BertForPreTraining."""
-    if not c.installed("transformers"):
-        return None, "skipped: transformers not installed (put its wheels in --wheels)"
-    c.wait_for_build("speed-bert")
-    c.sh("speed-bert", [PY, "bench/gpu_speed_bert.py",
-                        "--shape", "bert-base" if c.gpu else "tiny",
-                        "--json", os.path.join(c.out, "speed-bert.json")],
-         env=report_env(c))
-    with open(os.path.join(c.out, "speed-bert.json")) as f:
-        res = json.load(f)
+    res = run_report_script(c, "speed-bert", "bench/gpu_speed_bert.py",
+                            "bert-base" if c.gpu else "tiny")
+    if res is None:
+        return NO_TRANSFORMERS
     sides = res["results"]
     figure = "; ".join(
         f"{name} {r['ms']:.1f} ms/step, {r['tokens_per_s'] / 1e3:.1f}k tok/s"
@@ -551,15 +561,10 @@ def speed_bert(c: Check):
 
 def speed_generate(c: Check):
     """Report-only: greedy generation tokens/s with the KV cache, ours against HF generate()."""
-    if not c.installed("transformers"):
-        return None, "skipped: transformers not installed (put its wheels in --wheels)"
-    c.wait_for_build("speed-generate")
-    c.sh("speed-generate", [PY, "bench/gpu_speed_generate.py",
-                            "--shape", "gpt2" if c.gpu else "tiny",
-                            "--json", os.path.join(c.out, "speed-generate.json")],
-         env=report_env(c))
-    with open(os.path.join(c.out, "speed-generate.json")) as f:
-        res = json.load(f)
+    res = run_report_script(c, "speed-generate", "bench/gpu_speed_generate.py",
+                            "gpt2" if c.gpu else "tiny")
+    if res is None:
+        return NO_TRANSFORMERS
     return 0, "; ".join(
         f"batch {r['batch']}: ours {r['ours']['tokens_per_s']:.0f} vs HF "
         f"{r['hf']['tokens_per_s']:.0f} tok/s ({r['ours/HF']:.2f}x), {r['agreement']}"
