@@ -131,7 +131,7 @@ def release(side: Side) -> None:
     """Free a side's model and optimizer before the next side builds its own (two 1.3B models
     with their fp32 main weights and Adam state do not fit an 80 GB card together)."""
     del side.step
-    gc.collect()  # the DDP gradient hooks make reference cycles
+    gc.collect()  # whatever reference cycles the side's objects still make
     device.empty_cache()
 
 
