@@ -376,8 +376,8 @@ def main() -> None:
         res["first_loss"], res["last_loss"] = losses[0], losses[-1]
         out["results"][name] = res
         print(report(shape, name, res, losses), flush=True)
+        gpu_speed.release(side)
         del side
-        device.empty_cache()
     if {"hf", "ours"} <= set(out["results"]):
         ratio = out["results"]["hf"]["ms"] / out["results"]["ours"]["ms"]
         print(f"{shape.name} ours/HF speed: {ratio:.2f}x", flush=True)
