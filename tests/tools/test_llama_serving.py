@@ -206,20 +206,22 @@ def test_use_checkpoint_args_restores_every_llama_flag(checkpoints):
             assert getattr(cfg.model, name) != getattr(defaults.model, name), name
 
 
-def test_explicit_flags_that_toggle_the_qk_norm_are_refused_naming_it(checkpoints):
+@pytest.mark.parametrize("flag", ["--qk-layernorm", "--apply-layernorm-1p"])
+def test_explicit_flags_that_toggle_a_norm_are_refused_naming_it(checkpoints, flag):
     """Without --use-checkpoint-args the flags must match: a --qk-layernorm the checkpoint was
     not saved with (or one missing) is named, not left to the state dict's missing or
-    unexpected q/k norm keys."""
+    unexpected q/k norm keys; a different --apply-layernorm-1p would silently read the stored
+    gamma - 1 as gamma (or the reverse)."""
     import pretrain_gpt
     from megatron.training.checkpointing import CheckpointError, load_checkpoint
 
     saved = VARIANTS[checkpoints["variant"]]
-    flags = [f for f in LLAMA + saved if f != "--qk-layernorm"]
-    if "--qk-layernorm" not in saved:
-        flags.append("--qk-layernorm")
+    flags = [f for f in LLAMA + saved if f != flag]
+    if flag not in saved:
+        flags.append(flag)
     cfg = _config([*flags, *RUN, "--load", checkpoints["tp1"], "--finetune"])
-    theirs = "--qk-layernorm" in saved
-    with pytest.raises(CheckpointError, match=f"--qk-layernorm: checkpoint {theirs}, flags "
+    theirs = flag in saved
+    with pytest.raises(CheckpointError, match=f"{flag}: checkpoint {theirs}, flags "
                                               f"{not theirs}"):
         load_checkpoint([pretrain_gpt.model_provider(cfg)], None, None, cfg)
 

@@ -4,7 +4,9 @@ does TP=2 x PP=2 (with sequence parallelism) of the same model with --qk-layerno
 norm weights, whole on every TP rank, get their gradient summed over TP): the loss at every
 iteration to 1e-5 from the one-process run's initial weights (``single_process_init``, as the
 pipeline tests); the TP=2 run resumes exactly from its save at iteration 2; and TP=2's shards of
-fc1 are Megatron-LM's [gate_r; up_r] and of the QKV weight whole key/value groups."""
+fc1 are Megatron-LM's [gate_r; up_r] and of the QKV weight whole key/value groups. With data
+parallelism (DP=2) the distributed optimizer and both recompute granularities (full at PP=2,
+selective at TP=2) equal one process too."""
 
 from __future__ import annotations
 
@@ -41,10 +43,18 @@ def runs(gpt2_corpus, tmp_path_factory):
         _run(gpt2_corpus, extra=["--pipeline-model-parallel-size", "2"]),
         _run(gpt2_corpus, tp=2, extra=["--sequence-parallel", "--load", save, "--ckpt-step",
                                        "2"], init=False)])
-    (tp2pp2_qk,) = e2e.pooled(4, [_run(gpt2_corpus, tp=2, extra=[
-        *QK_NORM, "--sequence-parallel", "--pipeline-model-parallel-size", "2"])])
+    tp2pp2_qk, dp2pp2, dp2tp2 = e2e.pooled(4, [
+        _run(gpt2_corpus, tp=2, extra=[*QK_NORM, "--sequence-parallel",
+                                       "--pipeline-model-parallel-size", "2"]),
+        _run(gpt2_corpus, extra=["--pipeline-model-parallel-size", "2",
+                                 "--use-distributed-optimizer", "--recompute-granularity",
+                                 "full", "--recompute-method", "uniform",
+                                 "--recompute-num-layers", "1"]),
+        _run(gpt2_corpus, tp=2, extra=["--use-distributed-optimizer",
+                                       "--recompute-activations"])])
     return {"single": single, "single_qk": single_qk, "tp2_sp": tp2, "pp2": pp2,
-            "tp2pp2_qk": tp2pp2_qk, "resumed": resumed}
+            "tp2pp2_qk": tp2pp2_qk, "dp2pp2_distopt_full": dp2pp2,
+            "dp2tp2_distopt_selective": dp2tp2, "resumed": resumed}
 
 
 def test_tp2_resumes_exactly(runs):
@@ -55,12 +65,14 @@ def test_tp2_resumes_exactly(runs):
 
 
 @pytest.mark.parametrize("layout,single", [("tp2_sp", "single"), ("pp2", "single"),
-                                           ("tp2pp2_qk", "single_qk")])
+                                           ("tp2pp2_qk", "single_qk"),
+                                           ("dp2pp2_distopt_full", "single"),
+                                           ("dp2tp2_distopt_selective", "single")])
 def test_llama_equals_one_process(runs, layout, single):
     ref = e2e.losses(runs[single])
     # Four iterations at warmup learning rates: each batch's loss, not a trend, is compared.
     assert len(ref) == ITERS and not any(h["skipped"] for h in runs[single]["history"])
-    got = e2e.losses(runs[layout][-1])  # the last rank is on the last stage in both layouts
+    got = e2e.losses(runs[layout][-1])  # the last rank is on the last stage in every layout
     assert e2e.max_abs_diff(ref, got) <= LOSS_TOL, (layout, ref, got)
 
 

@@ -67,8 +67,11 @@ class _WeakGradHook:
 
     def __call__(self, param: torch.nn.Parameter) -> None:
         wrapper = self._wrapper()
-        if wrapper is not None:
-            wrapper._grad_hook(param)
+        if wrapper is None:
+            # The gradient would stay in param.grad, outside the buffers the optimizer reads.
+            raise RuntimeError("a backward pass reached a parameter whose DistributedDataParallel "
+                               "wrapper was discarded: keep the wrapper the model was trained with")
+        wrapper._grad_hook(param)
 
 
 class _ModuleStateDict(torch.nn.Module):

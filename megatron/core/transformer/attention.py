@@ -98,8 +98,10 @@ class CoreAttention(torch.nn.Module):
     def _sdpa(self, query, key, value, attention_mask):
         sq, b, np_, hn = query.shape
         # SDPA reads the groups itself (no np/g copies of the keys and values) where its kernel
-        # takes them without a mask, as transformers decides; a mask takes the copies.
-        enable_gqa = key.size(2) != np_ and attention_mask is None
+        # takes them: without a mask (transformers' rule) and, on CUDA, in half precision, the
+        # flash kernel's case; fp32 GQA there would fall back to the s x s math kernel.
+        enable_gqa = key.size(2) != np_ and attention_mask is None and (
+            query.device.type != "cuda" or query.dtype in (torch.float16, torch.bfloat16))
         if not enable_gqa:
             key, value = _repeat_groups(key, np_), _repeat_groups(value, np_)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np|g, s, hn]
