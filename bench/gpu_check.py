@@ -513,7 +513,8 @@ def stage_kernels(c: Check):
 def speed(c: Check, stage: str, shape: str, sides: str, extra: list[str]):
     c.wait_for_build(stage)
     if not c.gpu:
-        shape, extra = "small", [*extra, "--steps", "2", "--warmup", "1"]
+        shape = "llama-small" if shape.startswith("llama") else "small"
+        extra = [*extra, "--steps", "2", "--warmup", "1"]
     out = c.sh(stage, [PY, "bench/gpu_speed.py", "--shape", shape, "--sides", sides,
                        "--json", os.path.join(c.out, f"{stage}.json"), *extra],
                env=dict(c.env, MEGATRON_CHECK_COLLECTIVES="0"))
@@ -608,6 +609,12 @@ STAGES = [
           timeout=120, exclusive=True),
     Stage("speed-1.3b", lambda c: speed(c, "speed-1.3b", "1.3b", "plain,ours-compiled,ours", []),
           timeout=300, exclusive=True),
+    # A Llama-style ~0.93B model: ours against transformers' LlamaForCausalLM (the machine's image
+    # has transformers; without it, ours alone).
+    Stage("speed-llama", lambda c: speed(
+        c, "speed-llama", "llama-1b",
+        "hf,ours-compiled,ours" if c.installed("transformers") else "ours-compiled,ours", []),
+          timeout=240, exclusive=True),
     # Report-only (no target): ~30-60 s each on an H100/H200 (estimated, not yet measured).
     Stage("speed-bert", speed_bert, timeout=120, exclusive=True),
     Stage("speed-generate", speed_generate, timeout=150, exclusive=True),

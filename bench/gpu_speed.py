@@ -5,7 +5,12 @@
 
 Shapes (bf16, vocabulary 50304, the GPU-speed issue's): ``gpt2`` = 12 x 768, 12 heads, seq 1024,
 micro-batch 16; ``1.3b`` = 24 x 2048, 16 heads, seq 2048, micro-batch 4; ``small`` = 2 x 256
-(a smoke test, also on the CPU). Sides:
+(a smoke test, also on the CPU). Llama-style shapes (RoPE, RMSNorm, SwiGLU, grouped-query
+attention, no biases, untied output: ``bench/bench_llama.py``'s flags): ``llama-1b`` = 16 x 2048,
+16 heads in 4 groups, ffn 5632, seq 2048, micro-batch 4 (0.93B parameters); ``llama-small``
+(the smoke test). A Llama shape's sides are ``ours``, ``ours-compiled`` and ``hf``
+(transformers' ``LlamaForCausalLM`` of the same shape: SDPA, fp32 weights under autocast bf16 as
+``plain``, the same fused AdamW and clip 1.0). GPT shapes' sides:
 
 * ``plain``: ``bench/plain_gpt.py`` (nanoGPT style: autocast bf16, SDPA, fused AdamW, clip 1.0);
 * ``compile``: the same model under ``torch.compile`` (its compile time is the first step's);
@@ -58,7 +63,23 @@ SHAPES = {
     "small": bench_train.Shape("small", 2, 256, 8, 256, 8, warmup=2, steps=3),
     "gpt2": bench_train.Shape("gpt2", 12, 768, 12, 1024, 16, warmup=5, steps=20),
     "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=3, steps=10),
+    "llama-small": bench_train.Shape("llama-small", 2, 256, 8, 256, 8, warmup=2, steps=3),
+    "llama-1b": bench_train.Shape("llama-1b", 16, 2048, 16, 2048, 4, warmup=3, steps=10),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """What a Llama-style shape adds to bench_train's: key/value groups and the SwiGLU width."""
+
+    groups: int
+    ffn: int
+
+
+LLAMA = {"llama-small": LlamaShape(groups=2, ffn=704),
+         "llama-1b": LlamaShape(groups=4, ffn=5632)}
+SIDES = {"gpt": ("plain", "compile", "ours", "ours-compiled", "ours-noext", "ours-unfused-ce"),
+         "llama": ("ours", "ours-compiled", "hf")}
 
 
 @dataclasses.dataclass
@@ -91,9 +112,56 @@ def ours_side(shape: bench_train.Shape, extra: list[str]) -> Side:
     step = profile_train.ours_step(shape, True, ["--distributed-backend",
                                                  device.default_backend(),
                                                  *extra])
+    if shape.name in LLAMA:
+        return Side(step, llama_parameters(shape))
     h, layers = shape.hidden, shape.layers
     n_params = VOCAB * h + layers * (12 * h * h + 13 * h) + 2 * h
     return Side(step, n_params)
+
+
+def llama_flags(shape: bench_train.Shape) -> list[str]:
+    """The pretrain_gpt.py flags of a Llama-style shape (bench_llama.py's)."""
+    import bench_llama
+
+    llama = LLAMA[shape.name]
+    return bench_llama.llama_flags(argparse.Namespace(ffn=llama.ffn, groups=llama.groups))
+
+
+def llama_parameters(shape: bench_train.Shape) -> int:
+    """Parameters of a Llama-style shape: q, k/v of the groups, output, SwiGLU's three
+    matrices, two norms a layer; untied embedding and output layer, the final norm."""
+    h, head = shape.hidden, shape.hidden // shape.heads
+    llama = LLAMA[shape.name]
+    layer = h * (h + 2 * llama.groups * head) + h * h + 3 * h * llama.ffn + 2 * h
+    return shape.layers * layer + 2 * VOCAB * h + h
+
+
+def hf_llama_side(shape: bench_train.Shape) -> Side:
+    """transformers' LlamaForCausalLM of a Llama shape, trained as ``plain`` trains (fp32
+    weights, autocast bf16, fused AdamW, clip 1.0)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dev, llama = device.get_device(), LLAMA[shape.name]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=llama.ffn,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=llama.groups, max_position_embeddings=shape.seq, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(dev).train()
+    opt = plain_gpt.configure_adamw(model)
+
+    def step():
+        data = torch.randint(0, VOCAB, (shape.mb, shape.seq), device=dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Side(step, sum(p.numel() for p in model.parameters()))
 
 
 def hide_extension() -> None:
@@ -166,21 +234,25 @@ def main() -> None:
     steps = args.steps if args.steps is not None else shape.steps
     tokens = shape.mb * shape.seq
     sides = [s for s in args.sides.split(",") if s]
-    unknown = set(sides) - {"plain", "compile", "ours", "ours-compiled", "ours-noext",
-                            "ours-unfused-ce"}
+    arch = "llama" if shape.name in LLAMA else "gpt"
+    unknown = set(sides) - set(SIDES[arch])
     if unknown:
-        parser.error(f"--sides: unknown {sorted(unknown)}")
+        parser.error(f"--sides: {sorted(unknown)} not sides of --shape {shape.name} "
+                     f"(its sides: {', '.join(SIDES[arch])})")
+    ours_args = shlex.split(args.ours_args) + (llama_flags(shape) if arch == "llama" else [])
     results, tables = {}, []
     ours = None
     for name in sides:
-        if name in ("plain", "compile"):
+        if name == "hf":
+            side = hf_llama_side(shape)
+        elif name in ("plain", "compile"):
             side = plain_side(shape, compiled=name == "compile")
         elif name == "ours-compiled":
             os.environ["MEGATRON_COMPILED_CROSS_ENTROPY"] = "1"
-            side = ours_side(shape, [*shlex.split(args.ours_args), "--compile-layers"])
+            side = ours_side(shape, [*ours_args, "--compile-layers"])
         else:
             if ours is None:
-                ours = ours_side(shape, shlex.split(args.ours_args))
+                ours = ours_side(shape, ours_args)
             if name == "ours-noext":
                 hide_extension()
             # Each side sets its own switch (a later side does not inherit an earlier one's).
@@ -188,6 +260,7 @@ def main() -> None:
                 else "1"
             side = ours
         res = time_side(side, warmup, steps)
+        res["n_params"] = side.n_params
         res["tokens_per_s"] = tokens / (res["ms"] / 1000)
         res["mfu"] = 6 * side.n_params * res["tokens_per_s"] / (args.peak_tflops * 1e12)
         results[name] = res
@@ -199,7 +272,7 @@ def main() -> None:
         if args.profile:
             tables.append(f"## {shape.name} {name}: one step, top kernels\n\n"
                           + profile_table(side, args.rows))
-        if name in ("plain", "compile", "ours-compiled"):
+        if name in ("plain", "compile", "ours-compiled", "hf"):
             release(side)
             del side
     if args.profile:

@@ -5,6 +5,7 @@ skipped with its reason, and the table is written."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def test_the_stages_are_listed():
     assert proc.returncode == 0, proc.stderr
     for stage in ("build", "data", "gpt-bf16", "gpt-compiled", "llama", "resume", "eval-cpu", "convert",
                   "generate", "server", "zeroshot", "finetune", "tp2", "pp2", "tp2-sp", "kernels",
-                  "speed-gpt2", "speed-bert", "speed-generate"):
+                  "speed-gpt2", "speed-llama", "speed-bert", "speed-generate"):
         assert stage in proc.stdout
 
 
@@ -39,6 +40,24 @@ def test_a_cpu_smoke_run_generates_its_data_and_skips_gpu_only_stages(tmp_path):
                  "zeroshot/lambada_test.jsonl"):
         assert (tmp_path / "data" / name).is_file(), name
     assert "| data | 0 |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_llama_speed_sides_train_the_same_model(tmp_path):
+    """speed-llama's sides at the smoke shape: ours and transformers' LlamaForCausalLM have the
+    same parameter count (the same shape), and a GPT side is refused for a Llama shape."""
+    pytest.importorskip("transformers")
+    result = tmp_path / "llama.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
+                           "--sides", "hf,ours", "--steps", "1", "--warmup", "1", "--json",
+                           str(result)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sides = json.loads(result.read_text())["results"]
+    assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 27_165_952
+    assert all(side["ms"] > 0 for side in sides.values())
+    refused = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
+                              "--sides", "plain"], cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and "not sides of --shape llama-small" in refused.stderr
 
 
 def test_unknown_stages_are_refused_by_name():
