@@ -54,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+import bench_train  # noqa: E402
 import gpu_speed  # noqa: E402
 import plain_gpt  # noqa: E402
 
@@ -357,7 +358,8 @@ def main() -> None:
     steps = args.steps if args.steps is not None else shape.steps
     precision = args.precision or ("bf16" if device.accelerator_available() else "fp32")
     bf16 = precision == "bf16"
-    print(f"# {shape}; {precision}; device {device.get_device()}; load {_load()}", flush=True)
+    print(f"# {shape}; {precision}; device {device.get_device()}; load {bench_train.load()}",
+          flush=True)
     cfg = initialize(shape, bf16, args.dropout, shlex.split(args.ours_args))
     batches = make_batches(shape, args.batches)
     predicted = int(batches[0]["loss_mask"].sum()) // shape.mb
@@ -381,16 +383,12 @@ def main() -> None:
     if {"hf", "ours"} <= set(out["results"]):
         ratio = out["results"]["hf"]["ms"] / out["results"]["ours"]["ms"]
         print(f"{shape.name} ours/HF speed: {ratio:.2f}x", flush=True)
-    print(f"# load at end {_load()}", flush=True)
+    print(f"# load at end {bench_train.load()}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     sys.stdout.flush()
     os._exit(0)  # the process group: nothing left to tear down gracefully
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

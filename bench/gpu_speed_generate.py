@@ -41,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+import bench_train  # noqa: E402
 import bench_generation  # noqa: E402
 
 from megatron.core import device  # noqa: E402
@@ -156,7 +157,8 @@ def main() -> None:
     repeats = args.repeats if args.repeats is not None else shape.repeats
     precision = args.precision or ("bf16" if device.accelerator_available() else "fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    print(f"# {shape}; {precision}; device {device.get_device()}; load {_load()}", flush=True)
+    print(f"# {shape}; {precision}; device {device.get_device()}; load {bench_train.load()}",
+          flush=True)
     model = ours_model(shape, precision == "bf16")
     hf = hf_model(model, shape, dtype)
     results = []
@@ -181,17 +183,13 @@ def main() -> None:
         print(f"{shape.name} batch {batch}: ours {row['ours']['tokens_per_s']:.1f} tokens/s, "
               f"HF generate() {row['hf']['tokens_per_s']:.1f} tokens/s, ours/HF "
               f"{row['ours/HF']:.2f}x; greedy tokens: {row['agreement']}", flush=True)
-    print(f"# load at end {_load()}", flush=True)
+    print(f"# load at end {bench_train.load()}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": dataclasses.asdict(shape), "precision": precision,
                        "results": results}, f, indent=1)
     sys.stdout.flush()
     os._exit(0)  # the process group: nothing left to tear down gracefully
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":
