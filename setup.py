@@ -82,7 +82,10 @@ setup(
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2",
                              # the text generation server's tests (HTTP client, the web page
                              # in the system's chromium when one is installed)
-                             "requests>=2.28", "selenium>=4.10"],
+                             "requests>=2.28", "selenium>=4.10",
+                             # the HF checkpoint round trips (tools/checkpoint --loader/--saver
+                             # hf: GPT-2, BERT, Llama, Mistral, Qwen) and the GPU check's HF sides
+                             "transformers>=4.40"],
                     # bench/: the BERT layer-norm ablation's plot; HF BertForPreTraining baseline
                     "bench": ["matplotlib>=3.7", "transformers>=4.40"],
                     # tools/checkpoint/convert.py --saver hf (and the HF tests)
