@@ -17,7 +17,34 @@ from megatron.core.tensor_parallel.utils import (set_defaults_if_not_set,
                                                  set_sequence_parallel_attribute)
 
 
-class LayerNorm(torch.nn.Module):
+class _ReplicatedNorm(torch.nn.Module):
+    """What LayerNorm and RMSNorm share: the weight (and optionally a bias) over the last
+    dimension, replicated on all TP ranks, ``--apply-layernorm-1p``'s storage of ``gamma - 1``,
+    and the sequence-parallel marking of partial gradients."""
+
+    def __init__(self, hidden_size: int, eps: float, apply_layernorm_1p: bool,
+                 params_dtype: torch.dtype, device: torch.device | None, fused: bool,
+                 sequence_parallel: bool, bias: bool) -> None:
+        super().__init__()
+        self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
+        dev = device or device_mod.get_device()
+        init = torch.zeros if apply_layernorm_1p else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
+        params = [self.weight]
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype,
+                                                       device=dev))
+            params.append(self.bias)
+        for param in params:
+            set_defaults_if_not_set(param)
+            set_sequence_parallel_attribute(param, sequence_parallel)
+
+    def gamma(self) -> torch.Tensor:
+        """The multiplier the norm applies (``weight + 1`` with ``--apply-layernorm-1p``)."""
+        return self.weight + 1 if self.apply_layernorm_1p else self.weight
+
+
+class LayerNorm(_ReplicatedNorm):
     """LayerNorm over the last dimension.
 
     Args:
@@ -36,18 +63,11 @@ class LayerNorm(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, fused: bool = True,
                  sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
-        dev = device or device_mod.get_device()
-        init = torch.zeros if apply_layernorm_1p else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=dev))
-        for param in (self.weight, self.bias):
-            set_defaults_if_not_set(param)
-            set_sequence_parallel_attribute(param, sequence_parallel)
+        super().__init__(hidden_size, eps, apply_layernorm_1p, params_dtype, device, fused,
+                         sequence_parallel, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        weight = self.gamma()
         if self.fused:
             out = fused_layer_norm(x, weight, self.bias, self.eps)
             if out is not None:
@@ -55,7 +75,7 @@ class LayerNorm(torch.nn.Module):
         return F.layer_norm(x, (x.size(-1),), weight, self.bias, self.eps)
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(_ReplicatedNorm):
     """Root-mean-square norm over the last dimension (``--normalization RMSNorm``): no mean
     subtraction, no bias; ``weight`` replicated on all TP ranks.
 
@@ -65,31 +85,19 @@ class RMSNorm(torch.nn.Module):
     covers the device and dtype and beats PyTorch there (``kernels.FASTER_THAN_PYTORCH``), with
     the same roundings; else the PyTorch ops below.
 
-    Args:
-        hidden_size: normalized size.
-        eps: epsilon added to the mean square.
-        apply_layernorm_1p: store ``gamma - 1`` (initialized to 0), as for LayerNorm.
-        params_dtype: dtype of the weight.
-        device: where it lives.
-        fused: use the fused kernel where it is the default (False: always the PyTorch ops).
-        sequence_parallel: it normalizes this rank's ``s/p`` rows: the weight's partial
-            gradients are summed over TP ranks.
+    Args: as :class:`LayerNorm`'s (no bias); ``fused``: use the fused kernel where it is the
+    default (False: always the PyTorch ops).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, apply_layernorm_1p: bool = False,
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, fused: bool = True,
                  sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.eps, self.apply_layernorm_1p, self.fused = eps, apply_layernorm_1p, fused
-        dev = device or device_mod.get_device()
-        init = torch.zeros if apply_layernorm_1p else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=params_dtype, device=dev))
-        set_defaults_if_not_set(self.weight)
-        set_sequence_parallel_attribute(self.weight, sequence_parallel)
+        super().__init__(hidden_size, eps, apply_layernorm_1p, params_dtype, device, fused,
+                         sequence_parallel, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        weight = self.gamma()
         if self.fused:
             out = fused_rms_norm(x, weight, self.eps)
             if out is not None:
