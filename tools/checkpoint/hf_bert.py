@@ -48,7 +48,8 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from tools.checkpoint.hf_files import optional_module
-from tools.checkpoint.hf_mapping import gelu_is_tanh
+from tools.checkpoint.hf_mapping import (fuse_grouped_qkv, gelu_is_tanh,
+                                         split_grouped_qkv)
 from tools.checkpoint.model_description import (LM_HEAD_BIAS, WORD_EMBEDDINGS,
                                                 ModelDescription)
 
@@ -151,21 +152,9 @@ def check_bert_compatible(args: argparse.Namespace, architecture: str = PRE_LN) 
                          + ", ".join(problems))
 
 
-def _split_qkv(t: torch.Tensor, heads: int) -> list[torch.Tensor]:
-    """Our ``[np, 3, hn]`` rows -> q, k, v ``[np * hn, ...]`` each."""
-    per_head = t.reshape(heads, 3, -1, *t.shape[1:])  # [np, 3, hn, ...]
-    return [per_head[:, i].reshape(-1, *t.shape[1:]).contiguous() for i in range(3)]
-
-
-def _fuse_qkv(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
-    """The inverse of :func:`_split_qkv`."""
-    stacked = torch.stack([p.reshape(heads, -1, *p.shape[1:]) for p in parts], dim=1)
-    return stacked.reshape(-1, *parts[0].shape[1:]).contiguous()  # [np * 3 * hn, ...]
-
-
 def _qkv_tensors(layer: dict, prefix: str, hf: str, heads: int):
     for suffix in ("weight", "bias"):
-        parts = _split_qkv(layer[f"{prefix}{_QKV[0]}.{suffix}"], heads)
+        parts = split_grouped_qkv(layer[f"{prefix}{_QKV[0]}.{suffix}"], heads, heads)
         for name, part in zip(_QKV[1], parts):
             yield f"{hf}attention.self.{name}.{suffix}", part
 
@@ -289,8 +278,8 @@ class HuggingFaceMegatronBert(ModelDescription):
         else:
             out = {prefix + ours: self.tensors.get(hf + theirs) for ours, theirs in LAYER}
         for suffix in ("weight", "bias"):
-            out[f"{prefix}{_QKV[0]}.{suffix}"] = _fuse_qkv(
-                [self.tensors.get(f"{hf}attention.self.{n}.{suffix}") for n in _QKV[1]], heads)
+            out[f"{prefix}{_QKV[0]}.{suffix}"] = fuse_grouped_qkv(
+                *(self.tensors.get(f"{hf}attention.self.{n}.{suffix}") for n in _QKV[1]), heads)
         return {prefix + name: out[prefix + name] for name in LAYER_ORDER}
 
     def head(self) -> dict[str, torch.Tensor]:

@@ -54,6 +54,7 @@ import torch
 from megatron.checkpointing import CheckpointError
 from megatron.core.log import warn_rank_0
 from tools.checkpoint.hf_files import optional_module
+from tools.checkpoint.hf_mapping import fuse_grouped_qkv, split_grouped_qkv
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 LAYER = "language_model.encoder.layers.{}."
@@ -133,24 +134,17 @@ def halves_from_interleaved(t: torch.Tensor, hn: int) -> torch.Tensor:
 
 def split_qkv(t: torch.Tensor, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
     """Our grouped ``[G*(np/G+2)*hn, ...]`` rows -> HF (q, k, v)."""
-    groups, hn = query_groups(args), head_dim(args)
-    per_group = int(args.num_attention_heads) // groups
-    grouped = t.reshape(groups, per_group + 2, hn, *t.shape[1:])
-    q, k, v = torch.split(grouped, [per_group, 1, 1], dim=1)
-    q, k, v = (x.reshape(-1, *t.shape[1:]) for x in (q, k, v))
+    q, k, v = split_grouped_qkv(t, int(args.num_attention_heads), query_groups(args))
     if getattr(args, "rotary_interleaved", False):
+        hn = head_dim(args)
         q, k = halves_from_interleaved(q, hn), halves_from_interleaved(k, hn)
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    return q, k, v
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              args: argparse.Namespace) -> torch.Tensor:
     """HF (q, k, v) -> our grouped rows (the inverse of :func:`split_qkv`, non-interleaved)."""
-    groups, hn = query_groups(args), head_dim(args)
-    rest = q.shape[1:]
-    parts = (q.reshape(groups, -1, hn, *rest), k.reshape(groups, 1, hn, *rest),
-             v.reshape(groups, 1, hn, *rest))
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
+    return fuse_grouped_qkv(q, k, v, query_groups(args))
 
 
 def llama_tensors(md: ModelDescription, vocab: int):

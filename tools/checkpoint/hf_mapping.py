@@ -1,5 +1,6 @@
 """Megatron <-> HuggingFace ``GPT2LMHeadModel`` names, shapes and settings (shared by
-``saver_hf`` and ``loader_hf``; ``transformers`` itself is only imported by those).
+``saver_hf`` and ``loader_hf``; ``transformers`` itself is only imported by those), and the
+split of our grouped QKV rows that the BERT and Llama-family mappings share.
 
 GPT-2 in transformers keeps its linear weights as ``Conv1D`` ``[in, out]`` (ours are
 ``[out, in]``: transposed) and its fused ``c_attn`` columns as all q, then all k, then all v
@@ -79,6 +80,27 @@ def check_gpt2_compatible(args: argparse.Namespace) -> None:
     if problems:
         raise ValueError("GPT2LMHeadModel cannot hold a model trained with "
                          + ", ".join(problems))
+
+
+def split_grouped_qkv(t: torch.Tensor, heads: int,
+                      groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our fused QKV rows in Megatron's grouped layout ``[G, np/G + 2, hn]`` (G = np: the
+    ``[np, 3, hn]`` of checkpoint version >= 2.0) -> q ``[np*hn, ...]``, k and v ``[G*hn, ...]``,
+    as HF's BERT and Llama-family models keep them (weights and biases alike)."""
+    per_group = heads // groups
+    hn = t.shape[0] // (groups * (per_group + 2))
+    grouped = t.reshape(groups, per_group + 2, hn, *t.shape[1:])
+    q, k, v = torch.split(grouped, [per_group, 1, 1], dim=1)
+    return tuple(x.reshape(-1, *t.shape[1:]).contiguous() for x in (q, k, v))
+
+
+def fuse_grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     groups: int) -> torch.Tensor:
+    """The inverse of :func:`split_grouped_qkv`."""
+    rest, hn = q.shape[1:], k.shape[0] // groups
+    parts = (q.reshape(groups, -1, hn, *rest), k.reshape(groups, 1, hn, *rest),
+             v.reshape(groups, 1, hn, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
 
 
 def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
