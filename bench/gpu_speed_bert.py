@@ -66,16 +66,10 @@ MASKED_FRACTION = 0.15
 BATCH_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    mb: int
-    warmup: int
-    steps: int
+@dataclasses.dataclass
+class Shape(bench_train.Shape):
+    """bench_train's shape, with BERT's vocabulary."""
+
     null_vocab: int = 30523
     """``--vocab-size`` of ours' NullTokenizer: with its EOD 30524, bert-base-uncased's 30522
     + Megatron's [BOS]/[EOS]."""

@@ -231,7 +231,7 @@ class SelfAttention(torch.nn.Module):
         sequence parallelism ``[s/p, b, h]`` in and out (the QKV projection gathers the
         sequence, attention runs on all ``s`` for this rank's heads, the dense layer scatters).
 
-        ``rotary_pos_emb``: RoPE angles ``[s, b|1, 1, rot]`` of this forward's positions
+        ``rotary_pos_emb``: RoPE angles ``[s, 1, 1, rot]`` of this forward's positions
         (queries and keys are rotated before the keys enter the cache). With
         ``inference_params`` (generation) this step's keys and values are appended to the
         layer's cache (only the G key/value heads) and the queries attend to every cached
