@@ -49,7 +49,7 @@ class TransformerLayer(torch.nn.Module):
                 ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s/p, b, h]`` both with sequence parallelism;
         ``inference_params``: the generation KV cache; ``rotary_pos_emb``: RoPE angles
-        ``[s, b, 1, rot]`` of this forward's positions)."""
+        ``[s, 1, 1, rot]`` of this forward's positions)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         ln_out = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params,
