@@ -2,8 +2,9 @@
 attention, no linear biases, untied output layer; and one adding the relatives' extras:
 --qk-layernorm, --add-qkv-bias, --rotary-interleaved, --apply-layernorm-1p) served by
 tools/run_text_generation_server.py and continued by tools/generate.py, each given only
-``--load ckpt --use-checkpoint-args`` as Megatron users run them: the greedy tokens (and the server's log-probs) equal a greedy loop written here over the
-saved model's own full forward passes, with the KV cache and with --no-kv-cache, at TP=1 and at
+``--load ckpt --use-checkpoint-args`` as Megatron users run them: the greedy tokens (and the
+server's log-probs) equal a greedy loop written here over the saved model's own full forward
+passes, with the KV cache and with --no-kv-cache, at TP=1 and at
 TP=2 (the checkpoint re-split by tools/checkpoint/convert.py).
 
 The tools run inside the pooled gloo worlds (no new processes): the server's rank 0 serves real

@@ -84,7 +84,8 @@ def _vocab_rows(md: ModelDescription, keep_padded_vocab: bool) -> int:
 
 def true_vocab_size_from_args(md: ModelDescription) -> int | None:
     """The tokenizer's vocabulary size when its files are at hand (GPT-2 ``vocab.json``, BERT
-    ``vocab.txt``, ``--tokenizer-model`` of Llama2Tokenizer / HuggingFaceTokenizer) or the args hold it (NullTokenizer's ``vocab_size``)."""
+    ``vocab.txt``, ``--tokenizer-model`` of Llama2Tokenizer / HuggingFaceTokenizer) or the args
+    hold it (NullTokenizer's ``vocab_size``)."""
     args = md.args
     vocab_file = getattr(args, "vocab_file", None)
     kind = getattr(args, "tokenizer_type", None)
