@@ -57,9 +57,10 @@ _FUSED_EXTENSIONS, _CMDCLASS = _fused_kernel_extensions()
 
 
 setup(
-    name="megatron-cpu",
+    name="megatron-compat",
     version="0.1.0",
-    description="A Megatron-LM compatible LLM pretraining framework that runs on CPU and GPU",
+    description=("Megatron-LM compatible LLM pretraining: the same flags, data and checkpoints, "
+                 "on GPUs and CPUs"),
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
     # torch is a range on purpose: GPU users keep their CUDA build. On the CPU-only machines

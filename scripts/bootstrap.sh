@@ -22,4 +22,6 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stam
   "$VPY" -m pip install -q setuptools wheel "pybind11>=2.10"
   "$VPY" -m pip install -q --no-build-isolation -e ".[test]"
   touch "$stamp"
+  echo "installed into .venv: run 'source .venv/bin/activate' (or use .venv/bin/python and" \
+       ".venv/bin/torchrun) before the python/torchrun commands of the docs"
 fi
