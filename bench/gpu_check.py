@@ -615,7 +615,7 @@ STAGES = [
         c, "speed-llama", "llama-1b",
         "hf,ours-compiled,ours" if c.installed("transformers") else "ours-compiled,ours", []),
           timeout=240, exclusive=True),
-    # Report-only (no target): ~30-60 s each on an H100/H200 (estimated, not yet measured).
+    # Report-only (no target).
     Stage("speed-bert", speed_bert, timeout=120, exclusive=True),
     Stage("speed-generate", speed_generate, timeout=150, exclusive=True),
 ]

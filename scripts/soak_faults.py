@@ -1,4 +1,4 @@
-"""Soak test of kill -9 (issue 19): many seeded kills at random moments, then resume; a table.
+"""Soak test of kill -9: many seeded kills at random moments, then resume; a table.
 
     .venv/bin/python scripts/soak_faults.py --trials 50 [--seed 0] [--parallel 2] [--keep DIR]
 

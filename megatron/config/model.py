@@ -121,7 +121,7 @@ class ModelConfig:
     block): inductor fuses its elementwise work (bias + GeLU, layer norms, bias-dropout-add).
     Training and evaluation forwards; generation with the KV cache runs the layers uncompiled
     (--no-kv-cache runs them compiled). Off by default: the first step pays the compile time
-    and the GPU gain is not measured yet (README)."""
+    and the gain depends on the model (docs/benchmarks.md)."""
     use_flash_attn: bool = False
     """Use FlashAttention (here: torch's SDPA, which dispatches to flash kernels on GPUs)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"

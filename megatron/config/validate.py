@@ -210,7 +210,7 @@ def _check_pipeline_layers(cfg) -> None:
     per_virtual = par.num_layers_per_virtual_pipeline_stage
     if per_virtual is not None:
         # Megatron-LM 23.06 asks for more than two stages; its interleaved schedule (and this
-        # one) also runs on two (later Megatron-LM releases allow it): README differences.
+        # one) also runs on two (later Megatron-LM releases allow it): docs/compatibility.md.
         if pp < 2:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({per_virtual}) "
                              "(interleaved schedule) needs --pipeline-model-parallel-size >= 2, "

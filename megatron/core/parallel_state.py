@@ -79,7 +79,7 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
             f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
     if virtual_pipeline_model_parallel_size is not None:
         # Megatron-LM 23.06 asked for more than two stages; the interleaved schedule here
-        # orders a pair's messages so that two stages work too (README differences).
+        # orders a pair's messages so that two stages work too (docs/compatibility.md).
         if pp < 2:
             raise ValueError("virtual pipeline stages (the interleaved schedule) need "
                              f"--pipeline-model-parallel-size >= 2, got {pp}")

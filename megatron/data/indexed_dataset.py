@@ -463,9 +463,8 @@ class IndexedDataset:
 
         Reads every token when they take at most ``max_bytes`` (None: always), else
         evenly spaced chunks adding up to about ``max_bytes``: data made with another
-        tokenizer has out-of-range ids all over, so a sample finds them. Measured on the
-        2 shared cores: 0.03 s for 256 MiB of uint16 tokens in the page cache (mmap), 0.08 s
-        with file reads.
+        tokenizer has out-of-range ids all over, so a sample finds them. Reading 256 MiB of
+        tokens from the page cache takes a fraction of a second.
 
         Args:
             max_bytes: bytes read at most.

@@ -4,7 +4,7 @@ The ids are those of OpenAI's ``encoder.py`` (and Megatron-LM's ``gpt2_tokenizat
 is split with the GPT-2 regex, each piece's UTF-8 bytes are mapped to printable characters
 (``bytes_to_unicode``) and merged by ``merges.txt`` priority: repeatedly, the adjacent *pair*
 listed earliest in ``merges.txt`` is merged. tiktoken runs a close cousin in Rust, about 10x
-faster than the pure-Python loop (bench/README.md, Preprocessing): it merges any adjacent pair
+faster than the pure-Python loop (docs/benchmarks.md, Preprocessing): it merges any adjacent pair
 whose concatenation is a token, ranked by the rank of the merged *token*. We give merge ``i``
 the rank ``256 + i``, so priorities are the merges order, and map ranks back to the ids of
 ``vocab.json`` (an identity for GPT-2's own files, whose ids follow that order).

@@ -1,4 +1,4 @@
-"""The static TP/PP layout of GPT checkpoints (issue 10, seam 5), checked against the model code
+"""The static TP/PP layout of GPT checkpoints, checked against the model code
 with no process group: every key a GPT stage saves (tied / untied embeddings, with / without
 biases, 1, 2 and 4 pipeline stages) has a rule; each rule's TP dim is the dim the model's own
 parameter is split on; splitting a one-stage state over stages gives exactly the keys, shapes

@@ -1,4 +1,4 @@
-"""Checkpoint names and the tracker without a process group (issue 10, seam 5), and the whole
+"""Checkpoint names and the tracker without a process group, and the whole
 package driven from a plain Python script: it imports neither megatron.config nor
 megatron.training, and writes, finds, reads and merges a TP = 2 checkpoint."""
 

@@ -1,5 +1,5 @@
 """A TP = 2 checkpoint saved by the real training path merges, with megatron.checkpointing
-alone (no process group in this process), into exactly the TP = 1 model (issue 10, seam 5).
+alone (no process group in this process), into exactly the TP = 1 model.
 
 Both checkpoints come from ``pretrain()`` (pooled worlds of 2 and 1 ranks), tied embeddings
 with biases and untied without; trained one step at learning rate 0, so their weights are the

@@ -1,4 +1,4 @@
-"""QKV row orders of old checkpoint versions (issue 10, seam 5): the conversions take plain
+"""QKV row orders of old checkpoint versions: the conversions take plain
 integers (heads, splits), no config; every row lands where docs/FORMATS.md 2d says."""
 
 from __future__ import annotations

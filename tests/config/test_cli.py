@@ -110,7 +110,7 @@ def test_pipeline_layouts_pass(extra, world):
     ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 3",
      4, ["--num-layers (8)", "--num-layers-per-virtual-pipeline-stage (3)"]),
     # The interleaved schedule needs pipelining (Megatron-LM 23.06 asked for PP > 2; PP = 2
-    # runs here: README differences) ...
+    # runs here: docs/compatibility.md) ...
     ("--num-layers-per-virtual-pipeline-stage 1", 1,
      ["--num-layers-per-virtual-pipeline-stage (1)", "--pipeline-model-parallel-size >= 2"]),
     # ... and a number of micro-batches divisible by PP.

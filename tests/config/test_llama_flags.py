@@ -1,4 +1,4 @@
-"""Llama-style model flags (issue 27): parsed into the model's TransformerConfig, Megatron-LM
+"""Llama-style model flags: parsed into the model's TransformerConfig, Megatron-LM
 core_v0.13's derived values, and every invalid combination refused before any process group
 starts, naming the flags."""
 

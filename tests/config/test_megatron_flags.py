@@ -16,7 +16,7 @@ import pytest
 from megatron.config import build_parser
 from megatron.config.cli import _MEGATRON_DEST, SECTIONS
 
-# The groups of Megatron-LM's arguments.py this framework covers (issue 2). The others
+# The groups of Megatron-LM's arguments.py this framework covers. The others
 # (autoresume, biencoder, vision, transformer engine / fp8, inference, retro) belong to models
 # and tools not built here.
 IN_SCOPE = ("network size", "regularization", "training", "initialization", "learning rate",

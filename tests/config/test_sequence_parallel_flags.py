@@ -1,4 +1,4 @@
-"""``--sequence-parallel`` (issue 28): live with TP > 1, into the model's TransformerConfig;
+"""``--sequence-parallel``: live with TP > 1, into the model's TransformerConfig;
 at TP = 1 switched off with a warning, as Megatron-LM (23.06 and core_v0.13) does; a sequence
 that does not split over the TP ranks is refused before any process group starts."""
 

@@ -66,7 +66,7 @@ BAD = {
     "sentencepiece-without-model": ("--tokenizer-type SentencePieceTokenizer",
                                     ["--tokenizer-model"]),
     "null-without-vocab-size": ("--tokenizer-type NullTokenizer", ["--vocab-size"]),
-    # Issue 29: these failed with a raw NotADirectoryError after the model was built.
+    # These failed with a raw NotADirectoryError after the model was built.
     "save-under-a-file": ("--mock-data --save {file}/run --save-interval 1",
                           ["--save {file}/run: {file} is a regular file, not a directory"]),
     "save-is-a-file": ("--mock-data --save {file} --save-interval 1",
@@ -148,7 +148,7 @@ def test_pretrain_gpt_fails_fast_on_bad_flags(files):
     ("--train-data-path {prefix}", False),
 ])
 def test_the_pretraining_scripts_need_a_data_source(template, refused, files, capsys):
-    """Regression (issue 29): with neither --data-path (nor a per-split path) nor --mock-data,
+    """Regression: with neither --data-path (nor a per-split path) nor --mock-data,
     pretrain_gpt.py / pretrain_bert.py failed only after the model was built."""
     cfg = parse_args(_argv(template, files), validate_config=False)
     validate_or_exit(cfg, 1, require_train_length=True)  # a provider of its own: no data flag

@@ -1,4 +1,4 @@
-"""Every model-parallel group honours the collective timeout (issue 18).
+"""Every model-parallel group honours the collective timeout.
 
 torch's ``new_group`` does not inherit the world group's timeout: before the fix a collective on
 any group of ``initialize_model_parallel`` waited torch's default 30 minutes for a stuck peer,

@@ -1,4 +1,4 @@
-"""Loader worker processes (issue 18): they ignore SIGTERM (so --exit-signal-handler can save
+"""Loader worker processes: they ignore SIGTERM (so --exit-signal-handler can save
 when the whole process group is signalled), die with their parent, and never keep a process
 that raised from exiting.
 
@@ -69,7 +69,7 @@ def test_loader_workers_and_an_uncaught_error():
     assert f"deathsig [{int(signal.SIGKILL)}] sigterm-ignored [1] workers 2" in out, (out,
                                                                                     proc.stderr)
     assert "left after stop []" in out, (out, proc.stderr)
-    # The finetuning loaders' workers too (issue 29: they died of the scheduler's SIGTERM).
+    # The finetuning loaders' workers too (they died of the scheduler's SIGTERM).
     assert f"finetuning deathsig [{int(signal.SIGKILL)}] sigterm-ignored [1]" in out, \
         (out, proc.stderr)
     # The interpreter's exit used to SIGTERM the (SIGTERM-ignoring) workers and wait forever.
@@ -136,7 +136,7 @@ def _data_loaders_built(path: Path) -> list[str]:
 
 
 def test_every_data_loader_in_the_project_is_built_by_the_one_factory():
-    """Regression (issue 29): the finetuning loaders were plain DataLoaders, whose workers died
+    """Regression: the finetuning loaders were plain DataLoaders, whose workers died
     of a scheduler's SIGTERM before --exit-signal-handler could save. Only
     ``megatron/data/loader.py`` may make one; everything else calls its build_data_loader."""
     sources = [p for top in ("megatron", "tasks", "tools", "examples", "bench")

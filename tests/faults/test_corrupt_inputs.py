@@ -1,4 +1,4 @@
-"""Corrupt inputs (issue 19): each refused before any work, naming the file and the line or
+"""Corrupt inputs: each refused before any work, naming the file and the line or
 offset, leaving nothing half-written.
 
 What other modules prove already is not repeated: the ``.idx``/``.bin`` checks (wrong magic,
@@ -16,7 +16,7 @@ the gaps the injections found (each was a bug, now fixed):
 * a truncated or corrupt ``.jsonl.gz`` given to preprocess_data.py ended in a bare EOFError
   traceback;
 * a finetuning task file (MNLI, QQP, RACE, SQuAD) with a non-UTF-8 byte named neither the file
-  nor the line (issue 29).
+  nor the line.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def test_an_intact_gzip_input_still_converts(tmp_path):
     assert (out / "x_text_document.bin").stat().st_size == 50 * 4 * 2  # 4 uint16 ids a line
 
 
-# Task files (issue 29) ------------------------------------------------------------------------
+# Task files ------------------------------------------------------------------------
 def _with_latin1_byte(path: Path, line: int) -> Path:
     """``path`` with an 'é' written in Latin-1 (0xe9, invalid UTF-8) into line ``line``."""
     lines = path.read_bytes().split(b"\n")

@@ -1,4 +1,4 @@
-"""A disk that fills up during a checkpoint save (issue 19), on a real size-limited file system.
+"""A disk that fills up during a checkpoint save, on a real size-limited file system.
 
 ``--save`` on a small tmpfs (``mount -t tmpfs -o size=...``; skipped with the reason where
 mounting is not permitted). A TP=2 job saves iteration 2, then stops before the first byte of

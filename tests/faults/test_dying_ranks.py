@@ -1,4 +1,4 @@
-"""A rank dies or hangs (issue 19): every other rank ends within a bounded time, with a nonzero
+"""A rank dies or hangs: every other rank ends within a bounded time, with a nonzero
 exit code and a message naming the rank that failed first.
 
 Real processes (how they exit is the point), launched srun-style (``RANK``/``WORLD_SIZE``, no
@@ -13,7 +13,7 @@ TP=2        exception on rank 1      the failure record (fault.run_rank), naming
 PP=2        ``os._exit`` on rank 1   the broken connection; the watchdog's heartbeats name
                                      rank 1 (it recorded nothing itself)
 DP=2        ``os._exit`` on rank 0   the broken connection; no watchdog: the store rank 0
-                                     hosted stops answering, which names it (issue 29)
+                                     hosted stops answering, which names it
 DP=2        rank 1 sleeps forever    the watchdog on rank 1 (no collective for the bound),
             outside a collective     naming rank 1 and the call it is stuck in
 TP2xPP2xDP2 rank 5 sleeps forever    the same, in a world of eight (opt-in:
@@ -133,7 +133,7 @@ def test_a_dead_or_hung_rank_ends_every_rank_naming_it(tmp_path):
         "tp2-raise": (2, "raise", 1, ["--tensor-model-parallel-size", "2"], False),
         "pp2-exit": (2, "exit", 1, ["--pipeline-model-parallel-size", "2"], True),
         "dp2-hang": (2, "hang", 1, [], True),
-        # Issue 29: without the watchdog (its default) a vanished rank 0 was named by no one
+        # Without the watchdog (its default) a vanished rank 0 was named by no one
         # (rank 1 vanishing: tests/training/test_fail_fast.py).
         "dp2-exit-store-host": (2, "exit", 0, [], False),
     }

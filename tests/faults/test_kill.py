@@ -1,4 +1,4 @@
-"""kill -9 during training and inside checkpoint saves (issue 19): nothing saved is lost.
+"""kill -9 during training and inside checkpoint saves: nothing saved is lost.
 
 Real jobs (``torchrun`` + ``pretrain_gpt.py`` / ``pretrain_bert.py``, tiny models on
 ``--mock-data``), killed with SIGKILL -- no handler runs, nothing is flushed -- then started

@@ -1,4 +1,4 @@
-"""NaN/inf losses (issue 19) beyond tests/training/test_nan_check.py (fp32 GPT, DP=2: the stop
+"""NaN/inf losses beyond tests/training/test_nan_check.py (fp32 GPT, DP=2: the stop
 naming iteration and rank, the local-gradient check, the count on the log line): the same
 promises at pipeline parallelism, in bf16 (no loss scaler: nothing skips the step) and for
 BERT, whose two losses are both reported.

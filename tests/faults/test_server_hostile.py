@@ -1,4 +1,4 @@
-"""The generation server under hostile requests and clients (issue 19), on 127.0.0.1, bounded in
+"""The generation server under hostile requests and clients, on 127.0.0.1, bounded in
 count and time: it stays up, answers every request with a status, and its memory stays flat.
 
 In-process: the tiny GPT of tests/text_generation behind the real app and the real HTTP server
@@ -15,7 +15,7 @@ repeated. What the injections found, each fixed:
   surrogate (``"\\ud800"``) in a prompt or stop string answered with Python's codec error,
   naming no field;
 * a 5000-digit integer (over Python's 4300-digit conversion limit) and 30000-deep nesting
-  answered only "not valid JSON" (issue 29): now the field and "too large", resp. "nests too
+  answered only "not valid JSON": now the field and "too large", resp. "nests too
   deeply".
 """
 

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT to a running job (issue 19), at PP=2 with the distributed optimizer.
+"""SIGTERM and SIGINT to a running job, at PP=2 with the distributed optimizer.
 
 Real ``torchrun`` jobs with ``--exit-signal-handler``; the signal arrives once iteration 3 is
 logged:
@@ -154,7 +154,7 @@ def test_sigterm_during_the_final_save_lets_it_finish(signalled):
 
 
 def test_sigterm_to_a_finetuning_process_group_saves_with_loader_workers(signalled):
-    """Regression (issue 29): the finetuning loaders were plain DataLoaders whose workers died
+    """Regression: the finetuning loaders were plain DataLoaders whose workers died
     of the scheduler's SIGTERM, and torch failed the rank at once ("DataLoader worker ... is
     killed by signal: Terminated"): no checkpoint, exit 1."""
     job: h.Job = signalled["jobs"]["finetune"]

@@ -1,4 +1,4 @@
-"""A real two-node run on one machine (issue 19): two network namespaces joined by a veth pair.
+"""A real two-node run on one machine: two network namespaces joined by a veth pair.
 
 Each "node" is a network namespace (``ip netns``) with one end of a veth pair (10.77.X.1 and
 .2): its processes see only their own interface and loopback, so every byte between the nodes

@@ -1,4 +1,4 @@
-"""The tokenizers Llama users name, from text to training (issue 27): ``tools/preprocess_data.py
+"""The tokenizers Llama users name, from text to training: ``tools/preprocess_data.py
 --append-eod`` with ``--tokenizer-type Llama2Tokenizer`` (a SentencePiece model) writes documents
 that are Megatron-LM's ``_Llama2Tokenizer`` ids, ``<s>`` + the pieces + the eod ``</s>``; with
 ``HuggingFaceTokenizer`` (a local directory with a ``tokenizer.json``) the tokenizer's

@@ -299,7 +299,7 @@ def test_merge_datasets(tmp_path, gpt2_args, reference, documents):
 
 
 def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
-    """Regression (issue 29): ``kill -9`` leaves no cleanup to run, and its temporary output
+    """Regression: ``kill -9`` leaves no cleanup to run, and its temporary output
     (6.4 MB in the report) stayed beside the prefix for good. The killed run reads a FIFO the
     test holds open, so the kill lands while its temporary files exist; the next run on the
     same prefix removes them, and leaves only its finished outputs."""

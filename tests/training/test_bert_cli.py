@@ -1,4 +1,4 @@
-"""``pretrain_bert.py`` as users run it (issue 12): one CLI smoke run on a real sentence-split
+"""``pretrain_bert.py`` as users run it: one CLI smoke run on a real sentence-split
 dataset (a slice of the shared corpus through ``preprocess_data.py --split-sentences`` with the
 WordPiece vocabulary), and the script's own flag handling (Megatron's default tokenizer, the
 BERT flag checks that exit before any process group starts)."""

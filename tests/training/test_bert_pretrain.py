@@ -1,5 +1,5 @@
 """BERT through ``pretrain()`` with ``pretrain_bert.py``'s model provider and forward step
-(issue 12): TP=2, DP=2 and PP=2 equal the single process (the lm and sop losses at every
+: TP=2, DP=2 and PP=2 equal the single process (the lm and sop losses at every
 iteration and the final parameters, fp32, no dropout); an exact resume with dropout on; fp16,
 bf16 with the distributed optimizer, and --bert-no-binary-head train; both losses reach
 TensorBoard.

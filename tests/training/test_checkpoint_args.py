@@ -1,4 +1,4 @@
-"""--use-checkpoint-args restores the activation (issue 30): a GPT or BERT trained with the
+"""--use-checkpoint-args restores the activation: a GPT or BERT trained with the
 exact erf GeLU (--no-bias-gelu-fusion), loaded with --use-checkpoint-args alone, gives the
 logits of the run that saved it (not the tanh form of the default flags); loaded with flags
 that compute the other form, it loads with a warning naming both.

@@ -1,4 +1,4 @@
-"""Checkpoints written by Megatron-LM load through ``pretrain(--load)`` (issue 5).
+"""Checkpoints written by Megatron-LM load through ``pretrain(--load)``.
 
 A checkpoint of this framework (fp16, iteration 3 of 6) is rewritten the way Megatron-LM 23.06
 writes it, then loaded, and training must go on with the losses of the uninterrupted run:

@@ -1,4 +1,4 @@
-"""Checkpoint faults (issue 18, items 3-5): a full disk, a mistyped --load, corrupt files.
+"""Checkpoint faults: a full disk, a mistyped --load, corrupt files.
 
 Unit level (this process, no process group; a ``Linear`` stands for the model and
 ``save_checkpoint`` / ``load_checkpoint`` are called directly):

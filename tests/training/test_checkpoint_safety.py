@@ -1,4 +1,4 @@
-"""Checkpoints that must not load, and saves that die half-way (issue 5).
+"""Checkpoints that must not load, and saves that die half-way.
 
 A corrupt (truncated) file, a checkpoint of another shape (``--hidden-size``) or another TP size,
 and a hostile pickle are refused through ``pretrain(--load)`` with a CheckpointError naming the

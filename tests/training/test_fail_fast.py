@@ -1,4 +1,4 @@
-"""Fail fast (issue 18): an error on any rank ends that rank at once, with its message and a
+"""Fail fast: an error on any rank ends that rank at once, with its message and a
 nonzero exit code, loader workers and all, and the other ranks stop too, naming the rank that
 failed first.
 
@@ -193,7 +193,7 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     assert re.search(rf"^\[rank 0\] (stopping: |failed \(.*\) after another rank: ){raised}",
                      _text(logs["raise-on-1/rank0"]), re.M), _text(logs["raise-on-1/rank0"])
     check("exit-on-1/rank1", 3)
-    # Issue 29: it used to say only gloo's "Connection reset by peer"; now it names rank 1,
+    # it used to say only gloo's "Connection reset by peer"; now it names rank 1,
     # whose process is gone from this machine (no watchdog needed).
     check("exit-on-1/rank0", 1)
     assert re.search(r"^\[rank 0\] failed \(.*\) after another rank: rank 1 failed: gone \(its "

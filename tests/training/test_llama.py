@@ -1,4 +1,4 @@
-"""A Llama-style GPT (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; issue 27)
+"""A Llama-style GPT (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases)
 through ``pretrain()`` at TP=2 (with sequence parallelism) and PP=2 equals one process, and so
 does TP=2 x PP=2 (with sequence parallelism) of the same model with --qk-layernorm (whose q/k
 norm weights, whole on every TP rank, get their gradient summed over TP): the loss at every

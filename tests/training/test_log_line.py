@@ -1,5 +1,5 @@
 """megatron/training/log_line.py: the TensorBoard scalars and the learning rate written through
-the training loop (issue 5), and the log lines.
+the training loop, and the log lines.
 
 One TP=2 run of the tiny GPT with ``--tensorboard-dir``; the event files are read back with
 TensorBoard's own EventAccumulator (the real ``tensorboard`` package), as TensorBoard would.

@@ -1,4 +1,4 @@
-"""Loop options through pretrain() (issue 5): length in samples, batch-size ramp-up, exits,
+"""Loop options through pretrain(): length in samples, batch-size ramp-up, exits,
 --skip-train, evaluation lines, timers in TensorBoard, and the log lines a user's parser reads.
 
 Every run is the tiny GPT of ``e2e.gpt_argv`` on a 2-rank world (DP=2), all in one pooled call;

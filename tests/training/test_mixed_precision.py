@@ -1,4 +1,4 @@
-"""fp16 dynamic loss scaling and bf16 training through the loop (issue 6).
+"""fp16 dynamic loss scaling and bf16 training through the loop.
 
 fp16: an inf injected into one rank's loss (so only that rank's gradients overflow before the
 data-parallel reduction) skips the step on every rank, does not advance the LR schedule, lowers

@@ -1,4 +1,4 @@
-"""--check-for-nan-in-loss-and-grad (on by default) and the nan count of the log line (issue 18).
+"""--check-for-nan-in-loss-and-grad (on by default) and the nan count of the log line.
 
 Through the training loop on two data-parallel ranks:
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism through ``pretrain()`` equals one process (issue 11).
+"""Pipeline parallelism through ``pretrain()`` equals one process.
 
 A GPT of 8 layers (hidden 64, GPT-2 vocabulary padded to 50304, seq 32, global batch 4 of
 micro-batches of 1, fp32, dropout 0) trains for 6 iterations in every layout below and must give

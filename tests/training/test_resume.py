@@ -1,4 +1,4 @@
-"""Exact resume (issue 5).
+"""Exact resume.
 
 20 iterations straight vs 10 (``--exit-interval 10`` saves and stops) + ``--load`` + 10, with
 dropout 0.1, so the data order, the optimizer state, the LR schedule and every RNG stream

@@ -1,4 +1,4 @@
-"""``--sequence-parallel`` through ``pretrain()`` (issue 28).
+"""``--sequence-parallel`` through ``pretrain()``.
 
 A tiny GPT (4 layers, hidden 64, GPT-2 vocabulary padded to 50304, seq 32, global batch 4 of
 micro-batches of 1, fp32, dropout 0) trains for 4 iterations. With sequence parallelism it must

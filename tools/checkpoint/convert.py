@@ -126,7 +126,7 @@ def load_model(opts: argparse.Namespace):
 
 
 def refuse_unconverted_architecture(md, opts: argparse.Namespace) -> None:
-    """Llama-style checkpoints (issue 27) a target cannot hold, refused before anything is
+    """Llama-style checkpoints a target cannot hold, refused before anything is
     written. ``--saver hf`` checks its own class (GPT-2 or Llama, ``hf_llama``); ``--saver
     megatron`` re-splits whole key/value groups per TP rank, so the target TP size must divide
     the query groups (SwiGLU's fc1 is re-split per rank as [gate_r; up_r]).

@@ -14,9 +14,9 @@ in fp32 (tests/fused_kernels/test_fused_cross_entropy.py):
   ``loss_dtype=torch.float32`` costs no fp32 copy of them.
 * compiled (CUDA): the same two steps written as PyTorch ops (:func:`cross_entropy_stats`,
   :func:`cross_entropy_grad`) and compiled by ``torch.compile`` into one reduction (max, sum of
-  exponentials, sum) and one pointwise gradient kernel, reading the half logits as they are. On
-  an H200 at GPT-2-small (16 x 1024 tokens x 50304) the unfused path made six passes over an
-  fp32 copy of the logits (~13 ms of a 53 ms step). Used for fp32/bf16/fp16 CUDA logits unless
+  exponentials, sum) and one pointwise gradient kernel, reading the half logits as they are, where
+  the unfused path makes six passes over an fp32 copy of the logits (the step times with and
+  without it: docs/benchmarks.md). Used for fp32/bf16/fp16 CUDA logits unless
   ``MEGATRON_COMPILED_CROSS_ENTROPY=0``; if compiling fails it says so once and the same
   functions run uncompiled.
 """

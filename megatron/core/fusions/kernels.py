@@ -27,14 +27,11 @@ EXTENSIONS = {"cpu": "megatron.fused_kernels._cpu", "cuda": "megatron.fused_kern
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The rule that picks every default, per device type: a kernel runs only where it beats the
-# PyTorch path it replaces (forward + backward, at the shapes the models use). On an H200
-# (bench/README.md, 2026-11-26) the CUDA layer norm ran at 0.03-0.05x ATen's fused
-# F.layer_norm (15-77 GB/s against ATen's 370-1435), so ATen runs it on CUDA; the softmaxes
-# win (causal 2.7-4.0x, masked 1.9-2.8x, plain 1.3-2.4x eager at [4, 12, 1024, 1024]).
-# RMS norm on CPU (2026-11-26): 3.7-15.5x the faster of Megatron's PyTorch RMSNorm and ATen's
-# F.rms_norm (both unfused op chains on CPU) forward + backward at [1k-16k, 512-2048], fp32 and
-# bf16, 2 threads (2.9-8.6x at 1); its CUDA kernel is unmeasured, so off there.
-# ``bench/gpu_check.py`` re-measures the CUDA kernels, ``bench/bench_kernels.py`` the CPU ones.
+# PyTorch path it replaces (forward + backward, at the shapes the models use). On CUDA the
+# softmaxes win; the layer norm and the RMS norm lose to ATen's fused F.layer_norm and
+# F.rms_norm, which run instead. On CPU every kernel wins (ATen's F.rms_norm is an unfused op
+# chain there). The figures: docs/benchmarks.md; ``bench/gpu_check.py`` re-measures the CUDA
+# kernels, ``bench/bench_kernels.py`` the CPU ones.
 FASTER_THAN_PYTORCH = {
     "cpu": frozenset({"layer_norm", "rms_norm", "softmax_plain", "softmax_masked",
                       "softmax_causal"}),

@@ -1,4 +1,4 @@
-"""BERT (issue 12) against hand-written references, in one process: the transformer layer in
+"""BERT against hand-written references, in one process: the transformer layer in
 both arrangements of the paper's figure 7 (pre-LN, and Megatron's
 ``--apply-residual-connection-post-layernorm``, which over a stack is exactly original BERT's
 ``LN(x + f(x))``), the whole model (embeddings with token types, padding mask, final LN, LM head

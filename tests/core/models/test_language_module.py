@@ -1,4 +1,4 @@
-"""The language-model base shared by GPT and BERT (issue 10, seam 4): pipeline stages and their
+"""The language-model base shared by GPT and BERT: pipeline stages and their
 Megatron checkpoint keys, the tied output weight's copy on the last stage (equal to stage 0's
 after the build, gradients adding up to the one-stage model's), the hooks a subclass adds its
 head and checkpoint sections through, and the boundary to the CLI config (the model library is

@@ -1,4 +1,4 @@
-"""--qk-layernorm on the model (issue 27): a Llama-style GPT (GQA, RoPE, RMSNorm, no biases;
+"""--qk-layernorm on the model: a Llama-style GPT (GQA, RoPE, RMSNorm, no biases;
 GeLU, whose fc1 gathers rank-major, unlike SwiGLU's [gate_r; up_r]) at TP = 2, with and
 without sequence parallelism, gives TP = 1's parameters and gradients (float64) once the q/k
 norms' per-rank partial gradients are summed over TP; without that sum they differ, which is

@@ -1,4 +1,4 @@
-"""Sequence parallelism (issue 28) on the model: GPT and BERT at TP = 2 and 4 with
+"""Sequence parallelism on the model: GPT and BERT at TP = 2 and 4 with
 ``sequence_parallel`` give the loss and the re-assembled gradients of TP = 1 (float64, dropout 0),
 with every recompute mode; the replicated LayerNorm and row-parallel bias gradients are summed
 over TP ranks and so identical on all of them; with dropout on, a run reproduces itself and its

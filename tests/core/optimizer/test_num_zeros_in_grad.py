@@ -1,4 +1,4 @@
-"""``--log-num-zeros-in-grad`` counts the zero gradient elements exactly (issue 6).
+"""``--log-num-zeros-in-grad`` counts the zero gradient elements exactly.
 
 TP=2 x DP=2 (4 ranks), a model whose gradients have a known number of zeros: a TP-split weight
 with different zeros on each TP rank (both counted), a replicated LayerNorm-like weight and an

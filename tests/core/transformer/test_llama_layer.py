@@ -1,4 +1,4 @@
-"""Llama-style layer pieces (issue 27) against hand-written float64 references of one layer:
+"""Llama-style layer pieces against hand-written float64 references of one layer:
 RMSNorm, the SwiGLU and squared-ReLU MLPs, RoPE (halves and interleaved, partial rotary),
 grouped-query attention reading Megatron's [G, np/G + 2, hn] QKV rows, the QKV bias without
 the other biases; and KV-cache generation with RoPE + GQA equal to recomputation."""

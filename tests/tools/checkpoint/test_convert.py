@@ -279,7 +279,7 @@ def _vpp_unrecorded(root: Path) -> Path:
         "virtual_stages_unrecorded", "bert_on_gpt"])
 def test_a_partial_or_mismatched_source_is_refused_before_anything_is_written(tmp_path, capsys,
                                                                              case):
-    """Regression (issue 29): these converted with exit 0 -- a TP=1 output holding shard 0 only
+    """Regression: these converted with exit 0 -- a TP=1 output holding shard 0 only
     (attention weights half size, half the embedding rows zero), a BERT "conversion" of GPT."""
     model_type, source, layout, message = case
     model = helpers.gpt()

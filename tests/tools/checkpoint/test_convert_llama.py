@@ -1,4 +1,4 @@
-"""Llama-style checkpoints (issue 27) in tools/checkpoint/convert.py: round trips over TP/PP
+"""Llama-style checkpoints in tools/checkpoint/convert.py: round trips over TP/PP
 layouts (RMSNorm, RoPE, GQA, SwiGLU's fc1 re-split as [gate_r; up_r] per rank), and a target
 TP size that does not divide the query groups refused, naming the flag; the Adam moments of a
 SwiGLU + GQA model split over TP as its weights."""

@@ -11,7 +11,7 @@ DP size). A control converted without the state (fresh Adam) must miss the losse
 TP2 -> distributed TP1 -> plain TP2 is bitwise. Pooled gloo worlds; the converter runs without
 processes.
 
-Llama-style (issue 27): SwiGLU (fc1's rows, and so its moments, are [gate_r; up_r] per TP rank)
+Llama-style: SwiGLU (fc1's rows, and so its moments, are [gate_r; up_r] per TP rank)
 with GQA (whole query groups per rank), RoPE, RMSNorm, no biases, untied; TP1.DP4 plain ->
 TP2.DP2 plain and -> TP2.PP2 distributed optimizer resume the uninterrupted run, and TP2.PP2
 distributed -> TP1 plain gives the source's state back bit for bit."""

@@ -7,7 +7,7 @@
 //   g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fopenmp-simd
 //       -fopt-info-vec-optimized -c instantiate.cpp   (one command line)
 //
-// Speed rules the code follows (each found by measurement, bench/README.md):
+// Speed rules the code follows (each found by measurement, docs/benchmarks.md):
 // * every inner loop works on fp32 (or on the raw 16 bits of a bf16) over contiguous memory, with
 //   no calls and no branches, so that `#pragma omp simd` turns it into AVX2/AVX-512 code;
 // * half precision is converted inside those loops (bf16 by bit shifts, which vectorise; c10's
