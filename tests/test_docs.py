@@ -21,6 +21,7 @@ import contextlib
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -40,15 +41,22 @@ _TORCHRUN = re.compile(r"^(\S*/)?torchrun$")
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
+def _repo_files() -> list[Path]:
+    """The repository's files: tracked and untracked-but-not-ignored (so outputs the documented
+    commands write, e.g. an exported HF model's README.md, are left out), else a walk."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+            capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+        return sorted({REPO / name for name in listed if name and (REPO / name).is_file()})
+    except (OSError, subprocess.SubprocessError):
+        return sorted(path for path in REPO.rglob("*") if path.is_file() and not any(
+            part in _SKIP_DIRS or part.endswith(".egg-info")
+            for part in path.relative_to(REPO).parts))
+
+
 def _walk(suffixes: tuple[str, ...]) -> list[Path]:
-    out = []
-    for path in REPO.rglob("*"):
-        rel = path.relative_to(REPO)
-        if any(part in _SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts):
-            continue
-        if path.is_file() and path.name.endswith(suffixes):
-            out.append(path)
-    return sorted(out)
+    return [path for path in _repo_files() if path.name.endswith(suffixes)]
 
 
 def _markdown_files() -> list[Path]:
