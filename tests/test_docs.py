@@ -275,7 +275,8 @@ def test_doc_commands_name_accepted_flags():
             continue
         unknown = [f for f in flags if f not in accepted]
         if unknown:
-            problems.append(f"{where}: {script} does not accept {', '.join(unknown)}")
+            problems.append(f"{where}: {script} does not accept {', '.join(unknown)} (its "
+                            "parser as built at its first parse_args call)")
     assert not problems, "\n".join(problems)
 
 
