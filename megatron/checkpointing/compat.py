@@ -15,14 +15,16 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.core.log import warn_rank_0
 from megatron.core.transformer.config import gelu_tanh_approximation
 
-# Architecture flags that must agree between a checkpoint and the run loading it.
+# Architecture flags that must agree between a checkpoint and the run loading it (the RoPE ones
+# only between two RoPE models: see _built).
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                       "kv_channels", "max_position_embeddings", "add_position_embedding",
                       "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
                       "untie_embeddings_and_output_weights", "add_bias_linear",
                       "position_embedding_type", "rotary_percent", "rotary_interleaved",
                       "normalization", "swiglu", "squared_relu", "num_query_groups",
-                      "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p")
+                      "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "rotary_base",
+                      "apply_residual_connection_post_layernorm")
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 CONVERTER = "tools/checkpoint/convert.py"
 """The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""
@@ -47,11 +49,10 @@ def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> N
     ours = cfg.to_namespace()
     diffs = _pipeline_diffs(ckpt_args, ours)
     for name in PARALLEL_ARGS + ARCHITECTURE_ARGS:
-        theirs = getattr(ckpt_args, name, None)
+        theirs, mine = _built(ckpt_args, name), _built(ours, name)
         if theirs is None and name == "tensor_model_parallel_size":
             # checkpoint_version < 3.0 named the TP size model_parallel_size.
             theirs = getattr(ckpt_args, "model_parallel_size", None)
-        mine = getattr(ours, name, None)
         if theirs is None or mine is None or theirs == mine:
             continue
         if name == "make_vocab_size_divisible_by" and _both_padded_sizes(ckpt_args, ours):
@@ -60,6 +61,7 @@ def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> N
         if name == "padded_vocab_size":
             diffs.append(_padded_vocab_hint(ckpt_args, ours, _tokenizer_vocab_size(cfg)))
     _warn_on_another_gelu(ckpt_args, ours, path)
+    _warn_on_another_norm_epsilon(ckpt_args, ours, path)
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  "
                               + "\n  ".join(diffs)
@@ -68,6 +70,48 @@ def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> N
                                 "--tensor-model-parallel-size / --pipeline-model-parallel-size / "
                                 "--num-layers-per-virtual-pipeline-stage must first be converted "
                                 f"with {CONVERTER})")
+
+
+def _built(args: argparse.Namespace, name: str):
+    """The value of ``name`` as the model built from ``args`` uses it (None: not recorded).
+
+    Megatron-LM keeps its default ``add_position_embedding=True`` in a RoPE model's args and
+    builds no learned position table there (the table exists for learned_absolute only), as
+    this project derives; what must agree is whether the table exists."""
+    value = getattr(args, name, None)
+    if name == "add_position_embedding" and value:
+        kind = getattr(args, "position_embedding_type", None)
+        if getattr(args, "use_rotary_position_embeddings", False) or \
+                kind not in (None, "learned_absolute"):
+            return False
+    if name in _ROPE_ARGS and not _uses_rope(args):
+        return None  # no rotary embedding: its base and shape change nothing
+    return value
+
+
+_ROPE_ARGS = ("rotary_base", "rotary_percent", "rotary_interleaved")
+
+
+def _uses_rope(args: argparse.Namespace) -> bool:
+    return getattr(args, "position_embedding_type", None) == "rope" or \
+        bool(getattr(args, "use_rotary_position_embeddings", False))
+
+
+def _norm_epsilon(args: argparse.Namespace) -> float | None:
+    """The norms' epsilon: ``layernorm_epsilon`` (Megatron-LM 23.06 and here) or
+    ``norm_epsilon`` (core_v0.13)."""
+    value = getattr(args, "layernorm_epsilon", None)
+    return getattr(args, "norm_epsilon", None) if value is None else value
+
+
+def _warn_on_another_norm_epsilon(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
+                                  path: Path) -> None:
+    """The epsilon changes no shape, only the outputs (slightly): warn, not refuse."""
+    theirs, mine = _norm_epsilon(ckpt_args), _norm_epsilon(ours)
+    if theirs is not None and mine is not None and float(theirs) != float(mine):
+        warn_rank_0(f"{path} was trained with --norm-epsilon {theirs}, and this run uses "
+                    f"{mine}: its outputs will differ slightly (pass --norm-epsilon {theirs}, "
+                    "or --use-checkpoint-args)")
 
 
 def _warn_on_another_gelu(ckpt_args: argparse.Namespace, ours: argparse.Namespace,
