@@ -11,9 +11,10 @@ plain script, with no process group and no ``MegatronConfig``.
   the layers of each pipeline stage;
 * ``files``: atomic writes, the per-iteration sha256 manifest, stale temporary files, write
   errors;
-  ``safe_load``: reading without running code.
+  ``safe_load``: reading without running code;
+* ``compat``: does a checkpoint's saved args fit the run loading it (compared flags, hints).
 
-Training-time saving and loading (ranks, RNG state, the optimizer, flags) stay in
+Training-time saving and loading (ranks, RNG state, the optimizer) stay in
 ``megatron.training.checkpointing``, on top of this package.
 """
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.safe_load import PICKLE_MODULE
 from megatron.checkpointing.names import (  # noqa: F401 - the names of the files written here
     CHECKPOINT_FILENAMES, DISTRIB_OPTIM_FILENAME, ITERATION_DIR, MANIFEST_FILENAME,
     MODEL_FILENAME, SHARD_DIR, TRACKER_FILENAME, parse_tracker, tracker_path)
@@ -109,7 +110,7 @@ def save_file(obj, path: Path) -> str:
         with open(tmp, "wb") as raw:
             out = HashingWriter(raw)
             try:
-                torch.save(obj, out)
+                torch.save(obj, out, pickle_module=PICKLE_MODULE)
             except RuntimeError:
                 if out.error is not None:
                     raise out.error from None  # the disk's error, not torch's follow-up

@@ -2,7 +2,8 @@
 
 ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM checkpoint
 holds: ``argparse.Namespace`` (or ``types.SimpleNamespace``) for ``args``, numpy's RNG state
-arrays, and Megatron's enums such as ``args.model_type``, read as inert stand-ins. A file that
+arrays, and Megatron's enums such as ``args.model_type`` or the ``rerun_state_machine`` entry's
+``RerunMode``, read as inert stand-ins. A file that
 cannot be read is "corrupt or truncated checkpoint file FILE: why"; one holding any other type
 is refused by name.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import enum
 import os
+import pickle
 import re
 import types
 from pathlib import Path
@@ -53,17 +55,58 @@ _ATTN_MASK_TYPE = _stub_enum("AttnMaskType", "padding causal no_mask padding_cau
 _ATTN_BACKEND = _stub_enum("AttnBackend", "flash fused unfused local auto")
 _POSITION_EMBEDDING_TYPE = _stub_enum("PositionEmbeddingType", "rotary absolute")
 _FP8_RECIPE = _stub_enum("Fp8Recipe", "delayed tensorwise mxfp8")
+# The rerun state machine's enums (megatron.core.rerun_state_machine), with Megatron's values:
+# every checkpoint core_v0.13+ saves has a top-level ``rerun_state_machine`` entry holding them.
+_RERUN_MODE = MegatronEnum("RerunMode", [(m.upper(), m) for m in
+                                         ("disabled", "validate_results",
+                                          "report_determinism_stats")], module=__name__)
+_RERUN_STATE = MegatronEnum("RerunState", [
+    (m, i) for i, m in enumerate(("NOT_RUNNING_YET", "INITIAL_RUN", "RERUNNING_IN_PLACE",
+                                  "WILL_RERUN_FROM_CHECKPOINT", "RERUNNING_FROM_CHECKPOINT",
+                                  "RERUNNING_AGAIN_FROM_CHECKPOINT"))], module=__name__)
+_RERUN_DIAGNOSTIC = MegatronEnum("RerunDiagnostic", [
+    (m.upper(), m) for m in ("correct_result", "transient_error", "persistent_error")],
+    module=__name__)
 _MEGATRON_ENUMS = {
     "megatron.core.enums": {"ModelType": _MODEL_TYPE, "Fp8Recipe": _FP8_RECIPE},
     "megatron.core.transformer.enums": {
         "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
         "AttnMaskType": _ATTN_MASK_TYPE, "AttnBackend": _ATTN_BACKEND},
+    "megatron.core.rerun_state_machine": {
+        "RerunMode": _RERUN_MODE, "RerunState": _RERUN_STATE,
+        "RerunDiagnostic": _RERUN_DIAGNOSTIC},
     "megatron.model.enums": {
         "ModelType": _MODEL_TYPE, "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE,
         "AttnMaskType": _ATTN_MASK_TYPE, "PositionEmbeddingType": _POSITION_EMBEDDING_TYPE},
     "megatron.legacy.model.enums": {
         "LayerType": _LAYER_TYPE, "AttnType": _ATTN_TYPE, "AttnMaskType": _ATTN_MASK_TYPE},
 }
+
+
+_HOME = {stub: (module, name) for module, stubs in reversed(_MEGATRON_ENUMS.items())
+         for name, stub in stubs.items()}
+"""Stand-in -> the (module, name) it is written back under: the first place listed (where
+Megatron-LM core_v0.13 defines it)."""
+
+
+class _MegatronNamesPickler(pickle._Pickler):  # noqa: SLF001 - the pure-Python pickler
+    """Writes a stand-in enum under Megatron-LM's own name (``megatron.core.enums.ModelType``),
+    so a checkpoint read here and written back (a conversion) holds the same globals Megatron-LM
+    wrote and reads; every other object is pickled as usual."""
+
+    def save_global(self, obj, name=None):
+        home = _HOME.get(obj)
+        if home is None:
+            super().save_global(obj, name)
+            return
+        self.write(pickle.GLOBAL + f"{home[0]}\n{home[1]}\n".encode("utf-8"))
+        self.memoize(obj)
+
+
+PICKLE_MODULE = types.ModuleType("megatron_names_pickle")
+"""``torch.save(..., pickle_module=PICKLE_MODULE)``: :class:`_MegatronNamesPickler` as the
+Pickler."""
+PICKLE_MODULE.Pickler = _MegatronNamesPickler
 
 
 def _safe_globals() -> list:

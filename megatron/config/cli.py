@@ -65,6 +65,13 @@ class MegatronConfig:
     them with :meth:`section`."""
     extra: argparse.Namespace = dataclasses.field(default_factory=argparse.Namespace)
     """Flags added by a Megatron-LM style ``extra_args_provider`` (third-party scripts)."""
+    given: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The flags given on the command line: field name -> the spelling typed (an alias such as
+    ``--norm-epsilon`` included), so errors name the flag the user wrote."""
+
+    def flag(self, name: str, main: str) -> str:
+        """The spelling of field ``name`` the user typed, else ``main``."""
+        return self.given.get(name, main)
 
     # Derived by validate() -------------------------------------------------------------------
     world_size: int = dataclasses.field(default=1, init=False)
@@ -129,7 +136,20 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None = No
              for f in dataclasses.fields(cls)}
     cfg.extra = argparse.Namespace(**{k: v for k, v in values.items() if k not in owned})
     _fill_extra_defaults(parser, cfg.extra)
+    cfg.given = _given_flags(parser, sys.argv[1:] if argv is None else argv)
     return cfg
+
+
+def _given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """dest -> the option string typed for it (the last one where several were)."""
+    given: dict[str, str] = {}
+    for token in argv:
+        if token == "--":
+            break
+        action = parser._option_string_actions.get(str(token).split("=", 1)[0])  # noqa: SLF001
+        if action is not None and action.dest not in (None, argparse.SUPPRESS, "help"):
+            given[action.dest] = str(token).split("=", 1)[0]
+    return given
 
 
 def parse_command_line(argv: Sequence[str] | None = None, prog: str | None = None,

@@ -110,4 +110,5 @@ def check_ranges(cfg) -> None:
         if value is None or value in allowed:
             continue
         field = next(f for f in dataclasses.fields(sec) if f.name == name)
-        raise ValueError(f"{flag_name(field)} ({value}) must be {allowed.text}")
+        typed = getattr(cfg, "given", {}).get(name, flag_name(field))
+        raise ValueError(f"{typed} ({value}) must be {allowed.text}")

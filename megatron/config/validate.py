@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 from megatron.config.base import make_read_only
@@ -90,6 +91,10 @@ def validate(flags, world_size: int, require_model: bool = True,
     cfg = copy.deepcopy(flags)
     check_deprecated(cfg)
     check_ranges(cfg)
+    if require_model:
+        # On the flags as given: derive() drops what they ignore (num_query_groups...).
+        _check_position_embedding_given(cfg)
+        _warn_on_ignored_model_flags(cfg)
     derive(cfg, world_size, require_model=require_model,
            require_train_length=require_train_length)
     # The checks keep the order they had when each one derived its own values: with several
@@ -99,7 +104,7 @@ def validate(flags, world_size: int, require_model: bool = True,
         _check_llama_features(cfg.model)
         _check_model_shape(cfg)
         _check_query_groups(cfg)
-        _check_rotary_dims(cfg.model)
+        _check_rotary_dims(cfg)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
     _check_interleaved_schedule(cfg)
@@ -168,11 +173,54 @@ def _check_query_groups(cfg) -> None:
                          f"--num-query-groups ({g}) with --group-query-attention")
 
 
-def _check_rotary_dims(m) -> None:
-    """RoPE turns dimension pairs: at least one pair of each head must rotate."""
-    if m.position_embedding_type == "rope" and int(m.kv_channels * m.rotary_percent) < 2:
-        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of --kv-channels "
-                         f"({m.kv_channels}) rotates fewer than 2 dimensions; raise it")
+def _check_rotary_dims(cfg) -> None:
+    """RoPE turns dimension pairs: at least one pair of each head must rotate, and the rotated
+    dimensions int(--kv-channels x --rotary-percent) must pair up (an odd count fails in the
+    first forward pass)."""
+    m = cfg.model
+    if m.position_embedding_type != "rope" or m.kv_channels is None:
+        return
+    rotated = int(m.kv_channels * m.rotary_percent)
+    kv = "--kv-channels" if "kv_channels" in cfg.given else \
+        "--kv-channels (--hidden-size / --num-attention-heads)"
+    if rotated < 2:
+        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of {kv} ({m.kv_channels}) "
+                         "rotates fewer than 2 dimensions; raise it")
+    if rotated % 2:
+        raise ValueError(f"RoPE rotates int({kv} ({m.kv_channels}) x --rotary-percent "
+                         f"({m.rotary_percent})) = {rotated} dimensions per head, an odd number: "
+                         "it turns dimension pairs; choose values giving an even count")
+
+
+def _check_position_embedding_given(cfg) -> None:
+    """--use-rotary-position-embeddings against an explicit other --position-embedding-type
+    (Megatron-LM lets the older flag silently win)."""
+    m = cfg.model
+    if m.use_rotary_position_embeddings and "position_embedding_type" in cfg.given and \
+            m.position_embedding_type == "learned_absolute":
+        raise ValueError("--use-rotary-position-embeddings and --position-embedding-type "
+                         "learned_absolute contradict; drop one (the first is the older "
+                         "spelling of --position-embedding-type rope)")
+
+
+def _warn_on_ignored_model_flags(cfg) -> None:
+    """Flags given that the model they describe does not read (Megatron-LM ignores them as
+    well, silently)."""
+    m, given = cfg.model, cfg.given
+    rope = m.position_embedding_type == "rope" or m.use_rotary_position_embeddings
+    ignored = []
+    if not rope:
+        ignored += [(cfg.flag(name, "--" + name.replace("_", "-")),
+                     "without --position-embedding-type rope")
+                    for name in ("rotary_interleaved", "rotary_percent", "rotary_base")
+                    if name in given]
+    if m.openai_gelu and m.swiglu:
+        ignored.append(("--openai-gelu", "with --swiglu (the MLP is SiLU-gated)"))
+    if "num_query_groups" in given and not m.group_query_attention:
+        ignored.append(("--num-query-groups", "without --group-query-attention (plain "
+                                              "multi-head attention is trained)"))
+    for flag, why in ignored:
+        warnings.warn(f"{flag} is ignored {why}", stacklevel=3)
 
 
 def _check_model_shape(cfg) -> None:

@@ -15,7 +15,10 @@ Code that reads or splits checkpoints speaks of the dotted form
 
 * legacy names: checkpoints older than Megatron-LM's 2021 renames say
   ``language_model.transformer.`` for ``language_model.encoder.`` and ``.attention.`` for
-  ``.self_attention.`` (:data:`LEGACY_RENAMES`, :func:`current_key`);
+  ``.self_attention.`` (:data:`LEGACY_RENAMES`, :func:`current_key`); newer ones (core_v0.13)
+  say ``input_norm`` / ``post_attention_norm`` / ``final_norm`` for the ``*_layernorm`` names
+  and add empty ``_extra_state`` entries (:data:`NORM_RENAMES`,
+  :func:`without_empty_extra_states`);
 * the head copy: with tied embeddings and several pipeline stages the last stage saves its copy
   of the word embedding as ``word_embeddings_for_head`` (:data:`HEAD_COPY_SECTION`), which the
   model holds as its ``word_embeddings`` module (:func:`module_key`);
@@ -36,6 +39,16 @@ LEGACY_RENAMES = (("language_model.transformer.", "language_model.encoder."),
                   (".attention.", ".self_attention."))
 """Older checkpoints' names -> current ones (Megatron-LM renamed both in 2021)."""
 
+NORM_RENAMES = ((".input_norm.", ".input_layernorm."),
+                (".post_attention_norm.", ".post_attention_layernorm."),
+                (".post_inter_attention_norm.", ".post_inter_attention_layernorm."),
+                (".final_norm.", ".final_layernorm."))
+"""Newer Megatron-LM legacy models' norm names (core_v0.13 saves ``input_norm``...) -> the
+``*_layernorm`` names of 23.06 this project saves: both name the same tensors."""
+
+EXTRA_STATE_SUFFIX = "._extra_state"
+"""Megatron core's linear layers save an ``_extra_state`` entry (None outside FP8 training)."""
+
 HEAD_COPY_SECTION = "word_embeddings_for_head"
 """Checkpoint section of the last stage's copy of the tied word embedding."""
 
@@ -53,11 +66,25 @@ _LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def current_key(key: str) -> str:
-    """``key`` under today's names (an older checkpoint's ``transformer`` / ``.attention.``
-    renamed; a current key unchanged)."""
-    for old, new in LEGACY_RENAMES:
+    """``key`` under today's names (an older checkpoint's ``transformer`` / ``.attention.``,
+    a newer one's ``*_norm`` renamed; a current key unchanged)."""
+    for old, new in LEGACY_RENAMES + NORM_RENAMES:
         key = key.replace(old, new)
     return key
+
+
+def norm_key(key: str) -> str:
+    """``key`` with a newer Megatron-LM's ``*_norm`` renamed to ``*_layernorm``."""
+    for old, new in NORM_RENAMES:
+        key = key.replace(old, new)
+    return key
+
+
+def without_empty_extra_states(flat: Mapping) -> dict:
+    """``flat`` less the ``_extra_state`` entries that hold nothing (None); one that holds a
+    value (FP8 scaling state) is kept, and the model or layout then names it."""
+    return {key: value for key, value in flat.items()
+            if not (key.endswith(EXTRA_STATE_SUFFIX) and value is None)}
 
 
 def module_key(key: str) -> str:
@@ -121,4 +148,5 @@ def nest_model_state(flat: Mapping[str, torch.Tensor],
 def flatten_checkpoint_state_dict(state_dict: Mapping) -> dict[str, torch.Tensor]:
     """Megatron-LM's nested model dict (or a module's flat ``state_dict()``) -> the model's
     parameter names (:func:`module_key` of each dotted key)."""
-    return {module_key(key): value for key, value in flatten_model_state(state_dict).items()}
+    flat = without_empty_extra_states(flatten_model_state(state_dict))
+    return {module_key(key): value for key, value in flat.items()}

@@ -141,6 +141,9 @@ _CHECKPOINT_ARCH_FIELDS = {
     "tokenizer": ("tokenizer_type", "vocab_file", "merge_file", "vocab_size", "tokenizer_model"),
 }
 
+_NEWER_NAMES = {"layernorm_epsilon": "norm_epsilon"}
+"""Our field -> the name Megatron-LM core_v0.13 saves it under (read when ours is absent)."""
+
 
 def apply_checkpoint_args(cfg: MegatronConfig) -> None:
     """--use-checkpoint-args: take the architecture (and tokenizer, where the flags give none)
@@ -157,6 +160,8 @@ def apply_checkpoint_args(cfg: MegatronConfig) -> None:
         sec = getattr(cfg, section)
         for name in names:
             value = getattr(saved, name, None)
+            if value is None and name in _NEWER_NAMES:
+                value = getattr(saved, _NEWER_NAMES[name], None)
             if value is None:
                 continue
             if section == "tokenizer" and getattr(sec, name) is not None:

@@ -209,17 +209,18 @@ def hf_architecture(args: argparse.Namespace, requested: str | None = None) -> s
     raise ValueError(f"--hf-architecture {requested}: this GPT exports as {needed}")
 
 
-def llama_config(md: ModelDescription, vocab: int, architecture: str | None = None):
+def llama_config(md: ModelDescription, vocab: int, architecture: str | None = None,
+                 special: tuple[int | None, int | None] | None = None):
     """The ``LlamaConfig`` (``Qwen2Config`` with ``--add-qkv-bias``, ``Qwen3Config`` with
     ``--qk-layernorm``, ``MistralConfig`` with a recorded sliding window or when asked) of
-    ``md``."""
+    ``md``; ``special``: its (bos, eos) token ids (None: see :func:`special_token_ids`)."""
     check_llama_compatible(md.args)
     transformers = optional_module("transformers", "--saver hf")
     args = md.args
     architecture = hf_architecture(args, architecture)
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(
         getattr(args, "params_dtype", torch.float32), "float32")
-    eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
+    bos, eos = special if special is not None else special_token_ids(md, vocab)
     common = dict(
         vocab_size=vocab, hidden_size=int(args.hidden_size),
         intermediate_size=int(args.ffn_hidden_size), num_hidden_layers=md.num_layers,
@@ -230,7 +231,7 @@ def llama_config(md: ModelDescription, vocab: int, architecture: str | None = No
         rope_parameters={"rope_type": "default",
                          "rope_theta": float(getattr(args, "rotary_base", 10000))},
         tie_word_embeddings=not md.untied, hidden_act="silu", attention_dropout=0.0,
-        bos_token_id=eod, eos_token_id=eod, torch_dtype=dtype)
+        bos_token_id=bos, eos_token_id=eos, torch_dtype=dtype)
     if architecture == "Qwen2ForCausalLM":
         return transformers.Qwen2Config(architectures=[architecture], **common)
     if architecture == "Qwen3ForCausalLM":  # its head_dim defaults to 128: always written
@@ -245,6 +246,30 @@ def llama_config(md: ModelDescription, vocab: int, architecture: str | None = No
         common["head_dim"] = head_dim(args)
     return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False,
                                     mlp_bias=False, **common)
+
+
+def special_token_ids(md: ModelDescription, vocab: int) -> tuple[int | None, int | None]:
+    """(bos, eos) recorded by the import (the HF config's ``bos_token_id`` / ``eos_token_id``),
+    else the last token of the true vocabulary for both (GPT-2's ``<|endoftext|>``)."""
+    bos, eos = (getattr(md.args, name, None) for name in ("bos_token_id", "eos_token_id"))
+    if bos is None and eos is None:
+        eod = vocab - 1 if md.true_vocab_size is None else md.true_vocab_size - 1
+        return eod, eod
+    return bos, eos
+
+
+def for_every_reader(config: dict, args: argparse.Namespace) -> dict:
+    """A config.json written by transformers 5 with the keys transformers 4.x (and readers that
+    parse the file themselves: vLLM, llama.cpp's converter) look for: the top-level
+    ``rope_theta`` (else they silently use 10000), ``rope_scaling`` (None: Megatron's
+    --rotary-base RoPE is unscaled) and ``torch_dtype``."""
+    out = dict(config)
+    rope = out.get("rope_parameters") or {}
+    out["rope_theta"] = float(rope.get("rope_theta", getattr(args, "rotary_base", 10000)))
+    out.setdefault("rope_scaling", None)
+    if "torch_dtype" not in out and "dtype" in out:
+        out["torch_dtype"] = out["dtype"]
+    return out
 
 
 def _rope_theta(config: dict) -> float:
@@ -324,7 +349,18 @@ def llama_args(config: dict) -> argparse.Namespace:
         padded_vocab_size=int(config["vocab_size"]), tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,
         tokenizer_type=None, tokenizer_model=None, vocab_file=None, merge_file=None,
-        iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+        iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
+        true_vocab_size=int(config["vocab_size"]),
+        bos_token_id=_token_id(config, "bos_token_id"),
+        eos_token_id=_token_id(config, "eos_token_id"))
+
+
+def _token_id(config: dict, key: str) -> int | None:
+    """An HF config's bos/eos id (the first of a list: Llama 3 instruct lists several eos)."""
+    value = config.get(key)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class HuggingFaceLlama(ModelDescription):

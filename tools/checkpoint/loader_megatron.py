@@ -22,7 +22,8 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
-from megatron.core.checkpoint_keys import current_key, layer_of, with_layer
+from megatron.core.checkpoint_keys import (current_key, layer_of, norm_key,
+                                           with_layer, without_empty_extra_states)
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import ModelDescription, swiglu_from_shards
 
@@ -85,7 +86,8 @@ class MegatronCheckpoint(ModelDescription):
         self.version = checkpoint_version(first)
         super().__init__(family=family, args=args, iteration=int(first.get(
             "iteration", first.get("total_iters", iteration)) if not release else 0),
-            release=release, extra=_extras(first))
+            release=release, extra=_extras(first),
+            true_vocab_size=_true_vocab_size(args))
         self.layout = LAYOUTS[family]
         self.stages = PipelineStages(self.num_layers, self.pp, chunks if chunks > 1 else None)
         self.plan = self.stages.chunks()
@@ -191,6 +193,7 @@ class MegatronCheckpoint(ModelDescription):
 
     def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
         """Drop the extra keys Megatron tolerates; refuse others the layout does not know."""
+        flat = {norm_key(k): v for k, v in without_empty_extra_states(flat).items()}
         for key in TOLERATED_EXTRA_KEYS:
             if key in flat and chunk.pre_process and chunk.post_process:
                 del flat[key]
@@ -272,6 +275,13 @@ def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> 
             f"{files[min(files)].parent.parent} holds {', '.join(extra)}, beyond the TP {tp} x "
             f"PP {pp} its args record: files of two layouts mixed, not converted")
     return tp, pp
+
+
+def _true_vocab_size(args) -> int | None:
+    """The unpadded vocabulary a conversion recorded (``args.true_vocab_size``: an HF import's
+    ``vocab_size``), so every later export drops exactly the padding rows."""
+    value = getattr(args, "true_vocab_size", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _extras(sd: dict) -> dict:

@@ -28,8 +28,8 @@ from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
 from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
-from tools.checkpoint.hf_llama import (hf_architecture, is_llama_style, llama_config,
-                                       llama_tensors)
+from tools.checkpoint.hf_llama import (for_every_reader, hf_architecture, is_llama_style,
+                                       llama_config, llama_tensors, special_token_ids)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -195,8 +195,11 @@ def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
     """Llama-style GPT -> ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
     / ``Qwen3ForCausalLM`` (``hf_llama``)."""
     # Refuses what the class cannot hold, before anything is written.
-    config = llama_config(md, vocab, architecture)
+    config = llama_config(md, vocab, architecture, _special_ids(md, vocab, tokenizer_dir))
     _write_model(out, config, llama_tensors(md, vocab), max_shard_bytes)
+    path = out / "config.json"
+    path.write_text(json.dumps(for_every_reader(json.loads(path.read_text()), md.args),
+                               indent=2, sort_keys=True) + "\n")
     if tokenizer_dir is not None:
         _copy_tokenizer(md, out, tokenizer_dir)
         return out
@@ -211,6 +214,43 @@ def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
     else:
         _copy_tokenizer(md, out, None)  # a GPT-2 BPE tokenizer's files (examples/pretrain_llama.sh)
     return out
+
+
+def _special_ids(md: ModelDescription, vocab: int,
+                 tokenizer_dir) -> tuple[int | None, int | None]:
+    """(bos, eos) of the tokenizer exported beside the model (``--tokenizer-dir``, else the
+    checkpoint's HuggingFaceTokenizer / Llama2Tokenizer), where it names them; else the ids the
+    import recorded (:func:`~tools.checkpoint.hf_llama.special_token_ids`)."""
+    recorded = special_token_ids(md, vocab)
+    tokenizer = _tokenizer_of(md, tokenizer_dir)
+    if tokenizer is None:
+        return recorded
+    try:
+        eos = tokenizer.eod
+    except (ValueError, NotImplementedError, AttributeError):
+        eos = None
+    bos = getattr(tokenizer, "bos", None)
+    return (recorded[0] if bos is None else bos), (recorded[1] if eos is None else eos)
+
+
+def _tokenizer_of(md: ModelDescription, tokenizer_dir):
+    """The tokenizer whose files go with the export, where it is one that names bos/eos."""
+    from megatron.tokenizer.build import create_tokenizer
+    from megatron.tokenizer.config import TokenizerConfig
+    if tokenizer_dir is not None:
+        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            return None
+        kind, model = "HuggingFaceTokenizer", str(tokenizer_dir)
+    else:
+        kind, model = (getattr(md.args, name, None) for name in ("tokenizer_type",
+                                                                   "tokenizer_model"))
+        if kind not in ("HuggingFaceTokenizer", "Llama2Tokenizer") or not model or \
+                not os.path.exists(model):
+            return None
+    try:
+        return create_tokenizer(TokenizerConfig(tokenizer_type=kind, tokenizer_model=model))
+    except ValueError:
+        return None
 
 
 def _write_model(out: Path, config, tensors, max_shard_bytes: int) -> None:

@@ -79,6 +79,8 @@ def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
     args.virtual_pipeline_model_parallel_size = _virtual_size(md.num_layers, target)
     args.world_size = target.tensor_parallel_size * target.pipeline_parallel_size * data_parallel
     args.padded_vocab_size = vocab
+    if md.true_vocab_size is not None:  # kept through every conversion (exports drop padding)
+        args.true_vocab_size = md.true_vocab_size
     args.make_vocab_size_divisible_by = _divisible_by(md, target, vocab)
     if hasattr(args, "model_parallel_size"):  # checkpoint_version < 3's name of the TP size
         del args.model_parallel_size

@@ -331,7 +331,7 @@ def test_cli_converts_through_the_script(tmp_path):
 
 
 def _run_config(padded: int, divisor: int, tp: int) -> types.SimpleNamespace:
-    """What _check_compatible reads of a run with GPT-2's 50257 tokens (a NullTokenizer)."""
+    """What check_compatible reads of a run with GPT-2's 50257 tokens (a NullTokenizer)."""
     from megatron.tokenizer.config import TokenizerConfig
 
     ours = argparse.Namespace(padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
@@ -341,12 +341,12 @@ def _run_config(padded: int, divisor: int, tp: int) -> types.SimpleNamespace:
 
 
 def test_padded_vocabulary_mismatch_names_both_sizes_and_the_flag(tmp_path):
-    from megatron.training.checkpointing import _check_compatible
+    from megatron.checkpointing.compat import check_compatible
 
     saved = argparse.Namespace(padded_vocab_size=50304, make_vocab_size_divisible_by=128,
                                tensor_model_parallel_size=1)
     with pytest.raises(CheckpointError) as err:
-        _check_compatible(saved, _run_config(50432, 128, 2), tmp_path / "model_optim_rng.pt")
+        check_compatible(saved, _run_config(50432, 128, 2), tmp_path / "model_optim_rng.pt")
     text = str(err.value)
     assert "50304 rows" in text and "to 50432" in text
     assert "pass --make-vocab-size-divisible-by 64" in text
@@ -357,15 +357,15 @@ def test_padded_vocabulary_hint_gives_a_divisor_that_loads(tmp_path):
     GPT-2 to 50304. The hint names a divisor that pads to 50432 at TP 1, and with it the
     checkpoint loads (its recorded divisor differs: only the rows must agree)."""
     from megatron.tokenizer import vocab_size_with_padding
-    from megatron.training.checkpointing import _check_compatible
+    from megatron.checkpointing.compat import check_compatible
 
     saved = argparse.Namespace(padded_vocab_size=50432, make_vocab_size_divisible_by=128,
                                tensor_model_parallel_size=1)
     with pytest.raises(CheckpointError) as err:
-        _check_compatible(saved, _run_config(50304, 128, 1), tmp_path / "model_optim_rng.pt")
+        check_compatible(saved, _run_config(50304, 128, 1), tmp_path / "model_optim_rng.pt")
     assert "pass --make-vocab-size-divisible-by 256" in str(err.value)
     assert vocab_size_with_padding(50257, 256, 1) == 50432
-    _check_compatible(saved, _run_config(50432, 256, 1), tmp_path / "model_optim_rng.pt")
+    check_compatible(saved, _run_config(50432, 256, 1), tmp_path / "model_optim_rng.pt")
 
 
 def test_training_loader_ignores_a_head_copy_on_a_single_stage():
