@@ -35,7 +35,7 @@ def _start(port: int, master_port: int) -> list[subprocess.Popen]:
     return procs
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_every_rank_stops_cleanly_on_the_signal(sig):
     port = free_port()
     procs = _start(port, free_port())
