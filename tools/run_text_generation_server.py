@@ -104,6 +104,7 @@ def run(argv: list[str] | None = None) -> None:
     flags, parser = parse_command_line(argv, prog=_PROG, tool_sections=TOOL_SECTIONS)
     cfg = initialize_from_config(weights_only(flags), parser, tool_checks=TOOL_CHECKS)
     ex = cfg.section(ServerFlags)
+    stop = _StopSignals()
     tokenizer = build_tokenizer_from_config(cfg)
     model = gpt_model_from(cfg, inference=True).to(device.get_device())
     if not cfg.checkpoint.random_weights:
@@ -115,9 +116,30 @@ def run(argv: list[str] | None = None) -> None:
                   use_kv_cache=ex.kv_cache, mp_group=group,
                   pp_group=parallel_state.get_pipeline_model_parallel_group(), src=src)
     if comm.rank(group) != src:
-        follow_requests(model, tokenizer, **common)
+        follow_requests(model, tokenizer, **common)  # until the leader's shutdown
     else:
-        serve(model, tokenizer, ex, common)
+        serve(model, tokenizer, ex, common, stop)
+
+
+class _StopSignals:
+    """SIGINT / SIGTERM on every rank: torchrun passes a SIGTERM to every rank and Ctrl-C
+    reaches the whole process group, so a follower must not die of it (the leader's shutdown
+    broadcast would then fail on a closed connection). The leader stops serving; the followers
+    return when it tells them to."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.name: str | None = None
+        self.on_stop = lambda: None
+        fault.handle_stop_signals()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if not self.event.is_set():
+            self.name = signal.Signals(signum).name
+            self.event.set()
+            self.on_stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.distributed.destroy_process_group()
 
 
-def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
+def serve(model, tokenizer, ex: ServerFlags, common: dict, stop: _StopSignals) -> None:
     """Rank 0: HTTP until SIGINT/SIGTERM, then stop the other ranks."""
     from megatron.text_generation.server.app import create_app
     from megatron.text_generation.server.serving import BoundedServer
@@ -139,15 +161,9 @@ def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
                      max_body_bytes=ex.max_request_bytes)
     server = BoundedServer(ex.host, ex.port, app, max_connections=ex.max_connections,
                            client_timeout_s=ex.client_timeout)
-    stop = threading.Event()
-
-    def shutdown(*_):
-        if not stop.is_set():
-            stop.set()
-            threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGINT, shutdown)
-    signal.signal(signal.SIGTERM, shutdown)
+    stop.on_stop = lambda: threading.Thread(target=server.shutdown, daemon=True).start()
+    if stop.event.is_set():  # a signal while the model loaded
+        stop.on_stop()
     log_rank_0(f"serving on http://{ex.host}:{server.server_port} (PUT /api, "
                "POST /v1/completions, web page at /)")
     try:
@@ -155,7 +171,7 @@ def serve(model, tokenizer, ex: ServerFlags, common: dict) -> None:
     finally:
         engine.close()
         stop_followers(common["mp_group"], common["src"])
-        log_rank_0("server stopped")
+        log_rank_0(f"server stopped ({stop.name or 'shut down'}): every rank exits")
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_file(obj, path: Path) -> str:
+def save_file(obj, path: Path, flag: str = "--save") -> str:
     """``torch.save`` a shard file (``iter_X/mp_rank_YY/<name>``) atomically, then sync its
     directory (the renames are durable); returns the sha256 of the bytes written, for the
     iteration's manifest (:func:`write_manifest`, once every shard is in).
@@ -117,7 +117,7 @@ def save_file(obj, path: Path) -> str:
                 raise
         digests.append(out.hexdigest())
 
-    with reported_write_errors(path, needed=lambda: state_nbytes(obj)):
+    with reported_write_errors(path, needed=lambda: state_nbytes(obj), flag=flag):
         manifest_path(path).unlink(missing_ok=True)
         checksum_path(path).unlink(missing_ok=True)
         _atomic_write(write, path)
@@ -135,7 +135,8 @@ def manifest_path(path: Path) -> Path:
     return path.parent.parent / MANIFEST_FILENAME
 
 
-def write_manifest(iteration_dir: Path, digests: Mapping[str, str]) -> None:
+def write_manifest(iteration_dir: Path, digests: Mapping[str, str],
+                   flag: str = "--save") -> None:
     """Write the iteration directory's manifest (``{manifest_entry: sha256}``, every shard file
     of every rank) atomically and sync the directory. Called once, after every shard is saved.
 
@@ -144,12 +145,13 @@ def write_manifest(iteration_dir: Path, digests: Mapping[str, str]) -> None:
     """
     text = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
     manifest = iteration_dir / MANIFEST_FILENAME
-    with reported_write_errors(manifest, needed=lambda: len(text)):
+    with reported_write_errors(manifest, needed=lambda: len(text), flag=flag):
         _atomic_write(lambda tmp: tmp.write_text(text), manifest)
         _fsync_dir(iteration_dir)
 
 
-def publish_tracker(root: Path, iteration: int, iteration_dir: Path) -> tuple[int, bool] | None:
+def publish_tracker(root: Path, iteration: int, iteration_dir: Path,
+                    flag: str = "--save") -> tuple[int, bool] | None:
     """Point the tracker of ``root`` at ``iteration``, durably: the iteration directory and the
     root are synced first (its shard directories must already be), the root again after.
 
@@ -166,7 +168,7 @@ def publish_tracker(root: Path, iteration: int, iteration_dir: Path) -> tuple[in
         previous = None
     for directory in (iteration_dir, root):
         _fsync_dir(directory)
-    with reported_write_errors(tracker, needed=lambda: len(str(iteration))):
+    with reported_write_errors(tracker, needed=lambda: len(str(iteration)), flag=flag):
         _atomic_write(lambda tmp: tmp.write_text(str(iteration)), tracker)
     _fsync_dir(root)
     return previous
@@ -365,16 +367,19 @@ def state_nbytes(obj) -> int:
 
 
 @contextlib.contextmanager
-def reported_write_errors(path: Path, needed: Callable[[], int] | None = None) -> Iterator[None]:
+def reported_write_errors(path: Path, needed: Callable[[], int] | None = None,
+                          flag: str = "--save") -> Iterator[None]:
     """Turn an ``OSError`` while writing checkpoint file ``path`` into a CheckpointError naming
-    the directory, the bytes ``needed()`` and the free space there."""
+    the directory, the bytes ``needed()``, the free space there and ``flag``, the option that
+    chose the directory (``--save``; the converter's ``--save-dir``): :func:`write_error`."""
     try:
         yield
     except OSError as err:
-        raise _write_error(err, path, needed() if needed is not None else None) from err
+        raise write_error(err, path, needed() if needed is not None else None, flag) from err
 
 
-def _write_error(err: OSError, path: Path, needed: int | None) -> CheckpointError:
+def write_error(err: OSError, path: Path, needed: int | None,
+                 flag: str = "--save") -> CheckpointError:
     directory = path.parent
     free = _free_bytes(directory)
     space = f"{_size(free)} free there" if free is not None else "free space unknown"
@@ -383,7 +388,7 @@ def _write_error(err: OSError, path: Path, needed: int | None) -> CheckpointErro
         return CheckpointError(
             f"no space left on the device for checkpoint file {path.name} in {directory}: "
             f"{need}{space} ({err.strerror}). The previous checkpoint and the tracker are "
-            "untouched; free some space or point --save at a larger disk")
+            f"untouched; free some space or point {flag} at a larger disk")
     return CheckpointError(f"could not write checkpoint file {path}: {err.strerror or err} "
                            f"({space})")
 

@@ -181,15 +181,16 @@ def _check_rotary_dims(cfg) -> None:
     if m.position_embedding_type != "rope" or m.kv_channels is None:
         return
     rotated = int(m.kv_channels * m.rotary_percent)
-    kv = "--kv-channels" if "kv_channels" in cfg.given else \
-        "--kv-channels (--hidden-size / --num-attention-heads)"
+    default = "" if "kv_channels" in cfg.given else \
+        " (--kv-channels defaults to --hidden-size / --num-attention-heads)"
     if rotated < 2:
-        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of {kv} ({m.kv_channels}) "
-                         "rotates fewer than 2 dimensions; raise it")
+        raise ValueError(f"--rotary-percent ({m.rotary_percent}) of --kv-channels "
+                         f"({m.kv_channels}) rotates fewer than 2 dimensions; raise it{default}")
     if rotated % 2:
-        raise ValueError(f"RoPE rotates int({kv} ({m.kv_channels}) x --rotary-percent "
+        raise ValueError(f"RoPE rotates int(--kv-channels ({m.kv_channels}) x --rotary-percent "
                          f"({m.rotary_percent})) = {rotated} dimensions per head, an odd number: "
-                         "it turns dimension pairs; choose values giving an even count")
+                         f"it turns dimension pairs; choose values giving an even "
+                         f"count{default}")
 
 
 def _check_position_embedding_given(cfg) -> None:

@@ -20,7 +20,8 @@ from megatron.core.transformer.config import TransformerConfig
 
 
 def num_parameters(config: TransformerConfig, exclude_embeddings: bool = False) -> int:
-    """Exact parameter count of the full (unsplit) GPT model, biases and LayerNorms included.
+    """Exact parameter count of the full (unsplit) GPT model, biases and norms (the q/k norms
+    of --qk-layernorm too) included.
 
     Args:
         config: the model's settings (``padded_vocab_size`` set unless ``exclude_embeddings``).
@@ -35,7 +36,10 @@ def num_parameters(config: TransformerConfig, exclude_embeddings: bool = False) 
     bias = 1 if c.add_bias_linear else 0
     qkv_bias = 1 if c.add_bias_linear or c.add_qkv_bias else 0
     norm = h if c.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
-    per_layer = (2 * norm                            # two norms
+    # --qk-layernorm: one norm over hn each for the queries and the keys, shared by the heads.
+    qk_norms = 2 * (c.kv_channels if c.normalization == "RMSNorm" else 2 * c.kv_channels) \
+        if c.qk_layernorm else 0
+    per_layer = (2 * norm + qk_norms                 # two norms (+ the q/k norms)
                  + qkv * h + qkv_bias * qkv          # query_key_value
                  + proj * h + bias * h               # dense
                  + fc1 * h + f * h + bias * (fc1 + h))  # dense_h_to_4h, dense_4h_to_h

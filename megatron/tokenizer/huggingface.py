@@ -31,11 +31,52 @@ def _special_tokens(directory: Path) -> dict:
     found: dict = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         file = directory / name
-        config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+        config = _json_object(file) if file.is_file() else {}
         for key in ("eos_token", "bos_token"):
             if found.get(key) is None:
                 found[key] = _special_token(config, key)
+                found[f"{key}_file"] = file
     return found
+
+
+def _json_object(file: Path) -> dict:
+    """A JSON object file of the tokenizer directory.
+
+    Raises:
+        ValueError: naming the file and --tokenizer-model.
+    """
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"--tokenizer-model: {file} is not valid JSON ({err}); restore it from "
+                         "the tokenizer's source") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--tokenizer-model: {file} holds a JSON {type(config).__name__}, not "
+                         "an object")
+    return config
+
+
+def _load_tokenizer_json(file: Path) -> Tokenizer:
+    """``Tokenizer.from_file`` with an error naming the file and the flag.
+
+    Raises:
+        ValueError: a truncated or corrupt tokenizer.json, or another kind of file (a
+            SentencePiece ``.model`` given as one).
+    """
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        hint = " (a SentencePiece model: pass --tokenizer-type Llama2Tokenizer)" \
+            if _looks_like_sentencepiece(file) else " (truncated or corrupt? copy it again)"
+        raise ValueError(f"--tokenizer-model: {file} is not a HuggingFace tokenizer.json: "
+                         f"{first}{hint}") from None
+
+
+def _looks_like_sentencepiece(file: Path) -> bool:
+    with open(file, "rb") as f:
+        head = f.read(64)
+    return file.suffix == ".model" or (bool(head) and head[:1] != b"{" and b"\x00" in head)
 
 
 class HuggingFaceTokenizer(VocabTokenizer):
@@ -59,10 +100,15 @@ class HuggingFaceTokenizer(VocabTokenizer):
         if not file.is_file():
             raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there (give a local file "
                              "or directory; models are not downloaded)")
-        self._tokenizer = Tokenizer.from_file(str(file))
+        self._tokenizer = _load_tokenizer_json(file)
         special = _special_tokens(file.parent)
         self._set_vocab(self._tokenizer.get_vocab(with_added_tokens=True))
         eos = special["eos_token"]
+        if eos is not None and eos not in self._vocab:
+            # Named but absent: every document would end in a token the model cannot embed.
+            raise ValueError(f"--tokenizer-model: the eos_token {eos!r} of "
+                             f"{special['eos_token_file']} is not in the vocabulary of {file}; "
+                             "correct eos_token there (or use the tokenizer's own files)")
         if eos is None:
             eos = next((t for t in _EOS_CANDIDATES if t in self._vocab), None)
         self._eos_id = self._vocab.get(eos) if eos is not None else None
@@ -85,7 +131,9 @@ class HuggingFaceTokenizer(VocabTokenizer):
     @property
     def eod(self) -> int:
         if self._eos_id is None:
-            raise self._missing("EOD (no eos_token in tokenizer_config.json)")
+            raise self._missing("EOD (no eos_token in tokenizer_config.json or "
+                                "special_tokens_map.json, and none of "
+                                f"{', '.join(_EOS_CANDIDATES)} in the vocabulary)")
         return self._eos_id
 
     @property

@@ -15,7 +15,8 @@ Two daemon threads cover what the main thread cannot see while it is blocked in 
   on the store; when a failure is recorded it logs ``"stopping: rank N failed: ..."`` and ends
   its rank with exit code 1 (NCCL never notices a dead peer before the timeout);
 * the signal watcher ends the rank with exit code 130 when a SIGINT is still unhandled after
-  :data:`SIGINT_GRACE_S`.
+  :data:`SIGINT_GRACE_S` (unless the entry point stops on it itself:
+  :func:`handle_stop_signals`).
 
 Under torchrun the store lives in the launcher. Launched without it (srun-style ``RANK`` /
 ``WORLD_SIZE`` variables) rank 0 hosts it, so rank 0 waits, at most :data:`LINGER_S`, for the
@@ -90,6 +91,7 @@ _guarded = False
 _peers: _Peers | None = None
 # Held by the one thread that ends the rank: the main thread on an error, or a watcher.
 _ending = threading.Lock()
+_stop_signals_handled = threading.Event()
 _left_lock = threading.Lock()
 _left = False
 _watcher: threading.Thread | None = None
@@ -405,8 +407,14 @@ def _watch_sigint() -> None:
                      daemon=True).start()
 
 
+def handle_stop_signals() -> None:
+    """The entry point stops on SIGINT / SIGTERM itself, on every rank (a server: its leader
+    ends the others through a collective): the signal watcher leaves SIGINT to it."""
+    _stop_signals_handled.set()
+
+
 def _sigint_watcher(read_fd: int) -> None:
-    while signal.SIGINT not in os.read(read_fd, 64):
+    while signal.SIGINT not in os.read(read_fd, 64) or _stop_signals_handled.is_set():
         pass
     time.sleep(SIGINT_GRACE_S)
     if not _ending.acquire(blocking=False):

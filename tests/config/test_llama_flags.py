@@ -51,8 +51,9 @@ def test_defaults_are_megatrons():
     tc = transformer_config(_parse(""))
     assert tc.normalization == "LayerNorm" and tc.position_embedding_type == "learned_absolute"
     assert tc.add_position_embedding and tc.num_query_groups == 8  # MHA without GQA
-    # --num-query-groups alone is ignored, as Megatron-LM ignores it.
-    assert transformer_config(_parse("--num-query-groups 2")).num_query_groups == 8
+    # --num-query-groups alone is ignored, as Megatron-LM ignores it (with a warning here).
+    with pytest.warns(UserWarning, match="--num-query-groups is ignored"):
+        assert transformer_config(_parse("--num-query-groups 2")).num_query_groups == 8
 
 
 def test_swiglu_default_ffn_size():

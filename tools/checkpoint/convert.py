@@ -121,6 +121,11 @@ def load_model(opts: argparse.Namespace):
         from tools.checkpoint import loader_hf
         md = loader_hf.load(opts.load_dir, opts.model_type)
     if opts.true_vocab_size is not None:
+        if not 0 < opts.true_vocab_size <= md.padded_vocab_size:
+            md.close()
+            raise ValueError(f"--true-vocab-size {opts.true_vocab_size} must be between 1 and "
+                             f"the checkpoint's {md.padded_vocab_size} word-embedding rows (the "
+                             "tokenizer's vocabulary before padding)")
         md.true_vocab_size = opts.true_vocab_size
     return md
 

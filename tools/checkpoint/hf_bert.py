@@ -41,13 +41,12 @@ exact: ``gelu``, or ``--openai-gelu``, both tanh: ``gelu_new``).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from megatron.checkpointing import CheckpointError
-from tools.checkpoint.hf_files import optional_module
+from tools.checkpoint.hf_files import optional_module, read_config
 from tools.checkpoint.hf_mapping import (fuse_grouped_qkv, gelu_is_tanh,
                                          split_grouped_qkv)
 from tools.checkpoint.model_description import (LM_HEAD_BIAS, WORD_EMBEDDINGS,
@@ -229,7 +228,7 @@ class HuggingFaceMegatronBert(ModelDescription):
     ``BertForPreTraining`` (model_type ``bert``) directory, read lazily."""
 
     def __init__(self, directory: str | Path, tensors) -> None:
-        config = json.loads((Path(directory) / "config.json").read_text())
+        config = read_config(Path(directory) / "config.json")
         if config.get("model_type") not in MODEL_TYPES:
             raise CheckpointError(f"model_type {config.get('model_type')!r}: --loader hf reads "
                                   "BERT as MegatronBertForPreTraining (model_type megatron-bert) "

@@ -53,7 +53,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from megatron.core.log import warn_rank_0
-from tools.checkpoint.hf_files import optional_module
+from tools.checkpoint.hf_files import layers_beyond, optional_module
 from tools.checkpoint.hf_mapping import fuse_grouped_qkv, split_grouped_qkv
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
@@ -372,6 +372,7 @@ class HuggingFaceLlama(ModelDescription):
                          true_vocab_size=int(config["vocab_size"]))
         self.repad = True
         self.tensors = tensors
+        check_tensors_match_config(config, tensors)
 
     def embeddings(self) -> dict[str, torch.Tensor]:
         return {WORD_EMBEDDINGS: self.tensors.get("model.embed_tokens.weight")}
@@ -398,3 +399,49 @@ class HuggingFaceLlama(ModelDescription):
         if self.untied:
             out[OUTPUT_LAYER] = self.tensors.get("lm_head.weight")
         return out
+
+
+# Tensor -> its shape, from the config's fields (named in the error when it differs).
+_LLAMA_SHAPES = (
+    ("model.embed_tokens.weight", ("vocab_size", "hidden_size")),
+    (HF_LAYER + "self_attn.q_proj.weight", ("num_attention_heads x head_dim", "hidden_size")),
+    (HF_LAYER + "self_attn.k_proj.weight", ("num_key_value_heads x head_dim", "hidden_size")),
+    (HF_LAYER + "self_attn.v_proj.weight", ("num_key_value_heads x head_dim", "hidden_size")),
+    (HF_LAYER + "self_attn.o_proj.weight", ("hidden_size", "num_attention_heads x head_dim")),
+    (HF_LAYER + "mlp.gate_proj.weight", ("intermediate_size", "hidden_size")),
+    (HF_LAYER + "mlp.up_proj.weight", ("intermediate_size", "hidden_size")),
+    (HF_LAYER + "mlp.down_proj.weight", ("hidden_size", "intermediate_size")))
+
+
+def check_tensors_match_config(config: dict, tensors) -> None:
+    """Every tensor has the shape config.json gives it, and no layer lies beyond
+    ``num_hidden_layers`` (else the import would fail deep in a reshape, or silently drop
+    layers / build another model).
+
+    Raises:
+        CheckpointError: naming config.json's fields, their values and the tensor.
+    """
+    args = llama_args(config)
+    hidden, heads, groups = args.hidden_size, args.num_attention_heads, query_groups(args)
+    hd = args.kv_channels
+    value = {"vocab_size": int(config["vocab_size"]), "hidden_size": hidden,
+             "intermediate_size": args.ffn_hidden_size,
+             "num_attention_heads x head_dim": heads * hd,
+             "num_key_value_heads x head_dim": groups * hd}
+    where = tensors.directory / "config.json"
+    keys = [_LLAMA_SHAPES[0]] + [(pattern.format(index), fields) for index in
+                                 range(args.num_layers) for pattern, fields in _LLAMA_SHAPES[1:]]
+    for key, fields in keys:
+        shape, expected = tensors.shape(key), tuple(value[f] for f in fields)
+        if shape is not None and shape != expected:
+            said = ", ".join(f"{f} = {value[f]}" for f in dict.fromkeys(fields))
+            raise CheckpointError(
+                f"{key} is {list(shape)}, but {where} describes {list(expected)} ({said}; "
+                f"head_dim {hd}, num_key_value_heads {groups}): the config does not describe "
+                "these weights; correct config.json (or use the model's own)")
+    extra = layers_beyond(tensors.keys(), r"^model\.layers\.(\d+)\.", args.num_layers)
+    if extra:
+        raise CheckpointError(f"{tensors.directory} holds tensors of layer(s) "
+                              f"{', '.join(map(str, extra))}, beyond the num_hidden_layers "
+                              f"{args.num_layers} of {where}: they would be dropped; correct "
+                              "num_hidden_layers (or use the model's own config.json)")

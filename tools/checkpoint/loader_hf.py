@@ -17,13 +17,12 @@ fusion computes the tanh form).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from megatron.checkpointing import CheckpointError
-from tools.checkpoint.hf_files import HuggingFaceWeights
+from tools.checkpoint.hf_files import HuggingFaceWeights, layers_beyond, read_config
 from tools.checkpoint.hf_llama import ARCHITECTURES, HuggingFaceLlama, warn_about_the_window
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, LAYER_ORDER, qkv_from_hf)
@@ -73,7 +72,7 @@ class HuggingFaceGPT2(ModelDescription):
             raise CheckpointError(f"--load-dir {directory} holds no config.json (a local "
                                   "HuggingFace model directory is needed; nothing is "
                                   "downloaded)")
-        config = json.loads(config_file.read_text())
+        config = read_config(config_file)
         args = gpt2_args(config)
         for flag, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
             if (directory / name).is_file():
@@ -81,6 +80,12 @@ class HuggingFaceGPT2(ModelDescription):
         super().__init__(family="GPT", args=args, true_vocab_size=int(config["vocab_size"]))
         self.repad = True
         self.tensors = HuggingFaceWeights(directory)
+        extra = layers_beyond(self.tensors.keys(), r"(?:^|\.)h\.(\d+)\.", self.num_layers)
+        if extra:
+            raise CheckpointError(f"{directory} holds tensors of layer(s) "
+                                  f"{', '.join(map(str, extra))}, beyond the n_layer "
+                                  f"{self.num_layers} of {config_file}: they would be dropped; "
+                                  "correct n_layer (or use the model's own config.json)")
 
     def embeddings(self) -> dict[str, torch.Tensor]:
         return {WORD_EMBEDDINGS: self.tensors.get("transformer.wte.weight"),
@@ -117,7 +122,7 @@ def load(directory: str | Path, family: str) -> ModelDescription:
             raise CheckpointError(f"--load-dir {directory} holds no config.json")
         return HuggingFaceMegatronBert(directory, HuggingFaceWeights(Path(directory)))
     config_file = Path(directory) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_config(config_file) if config_file.is_file() else {}
     if config.get("model_type") in ARCHITECTURES:
         md = HuggingFaceLlama(config, HuggingFaceWeights(Path(directory)))
         warn_about_the_window(config, directory)

@@ -8,7 +8,9 @@ padded vocabulary:
 
 * :meth:`ModelDescription.embeddings` -- ``language_model.embedding.*``;
 * :meth:`ModelDescription.layer` ``(i)`` -- ``language_model.encoder.layers.i.*``, QKV rows in
-  the current ``[np, 3, hn]`` order;
+  Megatron's current grouped order ``[g, np/g + 2, hn]`` (g key/value groups: per group its
+  np/g query heads, then its key and its value head; without grouped-query attention g = np,
+  i.e. ``[np, 3, hn]``);
 * :meth:`ModelDescription.head` -- the final LayerNorm, the untied output layer and BERT's
   pooler / ``lm_head`` / ``binary_head``.
 

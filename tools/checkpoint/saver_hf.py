@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.files import write_error
 from tools.checkpoint.hf_files import optional_module
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, check_gpt2_compatible, gelu_is_tanh, qkv_to_hf)
@@ -57,7 +60,11 @@ class ShardWriter:
         if not self.pending:
             return
         name = f"shard-{len(self.written):05d}.tmp"
-        save_file(self.pending, str(self.out / name), metadata={"format": "pt"})
+        try:
+            save_file(self.pending, str(self.out / name), metadata={"format": "pt"})
+        except Exception as err:  # noqa: BLE001 - SafetensorError wraps the OS error in text
+            (self.out / name).unlink(missing_ok=True)
+            raise _write_error_of(err, self.out / name, self.pending_bytes) from None
         self.written.append((name, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -74,6 +81,20 @@ class ShardWriter:
             weight_map.update({k: final for k in keys})
         index = {"metadata": {}, "weight_map": weight_map}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_error_of(err: Exception, path: Path, needed: int) -> Exception:
+    """safetensors' error (``SafetensorError: ... os error 28``) as the Megatron saver reports
+    a failed write: the directory, the bytes needed, the free space and --save-dir."""
+    if isinstance(err, OSError):
+        return write_error(err, path, needed, flag="--save-dir")
+    text = str(err)
+    code = re.search(r"os error (\d+)|code: (\d+)", text)
+    if code is None:
+        return CheckpointError(f"could not write {path.name} in --save-dir {path.parent}: "
+                               f"{type(err).__name__}: {text[:200]}")
+    number = int(code.group(1) or code.group(2))
+    return write_error(OSError(number, os.strerror(number)), path, needed, flag="--save-dir")
 
 
 def _vocab_rows(md: ModelDescription, keep_padded_vocab: bool) -> int:
@@ -149,6 +170,11 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
     if md.true_vocab_size is None:
         md.true_vocab_size = true_vocab_size_from_args(md)
     vocab = _vocab_rows(md, keep_padded_vocab)
+    if vocab > md.padded_vocab_size:
+        raise ValueError(f"the tokenizer's vocabulary ({vocab}, from its files or "
+                         f"--true-vocab-size) is larger than the checkpoint's "
+                         f"{md.padded_vocab_size} word-embedding rows: pass the tokenizer the "
+                         "checkpoint was trained with, or --true-vocab-size")
     if md.family == "BERT":
         return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     if is_llama_style(md.args):

@@ -25,6 +25,7 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     tracker_path, write_manifest)
 from megatron.checkpointing.names import checkpoint_dir
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
+from megatron.core.log import get_logger
 from tools.checkpoint import optimizer_state
 from tools.checkpoint.model_description import (OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS,
                                                 ModelDescription, padded_vocab_size,
@@ -198,9 +199,28 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
         digests.update(_save_stage(md, save_dir, target, layout, args, vocab,
                                    [c for c in plan if c.pipeline_rank == stage]))
     iteration_dir = checkpoint_dir(save_dir, md.iteration, md.release)
-    write_manifest(iteration_dir, digests)
+    write_manifest(iteration_dir, digests, flag="--save-dir")
     _publish(save_dir, md, iteration_dir)
+    _say_how_to_load(save_dir, args, vocab)
     return iteration_dir
+
+
+MEGATRON_DEFAULT_DIVISOR = 128
+"""``--make-vocab-size-divisible-by``'s default."""
+
+
+def _say_how_to_load(save_dir: Path, args, vocab: int) -> None:
+    """The written embedding has ``vocab`` rows; a run padding the tokenizer's vocabulary with
+    the default divisor at the new TP size may reach another size (50304 at TP 1 stays 50304
+    at TP 2, where 128 x 2 pads GPT-2 to 50432): name the flag that loads it."""
+    divisor, tp = int(args.make_vocab_size_divisible_by), int(args.tensor_model_parallel_size)
+    if divisor == MEGATRON_DEFAULT_DIVISOR:
+        return
+    get_logger(__name__).warning(
+        "%s: the embedding has %d rows (a multiple of --make-vocab-size-divisible-by %d x "
+        "--tensor-model-parallel-size %d); load it with --use-checkpoint-args, or pass "
+        "--make-vocab-size-divisible-by %d: the default %d can pad the tokenizer's vocabulary "
+        "to another size", save_dir, vocab, divisor, tp, divisor, MEGATRON_DEFAULT_DIVISOR)
 
 
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
@@ -227,7 +247,7 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
         if md.optimizer is not None:
             digests.update(_add_optimizer(shards[tp_rank], md, args, target, weights[tp_rank],
                                           states[tp_rank], name))
-        digests[manifest_entry(name)] = save_file(shards[tp_rank], name)
+        digests[manifest_entry(name)] = save_file(shards[tp_rank], name, flag="--save-dir")
         shards[tp_rank] = weights[tp_rank] = states[tp_rank] = None  # written: let it go
     return digests
 
@@ -242,7 +262,7 @@ def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout
         shard["optimizer"], distrib = optimizer_state.write_distributed(
             md.optimizer, kind, weights, states)
         path = name.with_name(DISTRIB_OPTIM_FILENAME)
-        digests[manifest_entry(path)] = save_file(distrib, path)
+        digests[manifest_entry(path)] = save_file(distrib, path, flag="--save-dir")
     else:
         shard["optimizer"] = optimizer_state.write_plain(md.optimizer, weights, states)
     if md.optimizer.scheduler is not None:
@@ -258,7 +278,7 @@ def _top_level(md: ModelDescription, args) -> dict:
 
 def _publish(save_dir: Path, md: ModelDescription, iteration_dir: Path) -> None:
     if not md.release:
-        publish_tracker(save_dir, md.iteration, iteration_dir)
+        publish_tracker(save_dir, md.iteration, iteration_dir, flag="--save-dir")
         return
     tracker = tracker_path(save_dir)
     tmp = tracker.with_name(f".{tracker.name}.tmp-{os.getpid()}")

@@ -9,7 +9,8 @@ explicit mask -> ``scaled_upper_triang_masked_softmax``; a boolean mask (True = 
 
 Masked scores are -10000 (as the PyTorch path's ``masked_fill``), but a row whose every score is
 masked returns zeros, as Megatron's kernels do, where the PyTorch path returns a uniform row.
-Such rows only occur for padding queries, whose outputs the loss never reads.
+Such rows only occur for padding queries; the attention (``megatron.core.transformer.attention``)
+gives them what Megatron-LM gives for the dtype in use, whichever path computed them.
 
 Legend: b batch, np heads on this rank, sq queries, sk keys.
 """

@@ -44,9 +44,20 @@ from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 
-# Megatron fills masked scores with this value rather than -inf: fully masked rows (padding
-# queries) then get a uniform distribution instead of NaN.
+# Megatron fills masked scores with this value rather than -inf (no NaN). A fully masked row (a
+# padding query) gets what Megatron-LM gives it for the dtype: zeros from its fused CUDA kernel
+# (fp16/bf16 with --masked-softmax-fusion), else the uniform row of its PyTorch softmax; every
+# path here gives the same (_padding_rows), since a loss reading every position (SQuAD's span
+# loss) sees them.
 _MASK_VALUE = -10000.0
+
+
+def _padding_rows(out: torch.Tensor, mask: torch.Tensor, zero: bool,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """``out`` [b, np, sq, x] with the rows of fully masked queries (mask [b|1, 1, sq, sk])
+    set to zeros (``zero``) or to ``uniform`` [b, np, 1, x] (the row of a uniform softmax)."""
+    full = mask.all(dim=-1, keepdim=True)  # [b|1, 1, sq, 1]
+    return out.masked_fill(full, 0.0) if zero else torch.where(full, uniform, out)
 
 
 def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
@@ -121,7 +132,15 @@ class CoreAttention(torch.nn.Module):
                                    tp_size=self.tp_size, **kwargs)
         else:
             ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        if attention_mask is not None:  # the additive mask left such rows' softmax unmasked
+            ctx = _padding_rows(ctx, attention_mask, self._zero_padding_rows(q.dtype),
+                                v.mean(dim=-2, keepdim=True))  # [b, np, sq, hn]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, hp]
+
+    def _zero_padding_rows(self, dtype: torch.dtype) -> bool:
+        """Megatron-LM's fully masked rows: zeros where its fused kernel runs (half precision
+        with --masked-softmax-fusion), uniform elsewhere."""
+        return self.config.masked_softmax_fusion and dtype in (torch.float16, torch.bfloat16)
 
     def _unfused(self, query, key, value, attention_mask):
         sq, b, np_, hn = query.shape
@@ -150,7 +169,8 @@ class CoreAttention(torch.nn.Module):
             probs = fused_scale_mask_softmax(scores, attention_mask,
                                              self.attn_mask_type == "causal", self.coeff or 1.0)
             if probs is not None:
-                return probs
+                return probs if attention_mask is None else self._padding_probs(
+                    probs, attention_mask, scores.dtype)
         in_dtype = scores.dtype
         # Only half precision is upcast: .float() would round fp64 scores down to fp32.
         if self.softmax_in_fp32 and in_dtype in (torch.float16, torch.bfloat16):
@@ -161,7 +181,15 @@ class CoreAttention(torch.nn.Module):
             attention_mask = causal_mask(scores.size(-1), scores.device)[..., -scores.size(-2):, :]
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, _MASK_VALUE)
-        return torch.softmax(scores, dim=-1).to(in_dtype)
+        probs = torch.softmax(scores, dim=-1).to(in_dtype)
+        return probs if attention_mask is None else self._padding_probs(probs, attention_mask,
+                                                                        in_dtype)
+
+    def _padding_probs(self, probs: torch.Tensor, mask: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """[b, np, sq, sk] probabilities with Megatron's fully masked rows for ``dtype``."""
+        uniform = torch.full_like(probs[..., :1, :], 1.0 / probs.size(-1))
+        return _padding_rows(probs, mask, self._zero_padding_rows(dtype), uniform)
 
 
 class SelfAttention(torch.nn.Module):

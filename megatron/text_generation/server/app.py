@@ -110,7 +110,8 @@ class _Context:
     # PUT /api ------------------------------------------------------------------------------
     def megatron_api(self):
         try:
-            req = parse_api_request(self.body(), self.max_sequence_length)
+            req = parse_api_request(self.body(), self.max_sequence_length,
+                                    self.tokenizer.vocab_size)
             lengths = [len(ids) for ids in tokenize_prompts(self.tokenizer, req)]
             check_prompt_lengths(lengths, req.tokens_to_generate, self.max_sequence_length,
                                  "prompts", "tokens_to_generate")

@@ -155,8 +155,10 @@ def _check_unicode(text: str, name: str) -> None:
                          f"{match.start()} (half of a UTF-16 pair: not Unicode text)")
 
 
-def parse_api_request(body: Any, max_sequence_length: int) -> GenerationRequest:
-    """Megatron's ``PUT /api`` JSON -> a request.
+def parse_api_request(body: Any, max_sequence_length: int,
+                      vocab_size: int | None = None) -> GenerationRequest:
+    """Megatron's ``PUT /api`` JSON -> a request; ``vocab_size``: the tokenizer's (a
+    ``stop_token`` must be one of its ids).
 
     Raises:
         FieldError: naming the field, its value and what it must be.
@@ -201,7 +203,8 @@ def parse_api_request(body: Any, max_sequence_length: int) -> GenerationRequest:
         stop_on_eol=r.bool("stop_on_eol", False),
         prevent_newline_after_colon=r.bool("prevent_newline_after_colon", False),
         random_seed=r.int("random_seed", -1, 0, MAX_SEED, "a non-negative integer"),
-        beam_width=beam_width, stop_token=r.int("stop_token", None, 0),
+        beam_width=beam_width,
+        stop_token=r.int("stop_token", None, 0, None if vocab_size is None else vocab_size - 1),
         length_penalty=r.number("length_penalty", 1.0, -10.0, 10.0))
 
 

@@ -167,7 +167,9 @@ def test_generation_with_the_cache_equals_recomputation():
 
 
 @pytest.mark.parametrize("changes", [{}, {"add_qkv_bias": True, "num_query_groups": 1},
-                                     {"add_bias_linear": True, "normalization": "LayerNorm"}])
+                                     {"add_bias_linear": True, "normalization": "LayerNorm"},
+                                     {"qk_layernorm": True},
+                                     {"qk_layernorm": True, "normalization": "LayerNorm"}])
 def test_parameter_count_and_flops(changes):
     from megatron.core.flops import num_floating_point_operations, num_parameters
 

@@ -81,7 +81,8 @@ BAD_API_FIELDS = [
     ({"no_log": "x"}, "no_log must be a boolean value"),
     ({"beam_width": 0}, "beam_width must be an integer in [1, 64]"),
     ({"beam_width": 2, "prompts": ["a", "b"]}, "When doing beam_search, batch size must be 1"),
-    ({"stop_token": -1}, "stop_token must be an integer >= 0"),
+    ({"stop_token": -1}, "stop_token must be an integer in [0, 256]"),
+    ({"stop_token": 257}, "stop_token must be an integer in [0, 256]"),  # past the vocabulary
     ({"length_penalty": "long"}, "length_penalty must be a finite number"),
 ]
 

@@ -98,3 +98,21 @@ def test_true_vocabulary_survives_every_conversion_and_the_export_is_bitwise(tmp
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == \
         (50304, 1, 2)
+
+
+def test_a_tp_change_names_the_divisor_that_loads_it(tmp_path, caplog):
+    """TP 1 (50304 rows: GPT-2 padded by 128) -> TP 2 keeps 50304 rows, which the default 128
+    x 2 would pad to 50432: the converter names --make-vocab-size-divisible-by 64, and a TP 2
+    run passing it pads the tokenizer's vocabulary to exactly the checkpoint's rows."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    model = helpers.gpt(num_layers=2, vocab=50304)
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(
+        model, make_vocab_size_divisible_by=128))
+    with caplog.at_level("WARNING"):
+        tp2 = _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2")
+    said = [r.getMessage() for r in caplog.records if "make-vocab-size-divisible-by 64" in
+            r.getMessage()]
+    assert len(said) == 1 and "--use-checkpoint-args" in said[0], caplog.text
+    args = helpers.shards(tp2 / "iter_0000007")[(0, 0)]["args"]
+    assert args.padded_vocab_size == vocab_size_with_padding(50257, 64, 2) == 50304
