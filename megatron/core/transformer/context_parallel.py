@@ -76,17 +76,31 @@ def merge_cp_pieces(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def get_batch_on_this_cp_rank(batch: dict, cp_size: int, cp_rank: int) -> dict:
     """Megatron-Core's split of a micro-batch: ``[b, S]`` tensors (tokens, labels, loss mask,
-    position ids) along dim 1, an explicit ``[b, 1, S, S]`` mask along its query rows."""
+    position ids) along dim 1. The attention mask must be the plain causal one (or None): the
+    attention applies it over global positions itself, so it is dropped.
+
+    Raises:
+        ValueError: another mask (packed documents), which the attention cannot apply.
+    """
     if cp_size == 1:
         return batch
     out = {}
     for key, value in batch.items():
-        if value is None:
+        if key == "attention_mask":
+            if value is not None and not _is_plain_causal(value):
+                raise ValueError("context parallelism applies the causal mask itself: a "
+                                 "per-document mask (--reset-attention-mask) is not supported")
             out[key] = None
         else:
-            dim = 2 if key == "attention_mask" else 1
-            out[key] = split_for_cp(value, dim, cp_size, cp_rank)
+            out[key] = None if value is None else split_for_cp(value, 1, cp_size, cp_rank)
     return out
+
+
+def _is_plain_causal(mask: torch.Tensor) -> bool:
+    """``[b|1, 1, S, S]`` bool, True exactly above the diagonal."""
+    s = mask.size(-1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    return mask.size(-2) == s and bool((mask == causal).all())
 
 
 # Block attention ------------------------------------------------------------------------------
