@@ -108,8 +108,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+FLASH_ON_CPU = False
+"""Run the blocks on torch's CPU flash kernel instead of the math path (tests of the kernel
+plumbing; the math path is the CPU default)."""
+
+
 def _use_flash(q: torch.Tensor) -> bool:
-    """The CUDA flash kernel (it returns the log-sum-exp): half precision, head size it takes."""
+    """The flash kernel (it returns the log-sum-exp): on CUDA in half precision with a head
+    size it takes."""
+    if q.device.type == "cpu":
+        return FLASH_ON_CPU
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
             and q.size(-1) % 8 == 0 and q.size(-1) <= 256)
 
@@ -169,9 +177,14 @@ def _flash_forward(q, k, v, scale, causal):
     b, g, r, sq, hn = q.shape
     qh, kh = _heads(q, k)
     _, vh = _heads(q, v)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
-    return out.float().view(b, g, r, sq, hn), lse.view(b, g, r, sq)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, causal, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
+    acc = _acc_dtype(q.dtype)
+    return out.to(acc).reshape(b, g, r, sq, hn), lse.to(acc).reshape(b, g, r, sq)
 
 
 def _flash_backward(q, k, v, out, dout, lse, scale, causal):
@@ -181,13 +194,20 @@ def _flash_backward(q, k, v, out, dout, lse, scale, causal):
     _, vh = _heads(q, v)
     oh = out.to(q.dtype).reshape(b, g * r, sq, hn)
     doh = dout.to(q.dtype).reshape(b, g * r, sq, hn)
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        doh, qh, kh, vh, oh, lse.reshape(b, g * r, sq).contiguous(), empty, empty, sq, sk, 0.0,
-        causal, empty, empty, scale=scale)
+    lse = lse.float().reshape(b, g * r, sq).contiguous()
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0,
+            causal, scale=scale)
+    else:
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lse, empty, empty, sq, sk, 0.0, causal, empty, empty,
+            scale=scale)
+    acc = _acc_dtype(q.dtype)
     # Each group's key/value gradient is the sum over its query heads.
-    return (dq.float().view(b, g, r, sq, hn), dk.float().view(b, g, r, sk, hn).sum(2),
-            dv.float().view(b, g, r, sk, hn).sum(2))
+    return (dq.to(acc).reshape(b, g, r, sq, hn), dk.to(acc).reshape(b, g, r, sk, hn).sum(2),
+            dv.to(acc).reshape(b, g, r, sk, hn).sum(2))
 
 
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
