@@ -501,6 +501,29 @@ def stage_parallel(c: Check, stage: str, flags: list[str]):
     return 0, losses_figure(lm_losses(out))
 
 
+# bf16 attention through the ring's blocks (flash kernel on the GPU) against the one-process
+# run: rounding only; a wrong block or merge moves the loss by more.
+CP_LOSS_TOL = 0.05
+
+
+def stage_cp2(c: Check):
+    """The Llama stage's run at --context-parallel-size 2 (two ranks on the GPU, each half of
+    every sequence): its losses against the llama stage's."""
+    out = train(c, "cp2", ["--bf16", "--train-iters", "10", *LLAMA_FLAGS,
+                           "--context-parallel-size", "2", "--distributed-backend", "gloo"],
+                nproc=2)
+    with open(os.path.join(c.logs, "llama.log")) as f:
+        reference = lm_losses(f.read())
+    losses = lm_losses(out)
+    common = sorted(set(losses) & set(reference))
+    if len(common) < 10:
+        raise StageFailed(f"iterations {sorted(losses)} vs the llama stage's {sorted(reference)}")
+    worst = max(abs(losses[i] - reference[i]) for i in common)
+    if worst > CP_LOSS_TOL:
+        raise StageFailed(f"CP=2 losses differ from CP=1 by {worst:.3f}")
+    return 0, f"{losses_figure(losses)}; max diff to CP=1 {worst:.1e}"
+
+
 def stage_kernels(c: Check):
     c.wait_for_build("kernels")
     device = "cuda" if c.gpu else "cpu"
@@ -588,6 +611,7 @@ STAGES = [
           ("data",)),
     Stage("tp2-sp", lambda c: stage_parallel(c, "tp2-sp", ["--tensor-model-parallel-size", "2",
                                                            "--sequence-parallel"]), ("data",)),
+    Stage("cp2", stage_cp2, ("llama",)),
     Stage("resume", stage_resume, ("gpt-bf16",)),
     Stage("gpt-compiled", stage_gpt_compiled, ("gpt-bf16",), timeout=300),
     Stage("eval-gpu", stage_eval_gpu, ("gpt-bf16",)),
