@@ -46,7 +46,8 @@ def _run(corpus, model: str, extra=()) -> dict:
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
-    return {name: str(tmp_path_factory.mktemp(f"cp_{name}")) for name in ("cp1", "cp2")}
+    return {name: str(tmp_path_factory.mktemp(f"cp_{name}"))
+            for name in ("cp1", "cp2", "cp2_distopt")}
 
 
 def _stop_and_save(save: str) -> list[str]:
@@ -67,10 +68,12 @@ def cp2(gpt2_corpus, single, saves):
     runs = [_run(gpt2_corpus, model, [*cp, *extra]) for model, extra in _CP2.values()]
     runs += [_run(gpt2_corpus, "gpt", [*cp, *_stop_and_save(saves["cp2"])]),
              _run(gpt2_corpus, "gpt", [*cp, "--load", saves["cp2"]]),
-             _run(gpt2_corpus, "gpt", [*cp, "--load", saves["cp1"]])]
+             _run(gpt2_corpus, "gpt", [*cp, "--load", saves["cp1"]]),
+             _run(gpt2_corpus, "gpt", [*cp, "--use-distributed-optimizer",
+                                       *_stop_and_save(saves["cp2_distopt"])])]
     results = e2e.pooled(2, runs)
     out = dict(zip(_CP2, results))
-    out["stopped"], out["resumed"], out["from_cp1"] = results[-3:]
+    out["stopped"], out["resumed"], out["from_cp1"], out["stopped_distopt"] = results[-4:]
     return out
 
 
@@ -105,13 +108,18 @@ def test_cp2_composed_with_tp_pp_dp_equals_single_process(single, cp2_four, name
 
 
 def test_checkpoints_do_not_depend_on_cp(single, cp2, gpt2_corpus, saves):
-    """Stopped at 3 and resumed: at CP=2 from CP=2, at CP=2 from CP=1, at CP=1 from CP=2 --
-    every second half continues the uninterrupted single-process losses exactly."""
+    """Stopped at 3 and resumed: at CP=2 from CP=2, at CP=2 from CP=1, at CP=1 from CP=2 (also
+    with the distributed optimizer, whose state was sharded over DP x CP = 2 ranks) -- every
+    second half continues the uninterrupted single-process losses exactly."""
     ref = e2e.losses(single["gpt"])
-    at_cp1 = e2e.pooled(1, [_run(gpt2_corpus, "gpt", ["--load", saves["cp2"]])])[0]
+    at_cp1, at_cp1_distopt = (r for r in e2e.pooled(1, [
+        _run(gpt2_corpus, "gpt", ["--load", saves["cp2"]]),
+        _run(gpt2_corpus, "gpt", ["--load", saves["cp2_distopt"], "--use-distributed-optimizer"])]))
     for what, first, second in (("CP=2 -> CP=2", cp2["stopped"], cp2["resumed"]),
                                 ("CP=1 -> CP=2", [single["stopped"]], cp2["from_cp1"]),
-                                ("CP=2 -> CP=1", cp2["stopped"], at_cp1)):
+                                ("CP=2 -> CP=1", cp2["stopped"], at_cp1),
+                                ("CP=2 -> CP=1, distributed optimizer", cp2["stopped_distopt"],
+                                 at_cp1_distopt)):
         for rank, result in enumerate(second):
             assert result["iteration"] == SHAPE["iters"] and first[0]["iteration"] == STOP
             halves = e2e.losses(first[0]) + e2e.losses(result)
