@@ -21,9 +21,11 @@ values, K' the same in the accumulation dtype (fp32), Q = (s/CP) b np hn e its q
     a2a         2 (CP - 1)/CP (2 Q + K)       (q, k, v and the output, forward and backward)
 
 measured by counting the tensors handed to megatron.core.comm's collectives (the logical
-volume; a ring all-gather sends the same). The longest sequence that fits is extrapolated from
-the measured bytes kept per token and ``--budget-gib`` (the activations only: weights, gradients
-and optimizer state come on top); on CUDA it is found by doubling until out of memory.
+volume; a ring all-gather sends the same). The longest sequence that fits ``--budget-gib`` of
+activations per rank (weights, gradients and optimizer state come on top) is extrapolated from
+the measured bytes kept per local token plus, for the blocks on the math path (CP > 1 off CUDA),
+the transient fp32 scores of the largest block, about 3 x 4 np (s/CP)^2 bytes (scores,
+probabilities and their gradient); the flash kernels (CP = 1's SDPA, CUDA) keep none.
 
 Run::
 
@@ -34,6 +36,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -46,6 +49,17 @@ from bench.bench_recompute import SavedTensorMeter  # noqa: E402
 from bench.launch import run_ranks  # noqa: E402
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def longest_sequence(kept_per_token: float, budget: float, quadratic: float, cp: int) -> int:
+    """Largest S with ``kept_per_token * S/CP + quadratic * (S/CP)^2 <= budget``, rounded down
+    to a multiple of 2 CP."""
+    if quadratic:
+        rows = (-kept_per_token + math.sqrt(kept_per_token**2 + 4 * quadratic * budget)) / (
+            2 * quadratic)
+    else:
+        rows = budget / kept_per_token
+    return int(rows * cp) // (2 * cp) * (2 * cp)
 
 
 def formula_bytes(comm_type: str, cp: int, s: int, b: int, np_: int, g: int, hn: int,
@@ -139,6 +153,9 @@ def _worker(rank: int, world: int, args) -> list[dict] | None:
 
     from megatron.core import device, parallel_state
 
+    from megatron.core.transformer import context_parallel
+
+    context_parallel.FLASH_ON_CPU = args.flash_on_cpu
     device.init_distributed(backend="gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     cp_group = parallel_state.get_context_parallel_group()
@@ -172,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-gib", type=float, default=64.0,
                         help="activation memory per rank for the longest-sequence column")
+    parser.add_argument("--flash-on-cpu", action="store_true",
+                        help="the CP blocks on torch's CPU flash kernel instead of the math path")
     parser.add_argument("--quick", action="store_true", help="s 512, 1 layer, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
@@ -179,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     s, h, n = args.seq, args.hidden, args.layers
     hn = h // args.heads
     print(f"# {n} Llama-shaped layers, s={s} b=1 h={h} heads={args.heads} groups={args.groups} "
-          f"ffn={args.ffn}; gloo, 1 thread per rank; load average {os.getloadavg()[0]:.2f} on "
+          f"ffn={args.ffn}; CP blocks on the {'flash kernel' if args.flash_on_cpu else 'math path'}"
+          f" off CUDA; gloo, 1 thread per rank; load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
     print("| CP | comm type | kept MiB/rank | step s | vs CP=1 step | sent KiB/layer/rank "
           "(measured) | formula | longest s in budget (kept bytes only) |")
@@ -190,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             base = base or row["seconds"]
             theory = formula_bytes(row["comm"], cp, s, 1, args.heads, args.groups, hn,
                                    row["elt"])
-            # Kept bytes grow with the rows per rank (the attention's saved blocks are linear in
-            # s with blockwise attention): the budget over the bytes per local token.
-            longest = int(args.budget_gib * 2**30 / (row["kept"] / (s // cp))) * cp
+            longest = longest_sequence(row["kept"] / (s // cp), args.budget_gib * 2**30,
+                                       12 * args.heads if cp > 1 and not row["peak"]
+                                       and not args.flash_on_cpu else 0, cp)
             peak = f" (CUDA peak {row['peak'] / 2**20:.0f} MiB)" if row["peak"] else ""
             print(f"| {cp} | {row['comm']} | {row['kept'] / 2**20:.1f}{peak} | "
                   f"{row['seconds']:.3f} | {row['seconds'] / base:.2f}x | "
