@@ -66,7 +66,8 @@ def formula_bytes(comm_type: str, cp: int, s: int, b: int, np_: int, g: int, hn:
                   elt: int, acc: int = 4) -> float:
     """Bytes one rank sends per layer (forward + backward), see the module docstring."""
     rows = s // cp
-    k, k_acc, q = 2 * rows * b * g * hn * elt, 2 * rows * b * g * hn * acc, rows * b * np_ * hn * elt
+    k, k_acc = 2 * rows * b * g * hn * elt, 2 * rows * b * g * hn * acc
+    q = rows * b * np_ * hn * elt
     if cp == 1:
         return 0.0
     return {"p2p": 2 * (cp - 1) * k + cp * k_acc,
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
           f" off CUDA; gloo, 1 thread per rank; load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
     print("| CP | comm type | kept MiB/rank | step s | vs CP=1 step | sent KiB/layer/rank "
-          "(measured) | formula | longest s in budget (kept bytes only) |")
+          "(measured) | formula | longest s in --budget-gib |")
     print("|---|---|---|---|---|---|---|---|")
     base = None
     for cp in args.cp:

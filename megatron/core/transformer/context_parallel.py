@@ -221,17 +221,18 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 # p2p: the ring --------------------------------------------------------------------------------
-def _ring_peers(group: ProcessGroup) -> tuple[int, int]:
+def _ring_peers(cp_group: ProcessGroup) -> tuple[int, int]:
     """Global ranks of the next and the previous CP rank."""
-    cp, rank = comm.world_size(group), comm.rank(group)
-    return comm.global_rank(group, (rank + 1) % cp), comm.global_rank(group, (rank - 1) % cp)
+    cp, rank = comm.world_size(cp_group), comm.rank(cp_group)
+    return (comm.global_rank(cp_group, (rank + 1) % cp),
+            comm.global_rank(cp_group, (rank - 1) % cp))
 
 
-def _exchange(send: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list]:
+def _exchange(send: torch.Tensor, cp_group: ProcessGroup) -> tuple[torch.Tensor, list]:
     """Post: ``send`` to the next rank, a tensor of its shape from the previous one."""
-    nxt, prev = _ring_peers(group)
+    nxt, prev = _ring_peers(cp_group)
     recv = torch.empty_like(send)
-    return recv, comm.batch_isend_irecv([("send", send, nxt), ("recv", recv, prev)], group)
+    return recv, comm.batch_isend_irecv([("send", send, nxt), ("recv", recv, prev)], cp_group)
 
 
 def _ring_blocks(step: int, cp_rank: int, cp: int, causal: bool, s: int):
@@ -254,13 +255,13 @@ class RingAttention(torch.autograd.Function):
     keys and values; returns ``[b, g, r, s, hn]`` in the input dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group: ProcessGroup):
-        cp, cp_rank = comm.world_size(group), comm.rank(group)
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp_group: ProcessGroup):
+        cp, cp_rank = comm.world_size(cp_group), comm.rank(cp_group)
         s = q.size(3)
         kv = torch.stack((k, v))  # [2, b, g, s, hn]: one message per step
         out = lse = None
         for step in range(cp):
-            pending = _exchange(kv, group) if step < cp - 1 else None
+            pending = _exchange(kv, cp_group) if step < cp - 1 else None
             rows, cols, diag = _ring_blocks(step, cp_rank, cp, causal, s)
             block_out, block_lse = block_forward(q[:, :, :, rows], kv[0][:, :, cols],
                                                  kv[1][:, :, cols], scale, diag)
@@ -271,23 +272,23 @@ class RingAttention(torch.autograd.Function):
                 out[:, :, :, rows], lse[..., rows] = merge_partial(
                     out[:, :, :, rows], lse[..., rows], block_out, block_lse)
             if pending is not None:
-                comm.wait(pending[1], "context-parallel ring exchange", group)
+                comm.wait(pending[1], "context-parallel ring exchange", cp_group)
                 kv = pending[0]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.cp_group = causal, scale, cp_group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        cp, cp_rank = comm.world_size(group), comm.rank(group)
+        cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
+        cp, cp_rank = comm.world_size(cp_group), comm.rank(cp_group)
         s = q.size(3)
         kv = torch.stack((k, v))
         dq = torch.zeros_like(out)
         dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)  # travels with kv
         for step in range(cp):
-            pending = _exchange(kv, group) if step < cp - 1 else None
+            pending = _exchange(kv, cp_group) if step < cp - 1 else None
             rows, cols, diag = _ring_blocks(step, cp_rank, cp, causal, s)
             bq, bk, bv = block_backward(q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                         out[:, :, :, rows], dout[:, :, :, rows], lse[..., rows],
@@ -296,19 +297,19 @@ class RingAttention(torch.autograd.Function):
             dkv[0][:, :, cols] += bk
             dkv[1][:, :, cols] += bv
             # The block's gradient moves on with the block; after the last step it goes home.
-            dkv_recv, dkv_pending = _exchange(dkv, group)
-            comm.wait(dkv_pending, "context-parallel ring exchange", group)
+            dkv_recv, dkv_pending = _exchange(dkv, cp_group)
+            comm.wait(dkv_pending, "context-parallel ring exchange", cp_group)
             dkv = dkv_recv
             if pending is not None:
-                comm.wait(pending[1], "context-parallel ring exchange", group)
+                comm.wait(pending[1], "context-parallel ring exchange", cp_group)
                 kv = pending[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # all_gather -----------------------------------------------------------------------------------
-def _gather_sequence(t: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+def _gather_sequence(t: torch.Tensor, cp_group: ProcessGroup, dim: int) -> torch.Tensor:
     """Every rank's piece of ``t`` (local sequence along ``dim``) -> the global sequence."""
-    pieces = comm.all_gather_list(t.contiguous(), group)
+    pieces = comm.all_gather_list(t.contiguous(), cp_group)
     return merge_cp_pieces(pieces, dim)
 
 
@@ -322,9 +323,9 @@ class AllGatherAttention(torch.autograd.Function):
     """all_gather context-parallel attention, same shapes as :class:`RingAttention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group: ProcessGroup):
-        cp, cp_rank = comm.world_size(group), comm.rank(group)
-        kv = _gather_sequence(torch.stack((k, v)), group, dim=3)  # [2, b, g, S, hn]
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp_group: ProcessGroup):
+        cp, cp_rank = comm.world_size(cp_group), comm.rank(cp_group)
+        kv = _gather_sequence(torch.stack((k, v)), cp_group, dim=3)  # [2, b, g, S, hn]
         if not causal:
             out, lse = block_forward(q, kv[0], kv[1], scale, False)
         else:
@@ -333,15 +334,15 @@ class AllGatherAttention(torch.autograd.Function):
             out = torch.cat([p[0] for p in parts], dim=3)
             lse = torch.cat([p[1] for p in parts], dim=3)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.cp_group = causal, scale, cp_group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        cp, cp_rank = comm.world_size(group), comm.rank(group)
-        kv = _gather_sequence(torch.stack((k, v)), group, dim=3)  # recomputed: not saved
+        cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
+        cp, cp_rank = comm.world_size(cp_group), comm.rank(cp_group)
+        kv = _gather_sequence(torch.stack((k, v)), cp_group, dim=3)  # recomputed: not saved
         dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
         if not causal:
             dq, dkv[0], dkv[1] = block_backward(q, kv[0], kv[1], out, dout, lse, scale, False)
@@ -360,7 +361,7 @@ class AllGatherAttention(torch.autograd.Function):
                     dkv[0][:, :, cols] += bk
                     dkv[1][:, :, cols] += bv
         # Sum every rank's key/value gradient and hand each rank its own chunks.
-        local = _reduce_scatter_sequence(dkv, group, dim=3)
+        local = _reduce_scatter_sequence(dkv, cp_group, dim=3)
         return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype), None, None, None
 
 
@@ -376,13 +377,13 @@ def _prefix_forward(q, kv, seen: int, scale: float):
     return out, lse
 
 
-def _reduce_scatter_sequence(t: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+def _reduce_scatter_sequence(t: torch.Tensor, cp_group: ProcessGroup, dim: int) -> torch.Tensor:
     """Global-sequence ``t`` on every rank -> the sum over ranks of this rank's two chunks."""
-    cp = comm.world_size(group)
+    cp = comm.world_size(cp_group)
     pieces = [split_for_cp(t, dim, cp, rank).contiguous() for rank in range(cp)]
     stacked = torch.stack(pieces)  # [CP, ...]: rank i's rows first
     out = torch.empty_like(pieces[0])
-    comm.reduce_scatter_into(out.view(-1), stacked.view(-1), group)
+    comm.reduce_scatter_into(out.view(-1), stacked.view(-1), cp_group)
     return out
 
 
@@ -392,55 +393,55 @@ class _SequenceToHeads(torch.autograd.Function):
     order); backward is the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, t, group: ProcessGroup):
-        ctx.group = group
-        return _seq_to_heads(t, group)
+    def forward(ctx, t, cp_group: ProcessGroup):
+        ctx.cp_group = cp_group
+        return _seq_to_heads(t, cp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
+        return _heads_to_seq(grad, ctx.cp_group), None
 
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, group: ProcessGroup):
-        ctx.group = group
-        return _heads_to_seq(t, group)
+    def forward(ctx, t, cp_group: ProcessGroup):
+        ctx.cp_group = cp_group
+        return _heads_to_seq(t, cp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return _seq_to_heads(grad, ctx.cp_group), None
 
 
-def _seq_to_heads(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    cp = comm.world_size(group)
+def _seq_to_heads(t: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
+    cp = comm.world_size(cp_group)
     s, b, n, hn = t.shape
     # [s, b, CP, n/CP, hn] -> [CP, s, b, n/CP, hn]: piece i (heads of rank i) goes to rank i.
     send = t.reshape(s, b, cp, n // cp, hn).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [CP, s, b, n/CP, hn]: piece j = rank j's rows
-    comm.all_to_all_single(recv, send, group)
+    comm.all_to_all_single(recv, send, cp_group)
     return merge_cp_pieces(list(recv.unbind(0)), dim=0)  # [S, b, n/CP, hn]
 
 
-def _heads_to_seq(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    cp = comm.world_size(group)
+def _heads_to_seq(t: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
+    cp = comm.world_size(cp_group)
     send = torch.stack([split_for_cp(t, 0, cp, rank) for rank in range(cp)])  # [CP, s, b, n/CP, hn]
     recv = torch.empty_like(send)  # piece j: this rank's rows of rank j's heads
-    comm.all_to_all_single(recv, send, group)
+    comm.all_to_all_single(recv, send, cp_group)
     cp_, s, b, n, hn = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(s, b, cp_ * n, hn)  # [s, b, np, hn]
 
 
-def _ulysses_attention(q, k, v, causal: bool, scale: float, group: ProcessGroup):
+def _ulysses_attention(q, k, v, causal: bool, scale: float, cp_group: ProcessGroup):
     """q ``[s, b, np, hn]``, k, v ``[s, b, g, hn]`` -> ``[s, b, np, hn]``."""
-    qh, kh, vh = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # [S, b, n/CP, hn]
+    qh, kh, vh = (_SequenceToHeads.apply(t, cp_group) for t in (q, k, v))  # [S, b, n/CP, hn]
     S, b, nq, hn = qh.shape
     g = kh.size(2)
     q5 = qh.permute(1, 2, 0, 3).reshape(b, g, nq // g, S, hn)  # [b, g, r, S, hn]
     k4, v4 = kh.permute(1, 2, 0, 3), vh.permute(1, 2, 0, 3)  # [b, g, S, hn]
     out = _LocalAttention.apply(q5, k4, v4, causal, scale)  # [b, g, r, S, hn]
     out = out.reshape(b, nq, S, hn).permute(2, 0, 1, 3)  # [S, b, n/CP, hn]
-    return _HeadsToSequence.apply(out, group)
+    return _HeadsToSequence.apply(out, cp_group)
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -462,7 +463,7 @@ class _LocalAttention(torch.autograd.Function):
 
 # Entry point ----------------------------------------------------------------------------------
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               group: ProcessGroup, comm_type: str = "p2p", causal: bool = True,
+                               cp_group: ProcessGroup, comm_type: str = "p2p", causal: bool = True,
                                scale: float | None = None) -> torch.Tensor:
     """softmax(Q K^T scale) V over the global sequence, from this rank's rows.
 
@@ -470,7 +471,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         query: ``[s, b, np, hn]`` this rank's two chunks of the sequence.
         key: ``[s, b, g, hn]`` (g divides np: grouped-query attention).
         value: ``[s, b, g, hn]``.
-        group: the context-parallel group.
+        cp_group: the context-parallel group.
         comm_type: ``p2p``, ``all_gather`` or ``a2a``.
         causal: causal mask over global positions; False: every key.
         scale: default ``1 / sqrt(hn)``.
@@ -482,11 +483,12 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     g = key.size(2)
     scale = 1.0 / math.sqrt(hn) if scale is None else scale
     if comm_type == "a2a":
-        return _ulysses_attention(query, key, value, causal, scale, group).reshape(s, b, np_ * hn)
+        out = _ulysses_attention(query, key, value, causal, scale, cp_group)  # [s, b, np, hn]
+        return out.reshape(s, b, np_ * hn)
     q = query.permute(1, 2, 0, 3).reshape(b, g, np_ // g, s, hn)  # [b, g, r, s, hn]
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, g, s, hn]
     fn = {"p2p": RingAttention, "all_gather": AllGatherAttention}.get(comm_type)
     if fn is None:
         raise ValueError(f"cp_comm_type {comm_type!r}: use one of {', '.join(CP_COMM_TYPES)}")
-    out = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, group)
+    out = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, cp_group)
     return out.reshape(b, np_, s, hn).permute(2, 0, 1, 3).reshape(s, b, np_ * hn)

@@ -95,7 +95,8 @@ def test_split_refuses_an_indivisible_sequence():
 def test_merge_of_partials_equals_the_softmax_over_the_union():
     torch.manual_seed(0)
     q = torch.randn(1, 1, 2, 5, 4, dtype=torch.float64)
-    k, v = torch.randn(1, 1, 9, 4, dtype=torch.float64), torch.randn(1, 1, 9, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 9, 4, dtype=torch.float64)
+    v = torch.randn(1, 1, 9, 4, dtype=torch.float64)
     whole = cpa.block_forward(q, k, v, 0.5, False)
     merged = cpa.merge_partial(*cpa.block_forward(q, k[:, :, :4], v[:, :, :4], 0.5, False),
                                *cpa.block_forward(q, k[:, :, 4:], v[:, :, 4:], 0.5, False))
