@@ -585,6 +585,10 @@ def format_layout(layout: RankLayout) -> str:
         f"embedding groups:               {fmt(layout.embedding)}",
         f"position-embedding groups:      {fmt(layout.position_embedding)}",
     ]
+    if layout.context_parallel_size > 1:
+        lines[0] += f", context-parallel {layout.context_parallel_size}"
+        lines += [f"context-parallel groups:        {fmt(layout.context)}",
+                  f"data x context groups:          {fmt(layout.data_with_context)}"]
     return "\n".join(lines)
 
 
@@ -605,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Model chunks per pipeline stage (interleaved schedule; needs "
                              "--pipeline-model-parallel-size >= 2). Training derives it from "
                              "--num-layers-per-virtual-pipeline-stage.")
+    parser.add_argument("--context-parallel-size", type=int, default=1, metavar="N",
+                        help="Ranks each sequence is split over; between TP and DP in "
+                             "Megatron-Core's order tp-cp-dp-pp (default: 1).")
     parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                         metavar="R",
                         help="Pipeline stage where the decoder starts (encoder-decoder models); "
@@ -614,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
                              args.pipeline_model_parallel_size,
                              args.virtual_pipeline_model_parallel_size,
-                             args.pipeline_model_parallel_split_rank)
+                             args.pipeline_model_parallel_split_rank,
+                             args.context_parallel_size)
     except ValueError as err:
         parser.error(str(err))
     sys.stdout.write(format_layout(layout) + "\n")

@@ -3,6 +3,8 @@ model config they reach, and every combination refused before any process group 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron.config import parse_args
@@ -49,7 +51,6 @@ def test_refused_before_any_process_group(capsys, extra, world, match):
     with pytest.raises(SystemExit):
         parse(extra, world)
     err = capsys.readouterr().err
-    import re
     assert re.search(match, err), err
 
 
@@ -83,3 +84,13 @@ def test_grid_groups_equal_the_cp1_layout():
     assert grid_groups(16, sizes, "dp") == sorted(layout.data)
     assert grid_groups(16, sizes, "tp-pp") == sorted(layout.model)
     assert layout.context == [] and layout.context_parallel_size == 1
+
+
+def test_the_layout_cli_prints_the_context_groups(capsys):
+    from megatron.core.parallel_state import main
+
+    assert main(["--world-size", "8", "--context-parallel-size", "2",
+                 "--tensor-model-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "context-parallel groups:        [0,2] [1,3] [4,6] [5,7]" in out
+    assert "data x context groups:          [0,2,4,6] [1,3,5,7]" in out
