@@ -54,6 +54,8 @@ def derive_parallel_sizes(cfg, world_size: int) -> None:
     cfg.world_size = world_size
     if world_size % model_parallel == 0:
         cfg.data_parallel_size = world_size // model_parallel
+    # Megatron-LM's help text spells it allgather, Transformer Engine all_gather: read one.
+    par.cp_comm_type = ["all_gather" if t == "allgather" else t for t in par.cp_comm_type]
 
 
 def _derive_llama_features(m) -> None:

@@ -151,13 +151,12 @@ def _check_context_parallel(cfg) -> None:
     """--context-parallel-size: the sequence splits into 2 CP chunks; what is not built with it
     is refused by name."""
     par, cp = cfg.parallel, cfg.parallel.context_parallel_size
-    types = ["all_gather" if t == "allgather" else t for t in par.cp_comm_type]
+    types = par.cp_comm_type
     for t in types:
         if t not in CP_COMM_TYPES:
             extra = " (hierarchical context parallelism is not built)" if t == "a2a+p2p" else ""
             raise ValueError(f"--cp-comm-type {t}{extra}: use one of "
                              f"{', '.join(CP_COMM_TYPES)}")
-    par.cp_comm_type = types  # the one spelling the attention reads
     layers = cfg.model.num_layers
     if len(types) > 1 and layers is not None and len(types) != layers:
         raise ValueError(f"--cp-comm-type gives {len(types)} values for --num-layers {layers}: "
