@@ -16,6 +16,7 @@ import torch
 
 from megatron.config.datasets import gpt_dataset_config
 from megatron.core import comm, device, parallel_state
+from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.training import fault
 from megatron.training.models import gpt_flops_per_sample, gpt_model_from
@@ -41,20 +42,37 @@ def get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
     Every pipeline stage reads the micro-batch, as Megatron-LM 23.06's get_batch does: the first
     stage uses the tokens and positions, the last the labels and loss mask, and every stage the
     attention mask (an explicit one, with --reset-attention-mask, masks every layer).
+    With context parallelism each rank keeps its two of the 2 CP chunks of every sequence
+    (tokens, labels, loss mask, position ids), as Megatron-Core's get_batch_on_this_cp_rank.
     """
     batch = next(data_iterator)
     dev = device.get_device()
     out = {key: batch[key].to(dev, non_blocking=True) if batch.get(key) is not None else None
            for key in _BATCH_KEYS}
-    return out
+    return get_batch_on_this_cp_rank(out, parallel_state.get_context_parallel_world_size(),
+                                     parallel_state.get_context_parallel_rank())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean loss over unmasked tokens; the logged value is averaged over data-parallel ranks."""
+    """Mean loss over unmasked tokens; the logged value is averaged over data-parallel ranks.
+
+    With context parallelism the sum over this rank's tokens is divided by the token count of
+    the whole sequences (summed over CP) and multiplied by CP, because the gradients are
+    averaged over DP x CP: their sum over CP is then the gradient of the CP=1 loss.
+    """
     losses = output_tensor.float()
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
-    reported = loss.detach().clone().view(1)
+    local_sum = torch.sum(losses.view(-1) * loss_mask)
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = comm.world_size(cp_group)
+    if cp == 1:
+        loss = local_sum / loss_mask.sum()
+        reported = loss.detach().clone().view(1)
+    else:
+        totals = torch.stack((local_sum.detach(), loss_mask.sum()))  # [sum, count]
+        comm.all_reduce(totals, cp_group)
+        loss = local_sum / totals[1] * cp
+        reported = (totals[0] / totals[1]).view(1)
     comm.all_reduce(reported, parallel_state.get_data_parallel_group(), op="avg")
     return loss, {"lm loss": reported}
 

@@ -501,6 +501,29 @@ def stage_parallel(c: Check, stage: str, flags: list[str]):
     return 0, losses_figure(lm_losses(out))
 
 
+# CP=2 against CP=1 of the same run: bf16 on the GPU (the ring's blocks on the flash kernel)
+# drifts by rounding only, fp32 on the CPU (the math path) by reduction order; a wrong block or
+# merge moves the loss by more.
+CP_LOSS_TOL = {"--bf16": 0.05, "--fp32": 1e-3}
+
+
+def stage_cp2(c: Check):
+    """A Llama-shaped model at --context-parallel-size 2 (two ranks on the GPU, each with half
+    of every sequence) and at CP=1: the same losses."""
+    precision = "--bf16" if c.gpu else "--fp32"  # bf16 is emulated, slowly, on most CPUs
+    flags = [*([precision] if c.gpu else []), "--train-iters", "6", *LLAMA_FLAGS]
+    reference = lm_losses(train(c, "cp2", flags))
+    losses = lm_losses(train(c, "cp2", [*flags, "--context-parallel-size", "2",
+                                        "--distributed-backend", "gloo"], nproc=2))
+    common = sorted(set(losses) & set(reference))
+    if len(common) < 6:
+        raise StageFailed(f"iterations {sorted(losses)} vs CP=1's {sorted(reference)}")
+    worst = max(abs(losses[i] - reference[i]) for i in common)
+    if worst > CP_LOSS_TOL[precision]:
+        raise StageFailed(f"CP=2 losses differ from CP=1 by {worst:.3g}")
+    return 0, f"{losses_figure(losses)}; max diff to CP=1 {worst:.1e}"
+
+
 def stage_kernels(c: Check):
     c.wait_for_build("kernels")
     device = "cuda" if c.gpu else "cpu"
@@ -588,6 +611,7 @@ STAGES = [
           ("data",)),
     Stage("tp2-sp", lambda c: stage_parallel(c, "tp2-sp", ["--tensor-model-parallel-size", "2",
                                                            "--sequence-parallel"]), ("data",)),
+    Stage("cp2", stage_cp2, ("data",), timeout=300),
     Stage("resume", stage_resume, ("gpt-bf16",)),
     Stage("gpt-compiled", stage_gpt_compiled, ("gpt-bf16",), timeout=300),
     Stage("eval-gpu", stage_eval_gpu, ("gpt-bf16",)),

@@ -86,7 +86,7 @@ import torch
 from megatron.config import MegatronConfig
 from megatron.config.cli import replace_flags
 from megatron.config.core_configs import transformer_config
-from megatron.config.validate import ToolChecks
+from megatron.config.validate import ToolChecks, refuse_context_parallel
 from megatron.core import parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.models.bert_heads import Classification, MultipleChoice
@@ -253,7 +253,8 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
     """
     flags, parser = parse_task_flags(argv)
     given = [] if check_flags is None else [check_flags]
-    checks = ToolChecks(given=[*given, functools.partial(check_finetune_flags, task=task)],
+    checks = ToolChecks(given=[*given, functools.partial(check_finetune_flags, task=task),
+                               refuse_context_parallel("finetuning")],
                         validated=[check_finetune_config])
     setup_cfg = validated_config(flags, parser, tool_checks=checks)
     ex = setup_cfg.section(TaskFlags)

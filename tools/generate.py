@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from megatron.config.base import spec  # noqa: E402
 from megatron.config.cli import parse_command_line  # noqa: E402
-from megatron.config.validate import ToolChecks  # noqa: E402
+from megatron.config.validate import ToolChecks, refuse_context_parallel  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation import (  # noqa: E402
@@ -89,7 +89,8 @@ def _check_flags_given(flags) -> None:
 
 
 # Run by validate(), before any process group starts; an error exits on one line.
-TOOL_CHECKS = ToolChecks(given=[_check_flags_given])
+TOOL_CHECKS = ToolChecks(given=[_check_flags_given,
+                                refuse_context_parallel("text generation")])
 
 
 def check_checkpoint_flags(load: str | None, ckpt_step: int | None,

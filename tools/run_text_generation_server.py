@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.config.cli import parse_command_line  # noqa: E402
-from megatron.config.validate import ToolChecks  # noqa: E402
+from megatron.config.validate import ToolChecks, refuse_context_parallel  # noqa: E402
 from megatron.core import comm, device, parallel_state  # noqa: E402
 from megatron.core.log import log_rank_0  # noqa: E402
 from megatron.text_generation.api import (follow_requests, lead_request,  # noqa: E402
@@ -94,7 +94,9 @@ def _check_config(cfg) -> None:
 
 
 # Run by validate(), before any process group starts; an error exits on one line.
-TOOL_CHECKS = ToolChecks(given=[_check_flags_given], validated=[_check_config])
+TOOL_CHECKS = ToolChecks(given=[_check_flags_given,
+                                refuse_context_parallel("the generation server")],
+                         validated=[_check_config])
 
 
 def run(argv: list[str] | None = None) -> None:

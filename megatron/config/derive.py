@@ -48,10 +48,14 @@ def _derive_sequence_parallel(cfg) -> None:
 
 def derive_parallel_sizes(cfg, world_size: int) -> None:
     par = cfg.parallel
-    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    # Context-parallel ranks hold one replica's sequence pieces: not data-parallel ranks.
+    model_parallel = (par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+                      * par.context_parallel_size)
     cfg.world_size = world_size
     if world_size % model_parallel == 0:
         cfg.data_parallel_size = world_size // model_parallel
+    # Megatron-LM's help text spells it allgather, Transformer Engine all_gather: read one.
+    par.cp_comm_type = ["all_gather" if t == "allgather" else t for t in par.cp_comm_type]
 
 
 def _derive_llama_features(m) -> None:

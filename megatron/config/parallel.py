@@ -16,6 +16,13 @@ class ParallelConfig:
     """Number of ranks each layer is split over (tensor model parallelism)."""
     pipeline_model_parallel_size: int = 1
     """Number of pipeline stages."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (context parallelism): with causal attention rank r
+    holds chunks r and 2 CP - r - 1 of the 2 CP chunks of every sequence."""
+    cp_comm_type: list[str] = spec(default_factory=lambda: ["p2p"], nargs="+")
+    """How attention reaches the other ranks' keys and values under context parallelism: p2p
+    (a ring), all_gather (gathered once), a2a (Ulysses: all-to-all between sequence and head
+    splits); one value for every layer, or one per layer (a2a+p2p is not built)."""
     pipeline_model_parallel_split_rank: int | None = None
     """Pipeline stage where the decoder starts (encoder-decoder models)."""
     model_parallel_size: int | None = None

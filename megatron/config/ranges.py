@@ -60,6 +60,7 @@ RANGES: dict[tuple[str, str], _Range] = {
     ("model", "init_method_std"): _POSITIVE,
     ("parallel", "tensor_model_parallel_size"): _POSITIVE_INT,
     ("parallel", "pipeline_model_parallel_size"): _POSITIVE_INT,
+    ("parallel", "context_parallel_size"): _POSITIVE_INT,
     ("parallel", "num_layers_per_virtual_pipeline_stage"): _POSITIVE_INT,
     ("parallel", "distributed_timeout_minutes"): _POSITIVE_INT,
     ("parallel", "watchdog_timeout_seconds"): _POSITIVE,

@@ -26,7 +26,8 @@ from megatron.config.refusals import (_DEPRECATED, NOT_IMPLEMENTED, check_deprec
 from megatron.core import device
 from megatron.tokenizer.config import BERT_TOKENIZERS
 
-__all__ = ["validate", "ToolChecks", "ToolFlagError", "check_bert_flags", "RANGES",
+__all__ = ["validate", "ToolChecks", "ToolFlagError", "check_bert_flags",
+           "refuse_context_parallel", "RANGES",
            "NOT_IMPLEMENTED", "_DEPRECATED"]
 
 # The names tests/config reach in for (ranges and refusals live in their own modules).
@@ -100,6 +101,7 @@ def validate(flags, world_size: int, require_model: bool = True,
     # The checks keep the order they had when each one derived its own values: with several
     # errors, the first one reported stays the same.
     _check_parallel_sizes(cfg, world_size)
+    _check_context_parallel(cfg)
     if require_model:
         _check_llama_features(cfg.model)
         _check_model_shape(cfg)
@@ -135,14 +137,71 @@ def validate(flags, world_size: int, require_model: bool = True,
 def _check_parallel_sizes(cfg, world_size: int) -> None:
     par = cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if world_size % (tp * pp) != 0:
+    cp = par.context_parallel_size
+    if world_size % (tp * pp * cp) != 0:
+        with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
         raise ValueError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of "
-            f"{tp * pp} processes or change the parallel sizes")
+            f"x --pipeline-model-parallel-size ({pp}){with_cp} = {tp * pp * cp}; launch a "
+            f"multiple of {tp * pp * cp} processes or change the parallel sizes")
     if par.distributed_backend == "nccl" and not device.accelerator_available():
         raise ValueError("--distributed-backend nccl needs CUDA, which this machine lacks; "
                          "use --distributed-backend gloo")
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _check_context_parallel(cfg) -> None:
+    """--context-parallel-size: the sequence splits into 2 CP chunks; what is not built with it
+    is refused by name."""
+    par, cp = cfg.parallel, cfg.parallel.context_parallel_size
+    types = par.cp_comm_type
+    for t in types:
+        if t not in CP_COMM_TYPES:
+            extra = " (hierarchical context parallelism is not built)" if t == "a2a+p2p" else ""
+            raise ValueError(f"--cp-comm-type {t}{extra}: use one of "
+                             f"{', '.join(CP_COMM_TYPES)}")
+    layers = cfg.model.num_layers
+    if len(types) > 1 and layers is not None and len(types) != layers:
+        raise ValueError(f"--cp-comm-type gives {len(types)} values for --num-layers {layers}: "
+                         "give one value for every layer, or a single value")
+    if cp == 1:
+        return
+    seq = cfg.data.seq_length
+    if seq is not None and seq % (2 * cp) != 0:
+        raise ValueError(f"--seq-length ({seq}) must be a multiple of 2 x "
+                         f"--context-parallel-size ({2 * cp}): each rank holds two of the "
+                         f"{2 * cp} chunks of every sequence")
+    m = cfg.model
+    refused = [("--reset-attention-mask", cfg.data.reset_attention_mask,
+                "packed documents need a per-document mask across the split sequence"),
+               ("--attention-dropout > 0", (m.attention_dropout or 0) > 0,
+                "the blockwise attention has no dropout; pass --attention-dropout 0"),
+               ("--compile-layers", m.compile_layers,
+                "the attention's ring exchange runs outside compiled graphs")]
+    for flag, given, why in refused:
+        if given:
+            raise ValueError(f"{flag} with --context-parallel-size {cp} is not supported: {why}")
+    if "a2a" in types and m.num_attention_heads is not None:
+        tp = par.tensor_model_parallel_size
+        heads = m.num_attention_heads // tp
+        groups = (m.num_query_groups or m.num_attention_heads) // tp
+        if heads % cp or groups % cp:
+            raise ValueError(f"--cp-comm-type a2a splits each TP rank's {heads} query heads and "
+                             f"{groups} key/value heads over --context-parallel-size {cp}: both "
+                             "must be divisible by it; use p2p or all_gather")
+
+
+def refuse_context_parallel(what: str) -> Callable:
+    """A tool check: ``what`` runs on whole sequences only (--context-parallel-size 1)."""
+
+    def check(cfg) -> None:
+        cp = cfg.parallel.context_parallel_size
+        if cp != 1:
+            raise ValueError(f"--context-parallel-size {cp}: {what} runs at context-parallel "
+                             "size 1; drop the flag (checkpoints load at any CP size)")
+    return check
 
 
 def _check_llama_features(m) -> None:
@@ -580,6 +639,7 @@ def check_bert_flags(cfg) -> None:
     Raises:
         ValueError: a flag BERT cannot honour, naming it and the fix.
     """
+    refuse_context_parallel("BERT (bidirectional attention with a padding mask)")(cfg)
     if cfg.model.untie_embeddings_and_output_weights:
         raise ValueError("--untie-embeddings-and-output-weights: BERT's LM head is tied to the "
                          "word embeddings (Megatron-LM refuses it too); drop the flag")

@@ -259,6 +259,19 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
                 tensor.contiguous(), group=group, async_op=async_op)
 
 
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
+                      group: ProcessGroup | None) -> None:
+    """Split ``tensor`` into equal dim-0 pieces, send piece i to rank i, and gather the
+    pieces received (rank j's in place j) into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(tensor)
+        return
+    if checking_collectives():
+        _check("all_to_all", group, [tensor, output], same_on_every_rank=True)
+    with _blocking("all_to_all", group):
+        dist.all_to_all_single(output, tensor.contiguous(), group=group)
+
+
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     """The global rank of ``group``'s member ``group_rank`` (for None, this process's own)."""
     if not dist.is_initialized():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import sys
 
 import torch.distributed as dist
@@ -43,6 +44,12 @@ class RankLayout:
     model: Groups
     embedding: Groups
     position_embedding: Groups
+    context_parallel_size: int = 1
+    context: Groups = dataclasses.field(default_factory=list)
+    """Ranks splitting one sequence (empty at context-parallel size 1)."""
+    data_with_context: Groups = dataclasses.field(default_factory=list)
+    """DP x CP: the ranks gradients are reduced and optimizer state is sharded over (empty at
+    context-parallel size 1, where it is ``data``)."""
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The ``kind`` group (``"tensor"``, ``"data"``...) that contains global ``rank``."""
@@ -55,7 +62,8 @@ class RankLayout:
 def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
                 pipeline_model_parallel_size: int = 1,
                 virtual_pipeline_model_parallel_size: int | None = None,
-                pipeline_model_parallel_split_rank: int | None = None) -> RankLayout:
+                pipeline_model_parallel_split_rank: int | None = None,
+                context_parallel_size: int = 1) -> RankLayout:
     """Compute all rank groups for a world, without creating any process group.
 
     Args:
@@ -65,6 +73,8 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: model chunks per stage (interleaved schedule).
         pipeline_model_parallel_split_rank: stage where the decoder starts (encoder-decoder models);
             that stage joins the embedding groups.
+        context_parallel_size: ranks each sequence is split over; placed between TP and DP in
+            Megatron-Core's order (tp-cp-ep-dp-pp), see :func:`context_parallel_groups`.
 
     Raises:
         ValueError: the sizes do not fit the world, naming the flags to change.
@@ -77,6 +87,11 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
         raise ValueError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
             f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    cp = context_parallel_size
+    if cp < 1 or world_size % (tp * pp * cp) != 0:
+        raise ValueError(f"world size ({world_size}) is not divisible by "
+                         f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
+                         f"({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
     if virtual_pipeline_model_parallel_size is not None:
         # Megatron-LM 23.06 asked for more than two stages; the interleaved schedule here
         # orders a pair's messages so that two stages work too (docs/compatibility.md).
@@ -116,8 +131,52 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1,
         embedding.append(emb)
         position_embedding.append(pos)
 
+    context: Groups = []
+    data_with_context: Groups = []
+    if cp > 1:
+        dp //= cp
+        data, model, context, data_with_context = context_parallel_groups(world_size, tp, cp, pp)
     return RankLayout(world_size, tp, pp, dp, virtual_pipeline_model_parallel_size, split,
-                      tensor, pipeline, data, model, embedding, position_embedding)
+                      tensor, pipeline, data, model, embedding, position_embedding,
+                      cp, context, data_with_context)
+
+
+def grid_groups(world_size: int, sizes: dict[str, int], varying: str) -> Groups:
+    """Megatron-Core's ``RankGenerator``: ranks laid out over the dimensions of ``sizes``
+    (the first varies fastest), one group per combination of the dimensions not in
+    ``varying`` (``"dp-cp"``: the ranks that differ only in their DP and CP index), each group
+    listed with its fastest dimension varying fastest, the groups by their first rank."""
+    names = list(sizes)
+    assert world_size == _product(sizes.values()), (world_size, sizes)
+    strides = {name: _product(sizes[n] for n in names[:i]) for i, name in enumerate(names)}
+    vary = [n for n in names if n in varying.split("-")]
+    fixed = [n for n in names if n not in vary]
+
+    def offsets(dims: list[str]) -> list[int]:
+        # reversed: itertools.product varies its last factor fastest.
+        return [sum(strides[n] * i for n, i in zip(reversed(dims), idx))
+                for idx in itertools.product(*(range(sizes[n]) for n in reversed(dims)))]
+
+    return sorted([base + off for off in offsets(vary)] for base in offsets(fixed))
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def context_parallel_groups(world_size: int, tp: int, cp: int,
+                            pp: int) -> tuple[Groups, Groups, Groups, Groups]:
+    """The groups context parallelism changes, in Megatron-Core's order tp-cp-dp-pp: (data,
+    model, context, data x context). Data groups hold one CP index (the ranks reading different
+    samples), model groups one DP and one CP index (TP x PP: one replica's sequence piece), and
+    gradients are reduced over DP x CP (CP ranks hold the same weights, different tokens).
+    Tensor and pipeline groups are those of CP = 1 (TP stays fastest, PP slowest)."""
+    sizes = {"tp": tp, "cp": cp, "dp": world_size // (tp * cp * pp), "pp": pp}
+    return (grid_groups(world_size, sizes, "dp"), grid_groups(world_size, sizes, "tp-pp"),
+            grid_groups(world_size, sizes, "cp"), grid_groups(world_size, sizes, "cp-dp"))
 
 
 @dataclasses.dataclass
@@ -133,6 +192,10 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None
     position_embedding_group: dist.ProcessGroup | None
     virtual_pipeline_rank: int | None = None
+    context_group: dist.ProcessGroup | None = None
+    """None at context-parallel size 1 (this rank alone, for megatron.core.comm)."""
+    data_with_context_group: dist.ProcessGroup | None = None
+    """DP x CP; the data group itself at context-parallel size 1."""
 
     def ranks(self, kind: str) -> list[int]:
         return self.layout.group_of(kind, self.rank)
@@ -145,7 +208,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               pipeline_model_parallel_split_rank: int | None = None,
-                              distributed_timeout_minutes: float | None = None) -> None:
+                              distributed_timeout_minutes: float | None = None,
+                              context_parallel_size: int = 1) -> None:
     """Create every process group of :func:`rank_layout` (collective: all ranks must call it).
 
     Args:
@@ -156,6 +220,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         distributed_timeout_minutes: how long a collective on any of the groups may wait
             (``--distributed-timeout-minutes``); None: the world group's timeout, as given to
             :func:`megatron.core.device.init_distributed`.
+        context_parallel_size: see :func:`rank_layout`.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -167,7 +232,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                            "before initialize_model_parallel")
     layout = rank_layout(dist.get_world_size(), tensor_model_parallel_size,
                          pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
-                         pipeline_model_parallel_split_rank)
+                         pipeline_model_parallel_split_rank, context_parallel_size)
     rank = dist.get_rank()
     timeout = _group_timeout(distributed_timeout_minutes)
 
@@ -189,6 +254,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         embedding_group=groups["embedding"],
         position_embedding_group=groups["position_embedding"],
         virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None)
+    _STATE.data_with_context_group = _STATE.data_group
+    if layout.context_parallel_size > 1:
+        _STATE.context_group = build("context")
+        _STATE.data_with_context_group = build("data_with_context")
 
 
 def _group_timeout(minutes: float | None) -> datetime.timedelta | None:
@@ -214,7 +283,8 @@ def destroy_model_parallel() -> None:
         seen = set()
         for group in (_STATE.tensor_group, _STATE.pipeline_group, _STATE.data_group,
                       _STATE.model_group, _STATE.embedding_group,
-                      _STATE.position_embedding_group):
+                      _STATE.position_embedding_group, _STATE.context_group,
+                      _STATE.data_with_context_group):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 try:
@@ -240,8 +310,11 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
     return get_state().pipeline_group
 
 
-def get_data_parallel_group() -> dist.ProcessGroup:
-    return get_state().data_group
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The ranks reading different samples; ``with_context_parallel``: DP x CP, the ranks
+    gradients are reduced and the distributed optimizer's state is sharded over."""
+    state = get_state()
+    return state.data_with_context_group if with_context_parallel else state.data_group
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:
@@ -296,14 +369,47 @@ def get_pipeline_model_parallel_rank() -> int:
     return _size_and_rank("pipeline", single_process_default=True)[1]
 
 
-def get_data_parallel_world_size() -> int:
-    """Number of ranks in this rank's data-parallel group (1 before initialization)."""
-    return _size_and_rank("data", single_process_default=True)[0]
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Number of ranks in this rank's data-parallel group (1 before initialization);
+    ``with_context_parallel``: of its DP x CP group."""
+    return _size_and_rank(_data_kind(with_context_parallel), single_process_default=True)[0]
 
 
-def get_data_parallel_rank() -> int:
-    """This rank's index in its data-parallel group (0 before initialization)."""
-    return _size_and_rank("data", single_process_default=True)[1]
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its data-parallel group (0 before initialization);
+    ``with_context_parallel``: in its DP x CP group."""
+    return _size_and_rank(_data_kind(with_context_parallel), single_process_default=True)[1]
+
+
+def _data_kind(with_context_parallel: bool) -> str:
+    cp = _STATE.layout.context_parallel_size if _STATE is not None else 1
+    return "data_with_context" if with_context_parallel and cp > 1 else "data"
+
+
+# Context parallelism ------------------------------------------------------------------------
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks splitting this rank's sequences; None (this rank alone) at CP size 1."""
+    return get_state().context_group if _STATE is not None else None
+
+
+def get_context_parallel_world_size() -> int:
+    """Ranks each sequence is split over (1 before initialization and at CP size 1)."""
+    if _STATE is None or _STATE.layout.context_parallel_size == 1:
+        return 1
+    return _size_and_rank("context")[0]
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group (0 before initialization)."""
+    if _STATE is None or _STATE.layout.context_parallel_size == 1:
+        return 0
+    return _size_and_rank("context")[1]
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    """Global ranks of this rank's context-parallel group, in CP-rank order."""
+    state = get_state()
+    return state.ranks("context") if state.layout.context_parallel_size > 1 else [state.rank]
 
 
 def get_model_parallel_world_size() -> int:
@@ -479,6 +585,10 @@ def format_layout(layout: RankLayout) -> str:
         f"embedding groups:               {fmt(layout.embedding)}",
         f"position-embedding groups:      {fmt(layout.position_embedding)}",
     ]
+    if layout.context_parallel_size > 1:
+        lines[0] += f", context-parallel {layout.context_parallel_size}"
+        lines += [f"context-parallel groups:        {fmt(layout.context)}",
+                  f"data x context groups:          {fmt(layout.data_with_context)}"]
     return "\n".join(lines)
 
 
@@ -499,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Model chunks per pipeline stage (interleaved schedule; needs "
                              "--pipeline-model-parallel-size >= 2). Training derives it from "
                              "--num-layers-per-virtual-pipeline-stage.")
+    parser.add_argument("--context-parallel-size", type=int, default=1, metavar="N",
+                        help="Ranks each sequence is split over; between TP and DP in "
+                             "Megatron-Core's order tp-cp-dp-pp (default: 1).")
     parser.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                         metavar="R",
                         help="Pipeline stage where the decoder starts (encoder-decoder models); "
@@ -508,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
                              args.pipeline_model_parallel_size,
                              args.virtual_pipeline_model_parallel_size,
-                             args.pipeline_model_parallel_split_rank)
+                             args.pipeline_model_parallel_split_rank,
+                             args.context_parallel_size)
     except ValueError as err:
         parser.error(str(err))
     sys.stdout.write(format_layout(layout) + "\n")

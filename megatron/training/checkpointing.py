@@ -195,10 +195,11 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     if distributed_optimizer and not cfg.checkpoint.no_save_optim:
         # Collective over the data-parallel group; DP rank 0 receives the gathered state.
         state = optimizer.save_parameter_state()
-        if parallel_state.get_data_parallel_rank() == 0:
+        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
             distrib = name.with_name(DISTRIB_OPTIM_FILENAME)
             digests[manifest_entry(distrib)] = save_file(state, distrib)
-    if parallel_state.get_data_parallel_rank() == 0:
+    # Context-parallel ranks hold the same weights: one of them writes.
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         sd: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": iteration,
                     "num_floating_point_operations_so_far": num_floating_point_operations_so_far}

@@ -98,12 +98,14 @@ def initialize_distributed(cfg: MegatronConfig) -> None:
             cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
             cfg.virtual_pipeline_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_split_rank,
-            distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+            distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+            context_parallel_size=cfg.parallel.context_parallel_size)
     # Under fault.run_rank: hear at once when another rank fails (and watch for hangs).
     fault.watch_peers(cfg.parallel.watchdog_timeout_seconds)
     log_rank_0(f"> initialized tensor model parallel with size "
                f"{parallel_state.get_tensor_model_parallel_world_size()}, pipeline model parallel "
-               f"with size {parallel_state.get_pipeline_model_parallel_world_size()}, data "
+               f"with size {parallel_state.get_pipeline_model_parallel_world_size()}, context "
+               f"parallel with size {parallel_state.get_context_parallel_world_size()}, data "
                f"parallel with size {parallel_state.get_data_parallel_world_size()} "
                f"(backend {torch.distributed.get_backend()})")
 

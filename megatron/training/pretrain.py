@@ -115,7 +115,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, model_provider: Callable,
         remove_interrupted_save_files(Path(cfg.checkpoint.save))
     model = build_model(cfg, model_provider)
     optimizer = get_megatron_optimizer(
-        optimizer_config(cfg), model, dp_group=parallel_state.get_data_parallel_group(),
+        optimizer_config(cfg), model,
+        dp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         mp_group=parallel_state.get_model_parallel_group(), timers=timers)
     scheduler = build_scheduler(cfg, optimizer, compute_train_iters(cfg))
     state = TrainState()
@@ -164,7 +165,9 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
 
 
 def _wrap_for_data_parallel(cfg: MegatronConfig, module: torch.nn.Module) -> torch.nn.Module:
-    dp_group = parallel_state.get_data_parallel_group()
+    # Context-parallel ranks computed the gradients of different tokens of the same samples:
+    # they are reduced over DP x CP (the loss is scaled by CP, see pretrain_gpt.loss_func).
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     config = ddp_config(cfg)
     if cfg.parallel.ddp_impl == "torch":
         return TorchDistributedDataParallel(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from megatron.config.core_configs import transformer_config
-from megatron.config.validate import ToolChecks
+from megatron.config.validate import ToolChecks, refuse_context_parallel
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.models.builder import build_model_stage
@@ -55,7 +55,8 @@ def _run(argv: list[str], task: str, metric: str) -> dict:
     path = flags.section(TaskFlags).valid_data[0]
     scan = _or_exit(datasets.scan_word_level_file, path, detokenizer_name(path)) \
         if task == "WIKITEXT103" else None
-    checks = ToolChecks(validated=[lambda cfg: check_run(cfg, cfg.section(TaskFlags))])
+    checks = ToolChecks(given=[refuse_context_parallel("zero-shot evaluation")],
+                        validated=[lambda cfg: check_run(cfg, cfg.section(TaskFlags))])
     cfg = initialize_from_config(weights_only(flags, load=load), parser, tool_checks=checks)
     # Every rank has its groups before any can refuse the data below and tear them down (a rank
     # still connecting them would see its peer vanish instead of the refusal).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core import comm
 from megatron.core import device as device_mod
 from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.models.embedding import Embedding
@@ -23,6 +24,7 @@ from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_n
 from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.context_parallel import split_for_cp
 from megatron.core.transformer.rotary import RotaryEmbedding
 
 
@@ -106,8 +108,9 @@ class TransformerLanguageModel(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, layer_offset: int = 0,
                  attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False,
-                 replicated_head: bool = False) -> None:
+                 replicated_head: bool = False, cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
+        self.cp_group = cp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel
@@ -116,7 +119,7 @@ class TransformerLanguageModel(torch.nn.Module):
         self.encoder = TransformerBlock(config, tp_group, num_layers=num_layers,
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
-                                        attn_mask_type=attn_mask_type)
+                                        attn_mask_type=attn_mask_type, cp_group=cp_group)
         # RoPE holds no parameters: every stage has one, for its own layers' queries and keys.
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
@@ -154,8 +157,12 @@ class TransformerLanguageModel(torch.nn.Module):
                 seq = position_ids.size(1)
             else:  # [s, b, h] from the previous stage ([s/p, b, h] with sequence parallelism)
                 seq = self.encoder.input_tensor.size(0) * self._sequence_split()
-            rotary = self.rotary_pos_emb(seq, offset, min_length=self.max_position_embeddings,
-                                         device=device_mod.get_device())  # [s, 1, 1, rot]
+            cp, cp_rank = comm.world_size(self.cp_group), comm.rank(self.cp_group)
+            rotary = self.rotary_pos_emb(seq * cp, offset,
+                                         min_length=self.max_position_embeddings,
+                                         device=device_mod.get_device())  # [S, 1, 1, rot]
+            # Context parallelism: this rank's rows are global chunks r and 2 CP - r - 1.
+            rotary = split_for_cp(rotary, 0, cp, cp_rank)  # [s, 1, 1, rot]
         hidden = self.encoder(hidden, attention_mask, inference_params, rotary)
         if self.gather_sequence:
             # Every rank computes the replicated head's whole gradient: backward keeps its rows.

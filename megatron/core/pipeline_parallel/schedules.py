@@ -173,7 +173,8 @@ def _set_input_tensor_func(chunk: torch.nn.Module) -> Callable | None:
 def _tensor_shape(chunk: torch.nn.Module, seq_length: int | None,
                   micro_batch_size: int | None) -> Shape:
     """``(s, b, h)`` of the activations between stages: h from the chunk's transformer
-    config, s split over TP where that config asks for sequence parallelism."""
+    config, s split over CP (context parallelism) and over TP where that config asks for
+    sequence parallelism."""
     config = _unwrapped_config(chunk)
     if config is None:
         raise ValueError("pipelined schedules need the activations' hidden size: give the "
@@ -181,6 +182,7 @@ def _tensor_shape(chunk: torch.nn.Module, seq_length: int | None,
     if seq_length is None or micro_batch_size is None:
         raise ValueError("pipelined schedules need seq_length and micro_batch_size (the shape "
                          "of the tensors sent between stages)")
+    seq_length //= getattr(config, "context_parallel_size", 1)
     if getattr(config, "sequence_parallel", False):
         seq_length //= parallel_state.get_tensor_model_parallel_world_size()
     return (seq_length, micro_batch_size, config.hidden_size)

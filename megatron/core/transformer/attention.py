@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from megatron.core import comm
 from megatron.core.fusions.fused_softmax import fused_scale_mask_softmax
 from megatron.core.inference_params import InferenceParams
 from megatron.core.tensor_parallel import layers as tp_layers
@@ -41,6 +42,7 @@ from megatron.core.tensor_parallel.random import (checkpoint, checkpoint_eagerly
                                                   run_in_tp_stream)
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 
@@ -74,12 +76,17 @@ class CoreAttention(torch.nn.Module):
         layer_number: 1-based layer index (query-key layer scaling uses it).
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT).
         tp_size: the TP size (heads split over that many ranks).
+        cp_group: the context-parallel group; with more than one rank the sequence is split
+            over it and attention runs :func:`context_parallel_attention`.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 attn_mask_type: AttnMaskType = "causal", tp_size: int = 1) -> None:
+                 attn_mask_type: AttnMaskType = "causal", tp_size: int = 1,
+                 cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.cp_group = cp_group if comm.world_size(cp_group) > 1 else None
+        self.cp_comm_type = config.cp_comm_type_of(max(1, layer_number))
         self.tp_size = tp_size  # ranks the heads are split over (their dropout streams)
         self.attn_mask_type = attn_mask_type
         self.layer_number = max(1, layer_number)
@@ -101,6 +108,13 @@ class CoreAttention(torch.nn.Module):
         """q ``[s, b, np, hn]``, k, v ``[sk, b, g, hn]`` (g = np, or the key/value groups of
         grouped-query attention: query head i reads group i // (np/g)) -> context
         ``[s, b, hp]``."""
+        if self.cp_group is not None:
+            # validate() refuses explicit masks and attention dropout with CP.
+            assert attention_mask is None and not (self.training and self.dropout_p > 0)
+            return context_parallel_attention(query, key, value, self.cp_group,
+                                              self.cp_comm_type,
+                                              causal=self.attn_mask_type == "causal",
+                                              scale=1.0 / math.sqrt(self.config.kv_channels))
         if self.config.use_sdpa:
             return self._sdpa(query, key, value, attention_mask)
         key, value = _repeat_groups(key, query.size(2)), _repeat_groups(value, query.size(2))
@@ -204,7 +218,8 @@ class SelfAttention(torch.nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
+                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal",
+                 cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         tp = tp_world_size(tp_group)
@@ -232,7 +247,7 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.core_attention = CoreAttention(config, layer_number, attn_mask_type, tp)
+        self.core_attention = CoreAttention(config, layer_number, attn_mask_type, tp, cp_group)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tp_layers.RowParallelLinear(
             projection, config.hidden_size, tp_group=tp_group,

@@ -104,6 +104,19 @@ class TransformerConfig:
     all-reduces become an all-gather before each column-parallel linear and a reduce-scatter
     after each row-parallel one. No effect without TP (a group of one)."""
 
+    # Context parallelism (the group itself is passed to the model, as the TP group).
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (see megatron.core.transformer.context_parallel)."""
+    cp_comm_type: str | list[str] = "p2p"
+    """p2p, all_gather or a2a; a list gives one per layer."""
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """The context-parallel exchange of 1-based global layer ``layer_number``."""
+        types = self.cp_comm_type
+        if isinstance(types, str):
+            return types
+        return types[0] if len(types) == 1 else types[layer_number - 1]
+
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size

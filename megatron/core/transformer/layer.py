@@ -33,13 +33,15 @@ class TransformerLayer(torch.nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal") -> None:
+                 tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal",
+                 cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.tp_size = tp_world_size(tp_group)
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type)
+        self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type,
+                                            cp_group=cp_group)
         self.post_attention_layernorm = build_norm(config)
         self.mlp = MLP(config, tp_group)
 

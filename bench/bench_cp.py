@@ -1,0 +1,225 @@
+"""What context parallelism buys: activation memory per rank and step time of a Llama-shaped
+layer stack at CP = 1, 2, 4, the bytes each ``--cp-comm-type`` moves per layer against the
+formula, and the longest sequence that fits a memory budget at each CP size.
+
+A stack of ``--layers`` Llama-shaped layers (RMSNorm, SwiGLU, RoPE, grouped-query attention, no
+biases; h ``--hidden``, ``--heads`` query heads, ``--groups`` key/value heads), this framework's
+``TransformerBlock`` as a middle pipeline stage, runs forward and backward on ``s / CP`` rows per
+rank (gloo processes, one thread each; CUDA when available, one process per GPU). Activation
+memory is what the forward keeps for the backward on CP rank 0 (every tensor autograd saves,
+each storage once, parameters excluded, as bench/bench_recompute.py counts it); on CUDA also the
+allocator's peak. The step time is the median of ``--repeats`` after one warm-up, barriers around
+it. The CP = 1 row is the same-run baseline.
+
+Bytes per layer (forward + backward) one rank sends, K = 2 (s/CP) b g hn e the rank's keys and
+values, K' the same in the accumulation dtype (fp32), Q = (s/CP) b np hn e its queries:
+
+    p2p         2 (CP - 1) K + CP K'          (keys/values around the ring twice, their
+                                               gradients once around and home)
+    all_gather  2 (CP - 1) K + (CP - 1) K'    (gathered in forward and again in backward,
+                                               gradients reduce-scattered)
+    a2a         2 (CP - 1)/CP (2 Q + K)       (q, k, v and the output, forward and backward)
+
+measured by counting the tensors handed to megatron.core.comm's collectives (the logical
+volume; a ring all-gather sends the same). The longest sequence that fits ``--budget-gib`` of
+activations per rank (weights, gradients and optimizer state come on top) is extrapolated from
+the measured bytes kept per local token plus, for the blocks on the math path (CP > 1 off CUDA),
+the transient fp32 scores of the largest block, about 3 x 4 np (s/CP)^2 bytes (scores,
+probabilities and their gradient); the flash kernels (CP = 1's SDPA, CUDA) keep none.
+
+Run::
+
+    PYTHONPATH=. .venv/bin/python bench/bench_cp.py              # s 2048, 2 layers, fp32
+    PYTHONPATH=. .venv/bin/python bench/bench_cp.py --quick      # s 512, 1 layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_recompute import SavedTensorMeter  # noqa: E402
+from bench.launch import run_ranks  # noqa: E402
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def longest_sequence(kept_per_token: float, budget: float, quadratic: float, cp: int) -> int:
+    """Largest S with ``kept_per_token * S/CP + quadratic * (S/CP)^2 <= budget``, rounded down
+    to a multiple of 2 CP."""
+    if quadratic:
+        rows = (-kept_per_token + math.sqrt(kept_per_token**2 + 4 * quadratic * budget)) / (
+            2 * quadratic)
+    else:
+        rows = budget / kept_per_token
+    return int(rows * cp) // (2 * cp) * (2 * cp)
+
+
+def formula_bytes(comm_type: str, cp: int, s: int, b: int, np_: int, g: int, hn: int,
+                  elt: int, acc: int = 4) -> float:
+    """Bytes one rank sends per layer (forward + backward), see the module docstring."""
+    rows = s // cp
+    k, k_acc = 2 * rows * b * g * hn * elt, 2 * rows * b * g * hn * acc
+    q = rows * b * np_ * hn * elt
+    if cp == 1:
+        return 0.0
+    return {"p2p": 2 * (cp - 1) * k + cp * k_acc,
+            "all_gather": 2 * (cp - 1) * k + (cp - 1) * k_acc,
+            "a2a": 2 * (cp - 1) / cp * (2 * q + k)}[comm_type]
+
+
+class CommMeter:
+    """Counts the bytes this rank hands to megatron.core.comm's collectives (patched in)."""
+
+    def __init__(self) -> None:
+        from megatron.core import comm
+
+        self.comm, self.total, self.saved = comm, 0, {}
+        n = comm.world_size
+
+        def wrap(name, count):
+            original = getattr(comm, name)
+            self.saved[name] = original
+
+            def counted(*args, **kwargs):
+                self.total += count(*args)
+                return original(*args, **kwargs)
+            setattr(comm, name, counted)
+
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        wrap("batch_isend_irecv", lambda ops, group: sum(size(t) for k, t, _ in ops if k == "send"))
+        wrap("all_gather_list", lambda t, group: size(t) * (n(group) - 1))
+        wrap("reduce_scatter_into", lambda out, t, group, *a: size(t) * (n(group) - 1) // n(group))
+        wrap("all_to_all_single", lambda out, t, group: size(t) * (n(group) - 1) // n(group))
+
+    def close(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.comm, name, fn)
+
+
+def _block(args, cp: int, comm_type: str, cp_group, dtype):
+    import torch
+
+    from megatron.core.transformer.block import TransformerBlock
+    from megatron.core.transformer.config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.groups, ffn_hidden_size=args.ffn, params_dtype=dtype,
+        normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
+        context_parallel_size=cp, cp_comm_type=comm_type)
+    torch.manual_seed(0)
+    return TransformerBlock(config, None, pre_process=False, post_process=False,
+                            cp_group=cp_group).train()
+
+
+def _step(block, args, seq: int, cp_group, dtype, dev):
+    """One forward + backward on this rank's rows: (bytes kept, seconds, comm bytes)."""
+    import torch
+
+    from megatron.core import comm
+    from megatron.core.transformer.context_parallel import split_for_cp
+    from megatron.core.transformer.rotary import RotaryEmbedding
+
+    cp, rank = comm.world_size(cp_group), comm.rank(cp_group)
+    rope = RotaryEmbedding(args.hidden // args.heads)(seq, device=dev)  # [S, 1, 1, rot]
+    rope = split_for_cp(rope, 0, cp, rank)
+    x = torch.randn(seq // cp, 1, args.hidden, dtype=dtype, device=dev, requires_grad=True)
+    block.set_input_tensor(x)
+    meter, comms = SavedTensorMeter(list(block.parameters())), CommMeter()
+    comm.barrier(cp_group)
+    start = time.perf_counter()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            out = block(None, None, None, rope)
+        out.backward(torch.ones_like(out))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        comms.close()
+    comm.barrier(cp_group)
+    return meter.total, time.perf_counter() - start, comms.total
+
+
+def _worker(rank: int, world: int, args) -> list[dict] | None:
+    import torch
+
+    from megatron.core import device, parallel_state
+
+    from megatron.core.transformer import context_parallel
+
+    context_parallel.FLASH_ON_CPU = args.flash_on_cpu
+    device.init_distributed(backend="gloo")
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    cp_group = parallel_state.get_context_parallel_group()
+    dev = device.get_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rows = []
+    for comm_type in (COMM_TYPES if world > 1 else ("none",)):
+        block = _block(args, world, comm_type if world > 1 else "p2p", cp_group, dtype).to(dev)
+        times, kept, sent = [], 0, 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.repeats + 1):  # the first is a warm-up
+            kept, seconds, sent = _step(block, args, args.seq, cp_group, dtype, dev)
+            times.append(seconds)
+        peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
+        rows.append({"comm": comm_type, "kept": kept, "seconds": statistics.median(times[1:]),
+                     "sent": sent / args.layers, "peak": peak,
+                     "elt": torch.tensor([], dtype=dtype).element_size()})
+    return rows if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=704)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--budget-gib", type=float, default=64.0,
+                        help="activation memory per rank for the longest-sequence column")
+    parser.add_argument("--flash-on-cpu", action="store_true",
+                        help="the CP blocks on torch's CPU flash kernel instead of the math path")
+    parser.add_argument("--quick", action="store_true", help="s 512, 1 layer, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seq, args.layers, args.repeats = 512, 1, 1
+    s, h, n = args.seq, args.hidden, args.layers
+    hn = h // args.heads
+    print(f"# {n} Llama-shaped layers, s={s} b=1 h={h} heads={args.heads} groups={args.groups} "
+          f"ffn={args.ffn}; CP blocks on the {'flash kernel' if args.flash_on_cpu else 'math path'}"
+          f" off CUDA; gloo, 1 thread per rank; load average {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} cores")
+    print("| CP | comm type | kept MiB/rank | step s | vs CP=1 step | sent KiB/layer/rank "
+          "(measured) | formula | longest s in --budget-gib |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = None
+    for cp in args.cp:
+        for row in run_ranks(cp, _worker, args, timeout=3600)[0]:
+            base = base or row["seconds"]
+            theory = formula_bytes(row["comm"], cp, s, 1, args.heads, args.groups, hn,
+                                   row["elt"])
+            longest = longest_sequence(row["kept"] / (s // cp), args.budget_gib * 2**30,
+                                       12 * args.heads if cp > 1 and not row["peak"]
+                                       and not args.flash_on_cpu else 0, cp)
+            peak = f" (CUDA peak {row['peak'] / 2**20:.0f} MiB)" if row["peak"] else ""
+            print(f"| {cp} | {row['comm']} | {row['kept'] / 2**20:.1f}{peak} | "
+                  f"{row['seconds']:.3f} | {row['seconds'] / base:.2f}x | "
+                  f"{row['sent'] / 1024:.0f} | {theory / 1024:.0f} | {longest} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
