@@ -107,8 +107,8 @@ class TransformerConfig:
     # Context parallelism (the group itself is passed to the model, as the TP group).
     context_parallel_size: int = 1
     """Ranks each sequence is split over (see megatron.core.transformer.context_parallel)."""
-    cp_comm_type: str | list[str] = "p2p"
-    """p2p, all_gather or a2a; a list gives one per layer."""
+    cp_comm_type: str | list[str] = dataclasses.field(default_factory=lambda: ["p2p"])
+    """p2p, all_gather or a2a; a list gives one per layer (one entry: every layer)."""
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel exchange of 1-based global layer ``layer_number``."""
