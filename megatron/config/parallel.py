@@ -16,6 +16,10 @@ class ParallelConfig:
     """Number of ranks each layer is split over (tensor model parallelism)."""
     pipeline_model_parallel_size: int = 1
     """Number of pipeline stages."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are spread over (expert parallelism)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each expert is split over (default: --tensor-model-parallel-size)."""
     pipeline_model_parallel_split_rank: int | None = None
     """Pipeline stage where the decoder starts (encoder-decoder models)."""
     model_parallel_size: int | None = None
