@@ -51,16 +51,15 @@ class TopKRouter(torch.nn.Module):
                 p.data = p.data.to(config.params_dtype)
                 # Each TP rank routes its own s/p rows: the gradients are partial sums.
                 p.sequence_parallel = config.sequence_parallel
-        self.expert_bias = None
-        self.local_tokens_per_expert = None
-        if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(e, dtype=torch.float32),
-                                 persistent=False)
-        self.global_tokens_per_expert = None
-        if config.moe_router_load_balancing_type == "global_aux_loss":
-            self.register_buffer("global_tokens_per_expert", torch.zeros(e), persistent=False)
-            self.register_buffer("ga_steps", torch.zeros(()), persistent=False)
+        bias_on = config.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(e) if bias_on else None)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(e) if bias_on else None,
+                             persistent=False)
+        global_on = config.moe_router_load_balancing_type == "global_aux_loss"
+        self.register_buffer("global_tokens_per_expert", torch.zeros(e) if global_on else None,
+                             persistent=False)
+        self.register_buffer("ga_steps", torch.zeros(()) if global_on else None,
+                             persistent=False)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]`` in ``moe_router_dtype`` (else the input's)."""
@@ -132,8 +131,7 @@ class TopKRouter(torch.nn.Module):
         # Each TP rank's share of the average over the TP group's tokens.
         coeff = coeff / tp_world_size(self.tp_group)
         loss = mu.z_loss(logits, coeff)
-        metrics.record("z_loss", loss / coeff, self.layer_number, self.config.num_layers,
-                       avg_group=self.tp_dp_group)
+        metrics.record("z_loss", loss / coeff, self.layer_number, self.config.num_layers)
         return mu.AuxLossScaler.apply(logits, loss)
 
     def _apply_aux_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq: int,
@@ -148,20 +146,19 @@ class TopKRouter(torch.nn.Module):
             counts, total = self._counts(aux_map, self.tp_group)
             loss = mu.switch_load_balancing_loss(scores, counts, total, k, coeff,
                                                  cfg.num_moe_experts) / batch
-            name, group = "seq_load_balancing_loss", self.tp_group
+            name = "seq_load_balancing_loss"
         elif kind == "global_aux_loss":
             counts, total = self._counts(aux_map, self.tp_dp_group)
             self.global_tokens_per_expert += counts
             self.ga_steps += 1
             loss = mu.switch_load_balancing_loss(
                 scores, self.global_tokens_per_expert / self.ga_steps, total, k, coeff)
-            name, group = "global_load_balancing_loss", self.tp_dp_group
+            name = "global_load_balancing_loss"
         else:
             counts, total = self._counts(aux_map, self.tp_group)
             loss = mu.switch_load_balancing_loss(scores, counts, total, k, coeff)
-            name, group = "load_balancing_loss", self.tp_group
-        metrics.record(name, loss / coeff, self.layer_number, cfg.num_layers,
-                       reduce_group=group)
+            name = "load_balancing_loss"
+        metrics.record(name, loss / coeff, self.layer_number, cfg.num_layers)
         return mu.AuxLossScaler.apply(probs, loss)
 
     @staticmethod
@@ -172,6 +169,13 @@ class TopKRouter(torch.nn.Module):
         local = routing_map.sum(dim=0).float()
         total = routing_map.shape[0] * tp_world_size(group)
         return reduce_from_tensor_model_parallel_region(local, group), total
+
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """One aux-loss-free balancing step from the step's token counts (summed over TP x
+        DP); the local counts start again from zero."""
+        self.expert_bias.copy_(mu.updated_expert_bias(
+            tokens_per_expert, self.expert_bias, self.config.moe_router_bias_update_rate))
+        self.local_tokens_per_expert.zero_()
 
     def reset_global_aux_loss_tracker(self) -> None:
         """Start a new global batch for ``global_aux_loss``."""
