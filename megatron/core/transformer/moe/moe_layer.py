@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import Experts, expert_config
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import AllGatherDispatcher
+from megatron.core.transformer.moe.token_dispatcher import (AllGatherDispatcher,
+                                                           AllToAllDispatcher,
+                                                           ExpertParallelAllGatherDispatcher)
 
 
 class SharedExpertMLP(MLP):
@@ -58,19 +60,30 @@ class MoELayer(torch.nn.Module):
         layer_number: 1-based global layer index.
         tp_group: the TP group (the experts are split over it as the dense MLP).
         tp_dp_group: TP x DP (global balancing loss and expert-bias counts).
+        ep_group: the expert-parallel group: this rank holds experts
+            ``ep_rank * E/EP ... (ep_rank + 1) * E/EP - 1`` (expert tensor parallelism 1).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None
-                 ) -> None:
+                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group)
-        experts = Experts(config, config.num_moe_experts, tp_group)
+        ep = tp_world_size(ep_group)
+        num_local = config.num_moe_experts // ep
+        self.local_expert_offset = tp_rank(ep_group) * num_local
+        experts = Experts(config, num_local, tp_group if ep == 1 else None)
         # Registered flat, as Megatron-LM's SwitchMLP: the checkpoint keys have no 'experts.'.
         self.local_experts = experts.local_experts
         self._experts = [experts]  # outside the module tree: its parameters are local_experts'
-        self.dispatcher = AllGatherDispatcher(tp_group)
+        if ep == 1:
+            self.dispatcher = AllGatherDispatcher(tp_group)
+        elif config.moe_token_dispatcher_type == "alltoall":
+            self.dispatcher = AllToAllDispatcher(ep_group, config.num_moe_experts, num_local)
+        else:
+            self.dispatcher = ExpertParallelAllGatherDispatcher(
+                ep_group, self.local_expert_offset, num_local)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, tp_group)
