@@ -136,10 +136,6 @@ def refuse_unconverted_architecture(md, opts: argparse.Namespace) -> None:
     """
     a = md.args
     if opts.saver == "hf":
-        if getattr(a, "num_experts", None):
-            raise ValueError(f"--saver hf of a mixture-of-experts checkpoint (--num-experts "
-                             f"{a.num_experts}) is not built yet; convert it with --saver "
-                             "megatron")
         return
     target_tp = opts.target_tensor_parallel_size
     groups = getattr(a, "num_query_groups", None)

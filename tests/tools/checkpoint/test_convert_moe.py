@@ -46,16 +46,3 @@ def test_moe_round_trip_over_tp_and_pp_is_bitwise(tmp_path):
     for key in ("router.weight", "shared_experts.gate_weight"):
         assert torch.equal(tp2[(1, 0)][LAYER + key], whole[LAYER + key])
 
-
-def test_hf_export_of_moe_is_refused_by_name():
-    import argparse
-
-    import pytest
-
-    from tools.checkpoint.convert import refuse_unconverted_architecture
-
-    class _Described:
-        args = argparse.Namespace(num_experts=4)
-
-    with pytest.raises(ValueError, match="--num-experts 4"):
-        refuse_unconverted_architecture(_Described(), argparse.Namespace(saver="hf"))

@@ -110,3 +110,43 @@ def test_olmoe_is_refused_by_name(tmp_path):
     code = convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "hf"),
                          "--save-dir", str(tmp_path / "out"), "--loader", "hf"])
     assert code != 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_hf_to_ours_to_hf_is_bitwise_and_back_gives_the_same_class(tmp_path, kind):
+    _random_hf(tmp_path / "hf", kind)
+    flags = ["--model-type", "GPT"]
+    assert convert.main([*flags, "--load-dir", str(tmp_path / "hf"), "--save-dir",
+                         str(tmp_path / "ours"), "--loader", "hf"]) == 0
+    assert convert.main([*flags, "--load-dir", str(tmp_path / "ours"), "--save-dir",
+                         str(tmp_path / "hf2"), "--saver", "hf", "--true-vocab-size",
+                         str(VOCAB)]) == 0
+    from safetensors.torch import load_file
+    first, second = (load_file(str(d / "model.safetensors")) for d in
+                     (tmp_path / "hf", tmp_path / "hf2"))
+    helpers.assert_same_tensors(dict(sorted(first.items())), dict(sorted(second.items())))
+    config = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert config["model_type"] == kind
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        again = _random_hf(tmp_path / "hf3", kind)(ids).logits
+        assert (hf(ids).logits - again).abs().max() <= 1e-6
+    # ours -> HF -> ours is bitwise too.
+    assert convert.main([*flags, "--load-dir", str(tmp_path / "hf2"), "--save-dir",
+                         str(tmp_path / "ours2"), "--loader", "hf"]) == 0
+    a, b = (helpers.flat_model(helpers.shards(d / "iter_0000000")[(0, 0)])
+            for d in (tmp_path / "ours", tmp_path / "ours2"))
+    helpers.assert_same_tensors(a, b)
+
+
+def test_export_refuses_what_no_hf_class_holds():
+    import argparse
+
+    from tools.checkpoint.hf_moe import check_moe_exportable
+
+    args = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm",
+                              swiglu=True, add_bias_linear=False, num_experts=4,
+                              moe_router_score_function="sigmoid", num_layers=2)
+    with pytest.raises(ValueError, match="--moe-router-score-function"):
+        check_moe_exportable(args)
