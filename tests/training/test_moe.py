@@ -1,9 +1,10 @@
 """A Llama-style MoE GPT (4 experts, top-2, a gated shared expert, aux and z losses) through
 ``pretrain()``: TP=2 with sequence parallelism and DP=2 with the distributed optimizer equal one
 process (the loss at every iteration to 1e-5 and the final parameters, from the one-process
-run's initial weights); the auxiliary losses reach the log dict (per layer with
---moe-per-layer-logging); aux-loss-free balancing moves the expert bias, the same at DP=2 as in
-one process; the TP=2 run resumes exactly from its save."""
+run's initial weights; the DP=2 run with sigmoid scores, aux-loss-free balancing and
+--moe-grouped-gemm, whose expert-bias counts are summed over DP); the auxiliary losses reach the
+log dict (per layer with --moe-per-layer-logging); the TP=2 run resumes exactly from its
+save."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ MOE = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64",
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.01", "--moe-grouped-gemm"]
 LOSS_TOL = 1e-5
-BIAS_KEY = "language_model.encoder.layers.1.mlp.router.expert_bias"
 
 
 def _run(corpus, tp: int = 1, extra=(), init: bool = True) -> dict:
@@ -35,19 +35,17 @@ def runs(gpt2_corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("moe_checkpoint")
     single, single_bias = (r[0] for r in e2e.pooled(1, [
         _run(gpt2_corpus, init=False), _run(gpt2_corpus, extra=BIAS, init=False)]))
-    tp2, dp2, dp2_bias, resumed = e2e.pooled(2, [
+    tp2, dp2_bias, resumed = e2e.pooled(2, [
         _run(gpt2_corpus, tp=2, extra=["--sequence-parallel", "--save", save,
                                        "--save-interval", "2"]),
-        _run(gpt2_corpus, extra=["--use-distributed-optimizer"]),
         _run(gpt2_corpus, extra=[*BIAS, "--use-distributed-optimizer"]),
         _run(gpt2_corpus, tp=2, extra=["--sequence-parallel", "--load", save, "--ckpt-step",
                                        "2"], init=False)])
-    return {"single": single, "single_bias": single_bias, "tp2_sp": tp2, "dp2": dp2,
+    return {"single": single, "single_bias": single_bias, "tp2_sp": tp2,
             "dp2_bias": dp2_bias, "resumed": resumed}
 
 
-@pytest.mark.parametrize("layout,single", [("tp2_sp", "single"), ("dp2", "single"),
-                                           ("dp2_bias", "single_bias")])
+@pytest.mark.parametrize("layout,single", [("tp2_sp", "single"), ("dp2_bias", "single_bias")])
 def test_moe_equals_one_process(runs, layout, single):
     ref = e2e.losses(runs[single])
     assert len(ref) == ITERS and not any(h["skipped"] for h in runs[single]["history"])
@@ -76,10 +74,7 @@ def test_aux_losses_are_logged_per_layer(runs):
         assert got[name] == pytest.approx(step[name], abs=1e-5)
 
 
-def test_expert_bias_moves_and_is_saved(runs):
-    bias = runs["single_bias"]["params"][BIAS_KEY] if BIAS_KEY in runs["single_bias"][
-        "params"] else None
-    assert bias is None or float(bias.abs().max()) > 0
+def test_expert_bias_changes_the_run(runs):
     assert e2e.losses(runs["single_bias"]) != e2e.losses(runs["single"])
 
 

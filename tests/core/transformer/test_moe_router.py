@@ -127,3 +127,23 @@ def test_grouped_equals_loop():
     tokens = torch.randn(10, 8)
     counts = [3, 0, 5, 2]
     torch.testing.assert_close(grouped(tokens, counts), loop(tokens, counts))
+
+
+def test_expert_bias_step_after_the_backward():
+    """finalize_model_grads moves the bias by the step's token counts and starts them again;
+    the bias changes which experts are chosen, never the gates' values."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_state
+
+    torch.manual_seed(0)
+    layer = MoELayer(_config(moe_router_score_function="sigmoid",
+                             moe_router_enable_expert_bias=True,
+                             moe_router_bias_update_rate=0.5), 1, None).train()
+    x = torch.randn(6, 2, 8)
+    _, rmap = layer.router(x)
+    counts = rmap.sum(0).float()
+    torch.testing.assert_close(layer.router.local_tokens_per_expert, counts)
+    _update_router_state([layer])
+    torch.testing.assert_close(layer.router.expert_bias,
+                               torch.sign(counts.mean() - counts) * 0.5)
+    assert layer.router.local_tokens_per_expert.abs().sum() == 0
+    assert "router.expert_bias" in layer.state_dict()
