@@ -155,7 +155,8 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
                             gradient_accumulation_fusion=False)
     torch.manual_seed(0)
     layer = MoELayer(cfg, 1, None, ep_group=dist.group.WORLD).eval()
-    x = torch.randn(s["seq"], s["batch"], s["hidden"], generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(s["seq"], s["batch"], s["hidden"],
+                    generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         probs, rmap = layer.router(x)
         layer(x)

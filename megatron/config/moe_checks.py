@@ -124,7 +124,7 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
     if tp > 1 and not par.sequence_parallel:
         raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel (each TP rank routes its own rows)")
-    if m.moe_ffn_hidden_size % etp != 0:
+    if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size % etp != 0:
         raise ValueError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) is not divisible "
                          f"by --expert-tensor-parallel-size ({etp})")
     shared = m.moe_shared_expert_intermediate_size
