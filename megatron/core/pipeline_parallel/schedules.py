@@ -98,7 +98,9 @@ def _set_aux_loss_scale(grad_scale_func: Callable | None, num_microbatches: int)
     """The MoE routers' auxiliary losses join the backward pass with the main loss's scale:
     the fp16 loss scale over the number of micro-batches (Megatron's schedules set
     ``MoEAuxLossAutoScaler``'s scale the same way)."""
-    scale = 1.0 if grad_scale_func is None else float(grad_scale_func(torch.ones(())))
+    # A host scalar: only its value is read (the loss scaler's scale, one per step).
+    scale = 1.0 if grad_scale_func is None else \
+        float(grad_scale_func(torch.ones((), device="cpu")))
     set_aux_loss_scale(scale / num_microbatches)
 
 

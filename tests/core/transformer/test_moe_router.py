@@ -147,3 +147,41 @@ def test_expert_bias_step_after_the_backward():
                                torch.sign(counts.mean() - counts) * 0.5)
     assert layer.router.local_tokens_per_expert.abs().sum() == 0
     assert "router.expert_bias" in layer.state_dict()
+
+
+def test_global_and_sequence_aux_losses():
+    """global_aux_loss uses the token counts averaged over the global batch's micro-batches
+    (reset after the step); seq_aux_loss is the mean over sequences of each one's loss."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_state
+    from megatron.core.transformer.moe import metrics
+
+    torch.manual_seed(0)
+    layer = MoELayer(_config(moe_router_load_balancing_type="global_aux_loss"), 1, None).train()
+    xs = [torch.randn(6, 2, 8) for _ in range(2)]
+    metrics.clear()
+    for x in xs:
+        layer(x)
+    router = layer.router
+    assert float(router.ga_steps) == 2
+    logits = [router.gating(x).reshape(-1, 4) for x in xs]
+    maps = [mu.scores_for_aux_loss(lg, 2, "softmax") for lg in logits]
+    mean_counts = sum(m.sum(0).float() for m, _ in maps) / 2
+    want = sum(mu.switch_load_balancing_loss(sc, mean_counts if i else maps[0][0].sum(0).float(),
+                                             12, 2, 1.0) for i, (_, sc) in enumerate(maps))
+    got = metrics.reduce_per_layer(1)["global_load_balancing_loss"][0]
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    _update_router_state([layer])
+    assert float(router.ga_steps) == 0
+    metrics.clear()
+
+    seq = MoELayer(_config(moe_router_load_balancing_type="seq_aux_loss"), 1, None).train()
+    x = torch.randn(6, 2, 8)
+    seq(x)
+    lg = seq.router.gating(x)  # [s, b, E]
+    per_seq = []
+    for b in range(2):
+        rmap, sc = mu.scores_for_aux_loss(lg[:, b], 2, "softmax")
+        per_seq.append(mu.switch_load_balancing_loss(sc, rmap.sum(0).float(), 6, 2, 1.0))
+    got = metrics.reduce_per_layer(1)["seq_load_balancing_loss"][0]
+    torch.testing.assert_close(got, (sum(per_seq) / 2).detach(), rtol=1e-5, atol=1e-6)
+    metrics.clear()

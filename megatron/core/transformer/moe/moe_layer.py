@@ -35,8 +35,8 @@ class SharedExpertMLP(MLP):
         super().__init__(cfg, tp_group)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
-            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size,
-                                                              dtype=config.params_dtype))
+            self.gate_weight = torch.nn.Parameter(torch.empty(
+                1, config.hidden_size, dtype=config.params_dtype, device="cpu"))
             with torch.no_grad():
                 self.gate_weight.normal_(0.0, config.init_method_std)
             self.gate_weight.sequence_parallel = config.sequence_parallel

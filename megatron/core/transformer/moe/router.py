@@ -39,8 +39,9 @@ class TopKRouter(torch.nn.Module):
         self.tp_group = tp_group
         self.tp_dp_group = tp_group if tp_dp_group is None else tp_dp_group
         e, h = config.num_moe_experts, config.hidden_size
-        self.weight = torch.nn.Parameter(torch.empty(e, h, dtype=torch.float32))
-        self.bias = torch.nn.Parameter(torch.empty(e, dtype=torch.float32)) \
+        # Initialized on the CPU as every layer's weights (the model moves to the device after).
+        self.weight = torch.nn.Parameter(torch.empty(e, h, dtype=torch.float32, device="cpu"))
+        self.bias = torch.nn.Parameter(torch.empty(e, dtype=torch.float32, device="cpu")) \
             if config.add_bias_linear else None
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
@@ -52,14 +53,16 @@ class TopKRouter(torch.nn.Module):
                 # Each TP rank routes its own s/p rows: the gradients are partial sums.
                 p.sequence_parallel = config.sequence_parallel
         bias_on = config.moe_router_enable_expert_bias
-        self.register_buffer("expert_bias", torch.zeros(e) if bias_on else None)
-        self.register_buffer("local_tokens_per_expert", torch.zeros(e) if bias_on else None,
-                             persistent=False)
         global_on = config.moe_router_load_balancing_type == "global_aux_loss"
-        self.register_buffer("global_tokens_per_expert", torch.zeros(e) if global_on else None,
+
+        def counts(on: bool, shape: tuple[int, ...]) -> torch.Tensor | None:
+            return torch.zeros(shape, device="cpu") if on else None  # moved with the model
+
+        self.register_buffer("expert_bias", counts(bias_on, (e,)))
+        self.register_buffer("local_tokens_per_expert", counts(bias_on, (e,)), persistent=False)
+        self.register_buffer("global_tokens_per_expert", counts(global_on, (e,)),
                              persistent=False)
-        self.register_buffer("ga_steps", torch.zeros(()) if global_on else None,
-                             persistent=False)
+        self.register_buffer("ga_steps", counts(global_on, ()), persistent=False)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]`` in ``moe_router_dtype`` (else the input's)."""
