@@ -595,7 +595,7 @@ STAGES = [
     Stage("gpt-fp16", stage_gpt_fp16, ("data",)),
     Stage("gpt-distopt", stage_gpt_distopt, ("data",)),
     Stage("llama", stage_llama, ("data",)),
-    Stage("moe", stage_moe, ("data",)),
+    Stage("moe", stage_moe, ("data",), timeout=300),
     Stage("bert", stage_bert, ("data",)),
     Stage("finetune", stage_finetune, ("data",)),
     Stage("tp2", lambda c: stage_parallel(c, "tp2", ["--tensor-model-parallel-size", "2"]),
