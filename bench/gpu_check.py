@@ -303,6 +303,21 @@ def stage_llama(c: Check):
     return 0, losses_figure(lm_losses(out))
 
 
+# A Mixtral-shaped MoE GPT (as examples/pretrain_mixtral.sh): 8 experts, top-2, fp32 router,
+# grouped GEMM (torch._grouped_mm in bf16 on CUDA), aux and z losses in the log line.
+MOE_FLAGS = [*LLAMA_FLAGS, "--num-experts", "8", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "256", "--moe-aux-loss-coeff", "1e-2",
+             "--moe-z-loss-coeff", "1e-3", "--moe-router-dtype", "fp32", "--moe-grouped-gemm",
+             "--moe-token-dispatcher-type", "alltoall"]
+
+
+def stage_moe(c: Check):
+    out = train(c, "moe", ["--bf16", "--train-iters", "10", *MOE_FLAGS])
+    if "load_balancing_loss" not in out:
+        raise StageFailed("moe: no load_balancing_loss in the log line")
+    return 0, losses_figure(lm_losses(out))
+
+
 def stage_gpt_distopt(c: Check):
     out = train(c, "gpt-distopt", ["--bf16", "--use-distributed-optimizer", "--train-iters",
                                    "10", "--save", os.path.join(c.ck, "distopt"),
@@ -603,6 +618,7 @@ STAGES = [
     Stage("gpt-fp16", stage_gpt_fp16, ("data",)),
     Stage("gpt-distopt", stage_gpt_distopt, ("data",)),
     Stage("llama", stage_llama, ("data",)),
+    Stage("moe", stage_moe, ("data",), timeout=300),
     Stage("bert", stage_bert, ("data",)),
     Stage("finetune", stage_finetune, ("data",)),
     Stage("tp2", lambda c: stage_parallel(c, "tp2", ["--tensor-model-parallel-size", "2"]),

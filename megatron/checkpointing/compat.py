@@ -24,7 +24,10 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                       "position_embedding_type", "rotary_percent", "rotary_interleaved",
                       "normalization", "swiglu", "squared_relu", "num_query_groups",
                       "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "rotary_base",
-                      "apply_residual_connection_post_layernorm")
+                      "apply_residual_connection_post_layernorm", "num_experts",
+                      "moe_ffn_hidden_size", "moe_layer_freq",
+                      "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                      "moe_router_enable_expert_bias")
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 CONVERTER = "tools/checkpoint/convert.py"
 """The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""

@@ -58,8 +58,8 @@ Stage = Literal["first", "last", "layers"]
 
 
 def _compile(pattern: str) -> re.Pattern:
-    """``a.{x,y}.layers.{layer}.w`` -> a regex: ``{layer}`` is a layer number, ``{x,y}`` one of
-    the alternatives, everything else literal."""
+    """``a.{x,y}.layers.{layer}.w`` -> a regex: ``{layer}`` is a layer number, ``{expert}`` a
+    local expert's index, ``{x,y}`` one of the alternatives, everything else literal."""
     parts = re.split(r"\{([^}]*)\}", pattern)
     out = []
     for i, part in enumerate(parts):
@@ -67,6 +67,8 @@ def _compile(pattern: str) -> re.Pattern:
             out.append(re.escape(part))
         elif part == "layer":
             out.append(r"(?P<layer>\d+)")
+        elif part == "expert":
+            out.append(r"\d+")
         else:
             out.append("(?:" + "|".join(re.escape(p) for p in part.split(",")) + ")")
     return re.compile("".join(out))
@@ -303,6 +305,24 @@ LANGUAGE_MODEL_RULES: tuple[TensorRule, ...] = (
     TensorRule(_LAYER + "mlp.dense_4h_to_h.weight", 1, "layers", "row-parallel"),
     TensorRule(_LAYER + "mlp.dense_4h_to_h.bias", None, "layers",
                "row-parallel bias (after the reduce)"),
+    # Mixture of experts (Megatron-LM's legacy SwitchMLP names; the experts split over TP as
+    # the dense MLP, the router and the shared experts' gate whole on every TP rank).
+    TensorRule(_LAYER + "mlp.router.{weight,bias,expert_bias}", None, "layers",
+               "MoE router (and its aux-loss-free balancing bias)"),
+    TensorRule(_LAYER + "mlp.local_experts.{expert}.dense_h_to_4h.{weight,bias}", 0, "layers",
+               "routed expert fc1 (column-parallel)"),
+    TensorRule(_LAYER + "mlp.local_experts.{expert}.dense_4h_to_h.weight", 1, "layers",
+               "routed expert fc2 (row-parallel)"),
+    TensorRule(_LAYER + "mlp.local_experts.{expert}.dense_4h_to_h.bias", None, "layers",
+               "routed expert fc2 bias (after the reduce)"),
+    TensorRule(_LAYER + "mlp.shared_experts.dense_h_to_4h.{weight,bias}", 0, "layers",
+               "shared experts fc1 (column-parallel)"),
+    TensorRule(_LAYER + "mlp.shared_experts.dense_4h_to_h.weight", 1, "layers",
+               "shared experts fc2 (row-parallel)"),
+    TensorRule(_LAYER + "mlp.shared_experts.dense_4h_to_h.bias", None, "layers",
+               "shared experts fc2 bias (after the reduce)"),
+    TensorRule(_LAYER + "mlp.shared_experts.gate_weight", None, "layers",
+               "shared experts' sigmoid gate"),
     TensorRule("language_model.{encoder,transformer}.final_layernorm.{weight,bias}", None,
                "last", "final layer norm"),
     TensorRule(_OUTPUT_LAYER, 0, "last", "untied output layer (column-parallel)",

@@ -107,7 +107,8 @@ def add_section(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
                 kwargs["action"] = "append"
             elif meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
-            elif _is_list(hint):
+            elif _is_list(hint) and meta.get("argtype") is None:
+                # An argtype parses the whole value itself (--moe-layer-freq's list string).
                 kwargs["nargs"] = "+"
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]

@@ -53,7 +53,8 @@ def transformer_config(cfg):
     model does not implement were refused by validate() (megatron.config.refusals)."""
     from megatron.core.transformer.config import TransformerConfig
 
-    return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe))
+    return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe),
+                      num_moe_experts=cfg.model.num_experts)
 
 
 def ddp_config(cfg):

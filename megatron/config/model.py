@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal
 
 from megatron.config.base import spec
+from megatron.config.moe_freq import moe_freq_type
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,7 +69,73 @@ class ModelConfig:
     bert_binary_head: bool = spec(True, flag="--bert-no-binary-head")
     """Disable BERT's binary (sentence-order) head."""
     num_experts: int | None = None
-    """Number of experts in a mixture-of-experts MLP."""
+    """Number of experts in each mixture-of-experts layer (None: dense MLPs only)."""
+    moe_layer_freq: int | list[int] = spec(1, argtype=moe_freq_type)
+    """Which layers are MoE: an int N (one MoE layer every N layers, from the first) or a
+    Python list expression of 0/1 per layer such as "[1,1,0,1]" or "([0]+[1]*3)*2"."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert's MLP (default: --ffn-hidden-size)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared experts, all of them together (None: no shared expert)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . w) (Qwen2-MoE)."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap the shared experts with the token dispatch (not built: refused)."""
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing",
+        "none"] = "aux_loss"
+    """Load balancing: the Switch/GShard loss over the micro-batch (aux_loss), per sequence
+    (seq_aux_loss, DeepSeek-V2), over the global batch (global_aux_loss), S-BASE Sinkhorn
+    routing, or none. quantile_balancing is not built (refused)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss (1e-2 is a usual start)."""
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss (1e-3 is a usual start)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """The router's score function."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (softmax scores); needed for top-1."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the top-k gates by this factor."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (DeepSeek device/node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may choose its experts from (group-limited routing)."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Dtype of the router's GEMM, scores and losses (default: the activations')."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated each step from the
+    token counts, added to the scores for the choice of experts only."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused router kernels (not built: refused)."""
+    moe_router_force_load_balancing: bool = False
+    """Random router logits, for benchmarks (not built: refused)."""
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router input by uniform noise in [1 - eps, 1 + eps] in training."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach the experts' ranks; flex (DeepEP / HybridEP) is not built (refused)."""
+    moe_grouped_gemm: bool = False
+    """Run the local experts as grouped GEMMs (torch._grouped_mm on CUDA in bf16 where the
+    build has it; the per-expert loop elsewhere, with the same numbers)."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused token permutation (not built: refused)."""
+    moe_per_layer_logging: bool = False
+    """Log each MoE layer's auxiliary losses, not only their mean."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens per expert capped at ceil(T k / E x factor); None: dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs --moe-expert-capacity-factor)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Over capacity, keep the tokens with the highest gates (probs) or the earliest
+    (position)."""
+    moe_layer_recompute: bool = False
+    """Checkpoint the MoE layer's activations (not built: refused)."""
+    moe_use_upcycling: bool = False
+    """Turn a dense checkpoint into an MoE one (not built: refused)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of tying it to the word embeddings."""
     embedding_weights_in_fp32: bool = False

@@ -23,6 +23,10 @@ class ParallelConfig:
     """How attention reaches the other ranks' keys and values under context parallelism: p2p
     (a ring), all_gather (gathered once), a2a (Ulysses: all-to-all between sequence and head
     splits); one value for every layer, or one per layer (a2a+p2p is not built)."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are spread over (expert parallelism)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each expert is split over (default: --tensor-model-parallel-size)."""
     pipeline_model_parallel_split_rank: int | None = None
     """Pipeline stage where the decoder starts (encoder-decoder models)."""
     model_parallel_size: int | None = None

@@ -10,7 +10,12 @@ import dataclasses
 # Megatron-LM flags that are accepted (so scripts parse) but whose feature is not built yet.
 # Setting one to a non-default value is an error rather than a silent no-op.
 NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
-    ("model", "num_experts"): "--num-experts",
+    ("model", "moe_shared_expert_overlap"): "--moe-shared-expert-overlap",
+    ("model", "moe_router_fusion"): "--moe-router-fusion",
+    ("model", "moe_router_force_load_balancing"): "--moe-router-force-load-balancing",
+    ("model", "moe_permute_fusion"): "--moe-permute-fusion",
+    ("model", "moe_layer_recompute"): "--moe-layer-recompute",
+    ("model", "moe_use_upcycling"): "--moe-use-upcycling",
     ("model", "encoder_num_layers"): "--encoder-num-layers",
     ("model", "decoder_num_layers"): "--decoder-num-layers",
     ("model", "embedding_weights_in_fp32"): "--embedding-weights-in-fp32",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from megatron.config.base import make_read_only
 from megatron.config.derive import (derive, derive_padded_vocab_size, derive_parallel_sizes,
                                     derive_pipeline_layers)
+from megatron.config.moe_checks import check_moe, derive_moe
 from megatron.config.ranges import RANGES, check_ranges
 from megatron.config.refusals import (_DEPRECATED, NOT_IMPLEMENTED, check_deprecated,
                                       check_not_implemented)
@@ -98,10 +99,12 @@ def validate(flags, world_size: int, require_model: bool = True,
         _warn_on_ignored_model_flags(cfg)
     derive(cfg, world_size, require_model=require_model,
            require_train_length=require_train_length)
+    derive_moe(cfg)
     # The checks keep the order they had when each one derived its own values: with several
     # errors, the first one reported stays the same.
     _check_parallel_sizes(cfg, world_size)
     _check_context_parallel(cfg)
+    check_moe(cfg, world_size)
     if require_model:
         _check_llama_features(cfg.model)
         _check_model_shape(cfg)

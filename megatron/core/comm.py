@@ -247,6 +247,19 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None) -> list[to
     return out
 
 
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      group: ProcessGroup | None) -> None:
+    """Rank ``r`` sends rows ``input_split_sizes[r]`` of ``tensor`` (dim 0, in rank order) to
+    rank r and receives ``output_split_sizes[r]`` rows from it into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(tensor)
+        return
+    with _blocking("all_to_all", group):
+        dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes,
+                               input_split_sizes, group=group)
+
+
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
                         async_op: bool = False):
     """Sum ``tensor`` over ranks and keep this rank's dim-0 shard in ``output``."""

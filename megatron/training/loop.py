@@ -15,6 +15,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.log import log_rank_0, log_rank_last
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
+from megatron.core.transformer.moe import metrics as moe_metrics
 from megatron.training import fault, log_line
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.microbatches import NumMicroBatchesCalculator
@@ -183,6 +184,10 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     finalize_model_grads(model)
     timers(reduce_timer).stop()
     losses = _average_reduced_losses(losses_reduced)
+    if cfg.model.num_experts is not None:
+        moe_losses = _moe_aux_losses(cfg, microbatches.get())
+        if losses:  # the last pipeline stage reports
+            losses.update(moe_losses)
     if check:
         check_finite(losses, forward_step_func, model, cfg, iteration)
     timers("optimizer", log_level=1).start(barrier=cfg.logging.barrier_with_L1_time)
@@ -194,6 +199,38 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     if cfg.parallel.empty_unused_memory_level >= 1:
         device.empty_cache()
     return losses, not update_successful, grad_norm, num_zeros
+
+
+def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
+    """This iteration's MoE auxiliary losses (Megatron's names, unscaled: each over its
+    coefficient), the mean over the MoE layers and, with --moe-per-layer-logging, each layer's
+    as ``<name>_layer_<i>``; a collective over TP, PP and DP (every rank calls it)."""
+    m = cfg.model
+    names = []
+    if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type in (
+            "aux_loss", "seq_aux_loss", "global_aux_loss"):
+        names.append({"aux_loss": "load_balancing_loss",
+                      "seq_aux_loss": "seq_load_balancing_loss",
+                      "global_aux_loss": "global_load_balancing_loss"}[
+                          m.moe_router_load_balancing_type])
+    if m.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    groups = {}
+    if parallel_state.model_parallel_is_initialized():
+        groups = dict(tp_group=parallel_state.get_tensor_model_parallel_group(),
+                      pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                      dp_group=parallel_state.get_data_parallel_group())
+    per_layer = moe_metrics.reduce_per_layer(num_microbatches, names, m.num_layers, **groups)
+    moe_metrics.clear()
+    freq = m.moe_layer_freq
+    moe_layers = [i for i in range(m.num_layers)
+                  if (i % freq == 0 if isinstance(freq, int) else freq[i])]
+    out = {}
+    for name, values in per_layer.items():
+        out[name] = float(values[moe_layers].sum()) / len(moe_layers)
+        if m.moe_per_layer_logging:
+            out.update({f"{name}_layer_{i}": float(values[i]) for i in moe_layers})
+    return out
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list, cfg,

@@ -23,7 +23,7 @@ def _check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 def test_the_stages_are_listed():
     proc = _check("--list")
     assert proc.returncode == 0, proc.stderr
-    for stage in ("build", "data", "gpt-bf16", "gpt-compiled", "llama", "resume", "eval-cpu",
+    for stage in ("build", "data", "gpt-bf16", "gpt-compiled", "llama", "moe", "resume", "eval-cpu",
                   "convert", "generate", "server", "zeroshot", "finetune", "tp2", "pp2", "tp2-sp",
                   "cp2", "kernels", "speed-gpt2", "speed-llama", "speed-bert", "speed-generate"):
         assert stage in proc.stdout

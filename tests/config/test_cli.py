@@ -137,7 +137,7 @@ def test_pipeline_layouts_pass(extra, world):
     ("--batch-size 4", 1, ["--batch-size", "--micro-batch-size"]),
     ("--recompute-granularity full", 1, ["--recompute-method"]),
     ("--fp16-lm-cross-entropy", 1, ["--fp16-lm-cross-entropy"]),
-    ("--num-experts 2", 1, ["--num-experts", "does not implement"]),
+    ("--moe-permute-fusion", 1, ["--moe-permute-fusion", "does not implement"]),
     ("--lr -1", 1, ["--lr (-1.0)", "negative"]),
     ("--overlap-grad-reduce --no-contiguous-buffers-in-local-ddp", 1,
      ["--overlap-grad-reduce", "--no-contiguous-buffers-in-local-ddp"]),

@@ -379,7 +379,8 @@ class HuggingFaceLlama(ModelDescription):
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         ours, theirs = LAYER.format(index), HF_LAYER.format(index)
-        out = {ours + name: self.tensors.get(theirs + hf_name) for name, hf_name in LAYER_TENSORS}
+        out = {ours + name: self.tensors.get(theirs + hf_name) for name, hf_name in LAYER_TENSORS
+               if not name.startswith("mlp.")}
         qkv = [self.tensors.get(theirs + f"self_attn.{n}_proj.weight") for n in "qkv"]
         out[ours + "self_attention.query_key_value.weight"] = fuse_qkv(*qkv, self.args)
         if self.args.add_qkv_bias:
@@ -389,10 +390,20 @@ class HuggingFaceLlama(ModelDescription):
             for n in "qk":
                 out[ours + f"self_attention.{n}_layernorm.weight"] = self.tensors.get(
                     theirs + f"self_attn.{n}_norm.weight")
-        out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat(
+        out.update(self.mlp(index, ours, theirs))
+        return {ours + name: out[ours + name] for name in self.layer_order(index)
+                if ours + name in out}
+
+    def mlp(self, index: int, ours: str, theirs: str) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s MLP tensors under our names (the dense SwiGLU MLP here)."""
+        return {ours + "mlp.dense_h_to_4h.weight": torch.cat(
             [self.tensors.get(theirs + "mlp.gate_proj.weight"),
-             self.tensors.get(theirs + "mlp.up_proj.weight")], dim=0)
-        return {ours + name: out[ours + name] for name in LAYER_ORDER if ours + name in out}
+             self.tensors.get(theirs + "mlp.up_proj.weight")], dim=0),
+            ours + "mlp.dense_4h_to_h.weight": self.tensors.get(theirs + "mlp.down_proj.weight")}
+
+    def layer_order(self, index: int) -> tuple[str, ...]:
+        """Layer ``index``'s tensor names in the order Megatron's modules hold them."""
+        return LAYER_ORDER
 
     def head(self) -> dict[str, torch.Tensor]:
         out = {FINAL_NORM: self.tensors.get("model.norm.weight")}

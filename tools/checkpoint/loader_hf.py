@@ -24,6 +24,7 @@ import torch
 from megatron.checkpointing import CheckpointError
 from tools.checkpoint.hf_files import HuggingFaceWeights, layers_beyond, read_config
 from tools.checkpoint.hf_llama import ARCHITECTURES, HuggingFaceLlama, warn_about_the_window
+from tools.checkpoint.hf_moe import MOE_ARCHITECTURES, HuggingFaceMoE
 from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSORS, GPT2_QKV,
                                          LAYER, LAYER_ORDER, qkv_from_hf)
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
@@ -123,6 +124,10 @@ def load(directory: str | Path, family: str) -> ModelDescription:
         return HuggingFaceMegatronBert(directory, HuggingFaceWeights(Path(directory)))
     config_file = Path(directory) / "config.json"
     config = read_config(config_file) if config_file.is_file() else {}
+    if config.get("model_type") in (*MOE_ARCHITECTURES, "olmoe"):
+        md = HuggingFaceMoE(config, HuggingFaceWeights(Path(directory)))
+        _llama_tokenizer(md.args, Path(directory))
+        return md
     if config.get("model_type") in ARCHITECTURES:
         md = HuggingFaceLlama(config, HuggingFaceWeights(Path(directory)))
         warn_about_the_window(config, directory)

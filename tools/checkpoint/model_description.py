@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import argparse
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -123,7 +124,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
 
 
 SWIGLU_FC1 = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-"""The SwiGLU fc1 tensors: each TP rank r holds [gate_r; up_r], the whole tensor [gate; up]."""
+"""The SwiGLU fc1 tensors: each TP rank r holds [gate_r; up_r], the whole tensor [gate; up]
+(the dense MLP's, and each MoE expert's and the shared experts')."""
+_SWIGLU_FC1_ANYWHERE = re.compile(r"\.mlp\.(?:local_experts\.\d+\.|shared_experts\.)?"
+                                  r"dense_h_to_4h\.(?:weight|bias)$")
+
+
+def is_swiglu_fc1(key: str) -> bool:
+    """``key`` is an fc1 of the dense MLP, of a routed expert or of the shared experts."""
+    return _SWIGLU_FC1_ANYWHERE.search(key) is not None
 
 
 def _swiglu_rows(t: torch.Tensor, tp: int, to_whole: bool) -> torch.Tensor:
@@ -138,12 +147,12 @@ def _swiglu_rows(t: torch.Tensor, tp: int, to_whole: bool) -> torch.Tensor:
 
 def swiglu_from_shards(piece: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
     """A piece merged from ``tp`` ranks by concatenation, with its SwiGLU fc1 made whole."""
-    return {k: _swiglu_rows(v, tp, True) if k.endswith(SWIGLU_FC1) else v
+    return {k: _swiglu_rows(v, tp, True) if is_swiglu_fc1(k) else v
             for k, v in piece.items()}
 
 
 def swiglu_for_shards(piece: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
     """A whole piece with its SwiGLU fc1 ordered so that a contiguous split over ``tp`` ranks
     gives each rank its [gate_r; up_r]."""
-    return {k: _swiglu_rows(v, tp, False) if k.endswith(SWIGLU_FC1) else v
+    return {k: _swiglu_rows(v, tp, False) if is_swiglu_fc1(k) else v
             for k, v in piece.items()}

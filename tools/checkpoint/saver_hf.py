@@ -33,6 +33,7 @@ from tools.checkpoint.hf_mapping import (ATTENTION, GPT2_LAYER, GPT2_LAYER_TENSO
 from tools.checkpoint.hf_bert import architecture_for, bert_config, bert_tensors
 from tools.checkpoint.hf_llama import (for_every_reader, hf_architecture, is_llama_style,
                                        llama_config, llama_tensors, special_token_ids)
+from tools.checkpoint.hf_moe import check_moe_exportable, moe_config, moe_tensors
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS, ModelDescription
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -177,6 +178,8 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
                          "checkpoint was trained with, or --true-vocab-size")
     if md.family == "BERT":
         return _save_bert(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
+    if getattr(md.args, "num_experts", None):
+        return _save_moe(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     if is_llama_style(md.args):
         return _save_llama(md, out, vocab, tokenizer_dir, max_shard_bytes, architecture)
     config = gpt2_config(md, vocab)
@@ -209,11 +212,29 @@ def save(md: ModelDescription, save_dir: str | Path, *, keep_padded_vocab: bool 
 
 def _gpt_architecture(md: ModelDescription, requested: str | None) -> str:
     """The HF class of a GPT: ``requested`` where it holds the model (else ValueError)."""
+    if getattr(md.args, "num_experts", None):
+        needed = check_moe_exportable(md.args)
+        if requested not in (None, needed):
+            raise ValueError(f"--hf-architecture {requested}: this MoE GPT exports as {needed}")
+        return needed
     if is_llama_style(md.args):
         return hf_architecture(md.args, requested)
     if requested not in (None, "GPT2LMHeadModel"):
         raise ValueError(f"--hf-architecture {requested}: this GPT exports as GPT2LMHeadModel")
     return "GPT2LMHeadModel"
+
+
+def _save_moe(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,
+              max_shard_bytes: int, architecture: str) -> Path:
+    """MoE GPT -> ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
+    (``hf_moe``), the tokenizer as for Llama."""
+    config = moe_config(md, vocab, architecture, _special_ids(md, vocab, tokenizer_dir))
+    _write_model(out, config, moe_tensors(md, vocab, architecture), max_shard_bytes)
+    path = out / "config.json"
+    path.write_text(json.dumps(for_every_reader(json.loads(path.read_text()), md.args),
+                               indent=2, sort_keys=True) + "\n")
+    _copy_tokenizer(md, out, tokenizer_dir)
+    return out
 
 
 def _save_llama(md: ModelDescription, out: Path, vocab: int, tokenizer_dir,

@@ -50,6 +50,28 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
                 "--overlap-grad-reduce and --use-distributed-optimizer are not supported together "
                 "yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights")
         _allreduce_embedding_grads(model_chunks)
+    _update_router_state(model_chunks)
+
+
+def _update_router_state(model_chunks: list[torch.nn.Module]) -> None:
+    """The MoE routers' per-step state (Megatron does it here too): aux-loss-free balancing
+    moves each expert's selection bias by its token count summed over TP x DP (with sequence
+    parallelism each TP rank routed its own rows), and the global balancing loss starts a new
+    global batch."""
+    routers = [m for chunk in model_chunks for m in chunk.modules()
+               if getattr(m, "local_tokens_per_expert", None) is not None
+               or getattr(m, "global_tokens_per_expert", None) is not None]
+    biased = [r for r in routers if getattr(r, "local_tokens_per_expert", None) is not None]
+    if biased:
+        counts = torch.stack([r.local_tokens_per_expert for r in biased])  # [routers, E]
+        if parallel_state.model_parallel_is_initialized():
+            comm.all_reduce(counts, parallel_state.get_tensor_model_parallel_group())
+            comm.all_reduce(counts, parallel_state.get_data_parallel_group())
+        with torch.no_grad():
+            for router, count in zip(biased, counts):
+                router.update_expert_bias(count)
+    for router in routers:
+        router.reset_global_aux_loss_tracker()
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, Shape
 from megatron.core.timers import Timers, timed
+from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale
 
 ForwardStepFunc = Callable
 
@@ -93,6 +94,16 @@ def _apply_loss(output_tensor: torch.Tensor, loss_func: Callable, num_microbatch
     return loss / num_microbatches
 
 
+def _set_aux_loss_scale(grad_scale_func: Callable | None, num_microbatches: int) -> None:
+    """The MoE routers' auxiliary losses join the backward pass with the main loss's scale:
+    the fp16 loss scale over the number of micro-batches (Megatron's schedules set
+    ``MoEAuxLossAutoScaler``'s scale the same way)."""
+    # A host scalar: only its value is read (the loss scaler's scale, one per step).
+    scale = 1.0 if grad_scale_func is None else \
+        float(grad_scale_func(torch.ones((), device="cpu")))
+    set_aux_loss_scale(scale / num_microbatches)
+
+
 def _backward_step(loss: torch.Tensor, grad_scale_func: Callable | None,
                    timers: Timers | None = None) -> None:
     with timed(timers, "backward-compute", 2):
@@ -128,6 +139,7 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc,
         model = model[0]
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
+    _set_aux_loss_scale(grad_scale_func, num_microbatches)
     timers = _active_timers(timers)
     data_iterator = _timed_iterator(data_iterator, timers)
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
@@ -344,6 +356,7 @@ def forward_backward_pipelining_without_interleaving(
     if len(chunks) != 1:
         raise ValueError(f"the non-interleaved pipeline schedule runs one model chunk per rank, "
                          f"got {len(chunks)}")
+    _set_aux_loss_scale(grad_scale_func, num_microbatches)
     timers = _active_timers(timers)
     p2p = _communicator(p2p_communicator, chunks[0], variable_seq_lengths, timers)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
@@ -440,6 +453,7 @@ def forward_backward_pipelining_with_interleaving(
             f"--pipeline-model-parallel-size ({p2p.size}), which the interleaved schedule "
             "(--num-layers-per-virtual-pipeline-stage) needs: change --global-batch-size or "
             "--micro-batch-size")
+    _set_aux_loss_scale(grad_scale_func, num_microbatches)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     run = _Interleaved(forward_step_func=forward_step_func, data_iterators=iterators,
                        chunks=chunks, num_microbatches=num_microbatches,

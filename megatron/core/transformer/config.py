@@ -97,6 +97,41 @@ class TransformerConfig:
     """Keep a 1/TP slice of each full-recompute checkpoint's input; ignored with
     ``sequence_parallel``, whose checkpoint inputs are already split (as Megatron)."""
 
+    # Mixture of experts (Megatron-Core's names; ``megatron/core/transformer/moe``).
+    num_moe_experts: int | None = None
+    """Experts of each MoE layer; None: dense MLPs only."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: an int N (every N-th layer, from the first) or a 0/1 per layer."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's hidden size (defaults to ffn_hidden_size)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared experts (all of them as one MLP); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . gate_weight) (Qwen2-MoE)."""
+    moe_router_topk: int = 2
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """The router's GEMM, scores and losses in this dtype (None: the activations' dtype)."""
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss",
+                                            "sinkhorn", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_input_jitter_eps: float | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
+    moe_grouped_gemm: bool = False
+    """One grouped GEMM over the local experts (``torch._grouped_mm`` where the device and
+    build have it, else the per-expert loop: the same parameters and numbers)."""
+    moe_per_layer_logging: bool = False
+
     # Tensor parallelism.
     sequence_parallel: bool = False
     """Korthikanti et al. 2022: the LayerNorm/dropout/residual regions run on ``s/TP`` rows,
@@ -128,9 +163,20 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not divisible "
                              f"by num_query_groups ({self.num_query_groups})")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) has an MoE MLP."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return (layer_number - 1) % freq == 0
+        return bool(freq[layer_number - 1])
 
     @property
     def use_sdpa(self) -> bool:

@@ -1,5 +1,5 @@
 """One transformer layer (paper, figure 2): LayerNorm -> self-attention -> bias-dropout-add ->
-LayerNorm -> MLP -> bias-dropout-add.
+LayerNorm -> MLP (or mixture of experts) -> bias-dropout-add.
 
 Residual dropout acts on activations replicated over TP ranks, so it draws from the default
 generator (identical on all TP ranks); only attention dropout uses the per-rank TP stream. With
@@ -19,6 +19,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 
 class TransformerLayer(torch.nn.Module):
@@ -43,7 +44,8 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type,
                                             cp_group=cp_group)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = MLP(config, tp_group)
+        self.mlp = (MoELayer(config, layer_number, tp_group) if config.is_moe_layer(layer_number)
+                    else MLP(config, tp_group))
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,

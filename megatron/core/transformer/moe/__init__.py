@@ -1,0 +1,1 @@
+"""Mixture of experts as Megatron-Core builds it: router, token dispatch, experts."""

@@ -1,0 +1,58 @@
+"""Per-layer auxiliary-loss values for the log line (Megatron's MoE metrics tracker): each
+router records its load-balancing loss (over its coefficient) and z-loss in training forwards;
+the training loop reduces them over the ranks, logs them and clears them once per iteration.
+
+The one process-wide store of the MoE layers: detached copies for logging, never read by the
+model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import comm, device
+
+_TRACKER: dict[str, torch.Tensor] = {}  # name -> [num_layers], summed over micro-batches
+_SUMMED_OVER_TP = {"load_balancing_loss", "seq_load_balancing_loss",
+                   "global_load_balancing_loss"}
+"""Each TP rank holds its share of these (its own rows' probabilities); the others are each
+rank's own estimate of the same value and are averaged."""
+
+
+def record(name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
+    """Add ``value`` (a scalar) to layer ``layer_number`` (1-based) of ``name``."""
+    values = _TRACKER.get(name)
+    if values is None:
+        values = _TRACKER[name] = torch.zeros(num_layers, device=value.device)
+    values[layer_number - 1] += value.detach().float()
+
+
+def clear() -> None:
+    _TRACKER.clear()
+
+
+def reduce_per_layer(num_microbatches: int, names: list[str] | None = None,
+                     num_layers: int | None = None, tp_group=None, pp_group=None,
+                     dp_group=None) -> dict[str, torch.Tensor]:
+    """The recorded losses per layer ``[num_layers]``, averaged over the micro-batches and the
+    data-parallel ranks, summed over the pipeline stages (each holds its own layers) and over
+    TP for the balancing losses (averaged over TP for the others).
+
+    A collective over the groups given: every rank passes the same ``names`` (the losses its
+    configuration records; a stage without MoE layers contributes zeros), or None to take the
+    names recorded here (single process).
+    """
+    names = list(_TRACKER) if names is None else names
+    out = {}
+    for name in names:
+        values = _TRACKER.get(name)
+        if values is None:
+            values = torch.zeros(num_layers, device=device.get_device())
+        values = values.clone() / num_microbatches
+        for group in (pp_group, tp_group, dp_group):
+            if comm.world_size(group) > 1:
+                comm.all_reduce(values, group)
+        if name not in _SUMMED_OVER_TP:
+            values /= comm.world_size(tp_group)
+        out[name] = values / comm.world_size(dp_group)
+    return out

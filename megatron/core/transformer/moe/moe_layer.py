@@ -1,0 +1,101 @@
+"""The MoE layer that replaces a transformer layer's MLP (Megatron-Core's ``MoELayer``): the
+router picks experts per token, the dispatcher moves the tokens to them and back, and the
+shared experts (if any) run on every token beside them.
+
+State-dict names (Megatron-LM's legacy ``SwitchMLP`` layout): ``router.weight`` ``[E, h]``
+(``router.expert_bias`` with aux-loss-free balancing), ``local_experts.<i>.dense_h_to_4h`` /
+``dense_4h_to_h`` (i local to the rank), ``shared_experts.dense_h_to_4h`` / ``dense_4h_to_h``
+and ``shared_experts.gate_weight``.
+Legend: s sequence, b batch, h hidden, p TP size, T = s*b tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import Experts, expert_config
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import (AllGatherDispatcher,
+                                                           AllToAllDispatcher,
+                                                           ExpertParallelAllGatherDispatcher)
+
+
+class SharedExpertMLP(MLP):
+    """The shared experts as one dense MLP of ``moe_shared_expert_intermediate_size``, split
+    over TP (and the sequence) as the dense MLP; with ``moe_shared_expert_gate`` its output is
+    scaled per token by ``sigmoid(x . gate_weight)`` (``gate_weight [1, h]``, whole on every
+    rank)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
+        cfg = expert_config(config, config.moe_shared_expert_intermediate_size,
+                            config.sequence_parallel)
+        super().__init__(cfg, tp_group)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_weight = torch.nn.Parameter(torch.empty(
+                1, config.hidden_size, dtype=config.params_dtype, device="cpu"))
+            with torch.no_grad():
+                self.gate_weight.normal_(0.0, config.init_method_std)
+            self.gate_weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``[s, b, h]`` -> (``[s, b, h]`` bias included, None); ``[s/p, b, h]`` with SP."""
+        out, bias = super().forward(hidden_states)
+        if bias is not None:
+            out = out + bias
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(torch.nn.functional.linear(hidden_states,
+                                                                 self.gate_weight))
+        return out, None
+
+
+class MoELayer(torch.nn.Module):
+    """Router, routed experts and shared experts of one layer.
+
+    Args:
+        config: transformer settings (``num_moe_experts`` and the ``moe_*`` fields).
+        layer_number: 1-based global layer index.
+        tp_group: the TP group (the experts are split over it as the dense MLP).
+        tp_dp_group: TP x DP (global balancing loss and expert-bias counts).
+        ep_group: the expert-parallel group: this rank holds experts
+            ``ep_rank * E/EP ... (ep_rank + 1) * E/EP - 1`` (expert tensor parallelism 1).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group)
+        ep = tp_world_size(ep_group)
+        num_local = config.num_moe_experts // ep
+        self.local_expert_offset = tp_rank(ep_group) * num_local
+        experts = Experts(config, num_local, tp_group if ep == 1 else None)
+        # Registered flat, as Megatron-LM's SwitchMLP: the checkpoint keys have no 'experts.'.
+        self.local_experts = experts.local_experts
+        self._experts = [experts]  # outside the module tree: its parameters are local_experts'
+        if ep == 1:
+            self.dispatcher = AllGatherDispatcher(tp_group)
+        elif config.moe_token_dispatcher_type == "alltoall":
+            self.dispatcher = AllToAllDispatcher(ep_group, config.num_moe_experts, num_local)
+        else:
+            self.dispatcher = ExpertParallelAllGatherDispatcher(
+                ep_group, self.local_expert_offset, num_local)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(config, tp_group)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``[s, b, h]`` -> (``[s, b, h]``, None): every bias is already added."""
+        shape = hidden_states.shape
+        probs, routing_map = self.router(hidden_states)  # [T, E] each
+        tokens = hidden_states.reshape(-1, shape[-1])  # [T, h]
+        routed, counts, state = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_out = self._experts[0](routed, counts)  # [N, h]
+        out = self.dispatcher.combine(expert_out, state).view(shape)  # [s, b, h]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)[0]
+        return out, None
