@@ -47,6 +47,8 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
     load_checkpoint_file, manifest_entry, parse_tracker, publish_tracker,
     remove_stale_temp_files, save_file, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
+from megatron.checkpointing.dist import storage as dist_storage
+from megatron.checkpointing.dist import training as dist_training
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -200,6 +202,9 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     args.iteration = iteration
     rng_states = None if cfg.checkpoint.no_save_rng else \
         _gather_rng_states(cfg.model.data_parallel_random_init)
+    if cfg.checkpoint.ckpt_format == "torch_dist":
+        return _save_torch_dist(iteration, model, scheduler, cfg, args, rng_states,
+                                num_floating_point_operations_so_far)
     name = get_checkpoint_name(root, iteration)
     digests: dict[str, str] = {}  # this rank's files: manifest entry -> sha256
     distributed_optimizer = cfg.parallel.use_distributed_optimizer and optimizer is not None
@@ -233,6 +238,24 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return checkpoint_dir(root, iteration)
+
+
+def _save_torch_dist(iteration: int, model, scheduler, cfg, args, rng_states,
+                     flops: float) -> Path:
+    """``--ckpt-format torch_dist``: every rank writes its chunks; then global rank 0 writes
+    the checksums and moves the tracker."""
+    root = Path(cfg.checkpoint.save)
+    directory, digests = dist_training.save(iteration, model, scheduler, cfg, args, rng_states,
+                                            flops)
+    every = {name: digest for ranks in comm.all_gather_object(digests, comm.world_group())
+             for name, digest in ranks.items()}
+    if _is_global_rank_0():
+        dist_storage.finish(directory, every)
+        _publish(root, iteration, directory)
+    comm.barrier(comm.world_group())
+    log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
+               "[torch_dist]")
+    return directory
 
 
 def _model_states(model: Sequence[torch.nn.Module]) -> dict:
@@ -300,14 +323,16 @@ def check_fresh_start(cfg, load_dir: str | os.PathLike | None = None) -> None:
 
 
 # Load -----------------------------------------------------------------------------------------
-def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> None:
+def _check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path,
+                      any_layout: bool = False) -> None:
     if ckpt_args is None:
         warn_rank_0(f"{path} holds no args (the flags it was saved with): the architecture "
                     "flags cannot be checked against it")
         return
     ours = cfg.to_namespace()
-    diffs = _pipeline_diffs(ckpt_args, ours)
-    for name in _PARALLEL_ARGS + _ARCHITECTURE_ARGS:
+    # A torch_dist checkpoint loads at any parallel layout.
+    diffs = [] if any_layout else _pipeline_diffs(ckpt_args, ours)
+    for name in (() if any_layout else _PARALLEL_ARGS) + _ARCHITECTURE_ARGS:
         theirs = getattr(ckpt_args, name, None)
         if theirs is None and name == "tensor_model_parallel_size":
             # checkpoint_version < 3.0 named the TP size model_parallel_size.
@@ -455,10 +480,14 @@ def read_checkpoint_args(load_dir: str | os.PathLike,
     tracked = read_tracker(load_dir) if iteration is None else (iteration, False)
     if tracked is None:
         return None
-    shard = _find_any_shard(checkpoint_dir(load_dir, *tracked))
-    if shard is None:
-        return None
-    args = load_checkpoint_file(shard).get("args")
+    iter_dir = checkpoint_dir(load_dir, *tracked)
+    if dist_storage.is_torch_dist_dir(iter_dir):
+        shard, args = iter_dir, dist_training.read_common(iter_dir).get("args")
+    else:
+        shard = _find_any_shard(iter_dir)
+        if shard is None:
+            return None
+        args = load_checkpoint_file(shard).get("args")
     if isinstance(args, types.SimpleNamespace):  # how some other tools store them
         args = argparse.Namespace(**vars(args))
     if not isinstance(args, argparse.Namespace):
@@ -497,6 +526,8 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                     "random weights")
         return 0, 0, 0
     iteration, release = tracked
+    if _format_of(checkpoint_dir(root, iteration, release), ck) == "torch_dist":
+        return _load_torch_dist(model, optimizer, scheduler, cfg, root, iteration, release)
     name = get_checkpoint_name(root, iteration, release)
     if not name.is_file():
         shard = _find_any_shard(name.parent.parent)
@@ -536,6 +567,49 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
+
+
+def _format_of(iter_dir: Path, ck) -> str:
+    """The format to read ``iter_dir`` in: --ckpt-format's, or with --auto-detect-ckpt-format
+    the one on disk.
+
+    Raises:
+        CheckpointError: the directory holds the other format.
+    """
+    found = "torch_dist" if dist_storage.is_torch_dist_dir(iter_dir) else "torch"
+    if found == ck.ckpt_format or ck.auto_detect_ckpt_format or not iter_dir.is_dir():
+        return found if iter_dir.is_dir() else ck.ckpt_format
+    raise CheckpointError(f"{iter_dir} holds a {found} checkpoint, and this run reads "
+                          f"--ckpt-format {ck.ckpt_format}: pass --ckpt-format {found} or "
+                          "--auto-detect-ckpt-format")
+
+
+def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: int,
+                     release: bool) -> tuple[int, int, int]:
+    """``load_checkpoint`` for a torch_dist iteration directory, at this run's layout."""
+    ck = cfg.checkpoint
+    directory = checkpoint_dir(root, iteration, release)
+    common = dist_training.read_common(directory)
+    _check_compatible(common.get("args"), cfg, directory, any_layout=True)
+    fresh = release or ck.finetune
+    iteration = 0 if fresh else _saved_iteration(common, directory)
+    training = optimizer is not None and not cfg.training.skip_train
+    consumed = (0, 0) if fresh else _consumed_samples(common, directory, cfg, iteration,
+                                                       training)
+    load_rng = not (fresh or ck.no_load_rng)
+    _, rng_states = dist_training.load(directory, model, cfg, load_rng, log=warn_rank_0)
+    if optimizer is not None and not (fresh or ck.no_load_optim):
+        raise CheckpointError(f"{directory} holds no optimizer state (the torch_dist format "
+                              "stores the model, RNG, iteration and args here): pass "
+                              "--no-load-optim or --finetune")
+    if optimizer is not None:
+        optimizer.reload_model_params()
+    if load_rng:
+        _load_rng_state({"rng_state": rng_states}, cfg, directory)
+    comm.barrier(comm.world_group())
+    log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration} "
+               "[torch_dist]")
+    return iteration, consumed[0], consumed[1]
 
 
 def _read_verified(path: Path, cfg, unverified: list[Path]) -> dict:

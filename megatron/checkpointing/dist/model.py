@@ -169,3 +169,21 @@ def check_strictness(mismatch: storage.Mismatch, strictness: str, directory, log
     if log is not None and strictness == "log_all" and missing:
         log(f"torch_dist checkpoint {directory}: in the checkpoint, not loaded: "
             f"{', '.join(missing)}")
+
+
+def save_weights(model: Sequence[torch.nn.Module], directory, layout: Layout, swiglu: bool,
+                 common: dict | None = None, fully_parallel: bool = True) -> None:
+    """Write ``model``'s weights (and ``common`` as the common state) as a bare ``torch_dist``
+    directory, as ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` does; collective
+    over the world."""
+    import torch.distributed as dist
+    directory = Path(directory)
+    objects: dict = {storage.COMMON_STATE_KEY: common or {}}
+    objects.update(model_objects(model, layout))
+    digests = storage.save(directory, model_tensors(model, layout, swiglu, for_save=True),
+                           objects, fully_parallel)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digests)
+    if dist.get_rank() == 0:
+        storage.finish(directory, {k: v for d in every for k, v in d.items()})
+    dist.barrier()

@@ -203,6 +203,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return torch.serialization._get_layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath",
+                                            "PureWindowsPath", "Path"):
+            import pathlib
+            return pathlib.PurePosixPath  # the path the writer recorded: inert text here
         if (module, name) == ("collections", "OrderedDict"):
             import collections
             return collections.OrderedDict
@@ -320,8 +324,15 @@ def compare(metadata: Metadata, tensors: Mapping[str, list[Chunk]],
         raise CheckpointError(f"the torch_dist checkpoint {directory} does not fit this model "
                               "(global shapes differ):\n  " + "\n  ".join(problems))
     asked = set(tensors) | set(objects)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # A key is "missing" only when no rank asks for it (each holds part of the model).
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(asked))
+        everyone = set().union(*map(set, every))
+    else:
+        everyone = asked
     return Mismatch(unexpected=sorted(k for k in asked if k not in stored),
-                    missing=sorted(k for k in stored if k not in asked
+                    missing=sorted(k for k in stored if k not in everyone
                                    and k != COMMON_STATE_KEY))
 
 

@@ -1,0 +1,117 @@
+"""A training run's ``--ckpt-format torch_dist`` checkpoint, laid out as Megatron-LM's
+training saves it::
+
+    <save>/latest_checkpointed_iteration.txt   written last, by global rank 0
+    <save>/iter_0000100/.metadata, __<rank>_0.distcp, metadata.json, checksums.sha256
+
+Inside the iteration directory: the model under Megatron-Core's keys (:mod:`.keys`), one
+``rng_state`` object per (PP, TP) position (``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, the list
+of RNG states of its data-parallel ranks) and the common state (``common_state``: ``args``,
+``checkpoint_version``, ``iteration``, ``num_floating_point_operations_so_far``,
+``opt_param_scheduler``). Loading reads this rank's chunks at whatever TP / PP / virtual-stage /
+DP layout the run has.
+
+The optimizer state is not stored in this format yet: saving it is refused by
+``megatron.config.validate`` (``--no-save-optim``), and a load needs ``--no-load-optim`` or
+``--finetune``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing.dist import storage
+from megatron.checkpointing.dist.model import (Layout, check_strictness, duplicate_chunks,
+                                               model_objects, model_tensors)
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.names import checkpoint_dir
+from megatron.checkpointing.versions import CHECKPOINT_VERSION
+
+RNG_STATE = "rng_state"
+
+
+def _layout(cfg) -> Layout:
+    return Layout.from_parallel_state(cfg.model.num_layers)
+
+
+def _rng_key(layout: Layout) -> str:
+    return storage.object_key(RNG_STATE, (layout.pp_rank, layout.tp_rank),
+                              (layout.pp_size, layout.tp_size))
+
+
+def save(iteration: int, model: Sequence[torch.nn.Module], scheduler, cfg, args,
+         rng_states: list[dict] | None, flops_so_far: float) -> tuple[Path, dict[str, str]]:
+    """Write this rank's part of iteration ``iteration`` (collective over the world).
+
+    Returns:
+        (the iteration directory, ``{file: sha256}`` of the files this rank wrote).
+    """
+    directory = checkpoint_dir(cfg.checkpoint.save, iteration)
+    layout = _layout(cfg)
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+              "num_floating_point_operations_so_far": flops_so_far}
+    if scheduler is not None and not cfg.checkpoint.no_save_optim:
+        common["opt_param_scheduler"] = scheduler.state_dict()
+    objects: dict = {storage.COMMON_STATE_KEY: common}
+    objects.update(model_objects(model, layout))
+    if rng_states is not None:
+        objects[_rng_key(layout)] = rng_states
+    tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=True)
+    digests = storage.save(directory, tensors, objects, cfg.checkpoint.ckpt_fully_parallel_save)
+    return directory, digests
+
+
+def read_common(directory: Path) -> dict:
+    """The common state of a ``torch_dist`` iteration directory (no process group needed)."""
+    return storage.read_common_state(directory)
+
+
+def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
+         log=None) -> tuple[dict, list[dict] | None]:
+    """Read this rank's model chunks in place, and its RNG states (collective).
+
+    Returns:
+        (the common state, this (PP, TP) position's RNG state list or None when not asked).
+
+    Raises:
+        CheckpointError: a missing, corrupt or mismatched checkpoint (file or key named).
+    """
+    layout = _layout(cfg)
+    metadata = storage.read_metadata(directory)
+    storage.check_files(directory, metadata, cfg.checkpoint.verify_checkpoint_checksums)
+    common = storage.read_common_state(directory)
+    tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=False)
+    objects = []
+    rng_key = _rng_key(layout)
+    if load_rng:
+        if rng_key not in metadata.state_dict_metadata:
+            raise CheckpointError(
+                f"{directory} holds no RNG state for pipeline stage {layout.pp_rank} of "
+                f"{layout.pp_size}, tensor rank {layout.tp_rank} of {layout.tp_size} (saved with "
+                "--no-save-rng, or at another TP/PP layout, whose RNG streams do not carry "
+                "over): pass --no-load-rng")
+        objects.append(rng_key)
+    mismatch = storage.compare(metadata, tensors, objects, directory)
+    mismatch.missing = [k for k in mismatch.missing if "/shard_" not in k
+                        and not k.startswith("optimizer.")]
+    check_strictness(mismatch, cfg.checkpoint.dist_ckpt_strictness, directory, log)
+    wanted = {k: v for k, v in tensors.items() if k not in set(mismatch.unexpected)}
+    loaded = storage.load(directory, wanted, objects, metadata)
+    with torch.no_grad():
+        for kept, copy in duplicate_chunks(model, layout, cfg.model.swiglu):
+            copy.data.copy_(kept.data)
+    return common, loaded.get(rng_key)
+
+
+def layout_of_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` is a torch_dist iteration directory."""
+    return storage.is_torch_dist_dir(directory)
+
+
+def is_global_rank_0() -> bool:
+    return dist.get_rank() == 0 if dist.is_initialized() else True
+
