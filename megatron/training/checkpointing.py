@@ -604,7 +604,7 @@ def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: in
                               "--no-load-optim or --finetune")
     if optimizer is not None:
         optimizer.reload_model_params()
-    if load_rng:
+    if load_rng and rng_states is not None:
         _load_rng_state({"rng_state": rng_states}, cfg, directory)
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration} "

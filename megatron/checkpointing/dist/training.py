@@ -87,6 +87,14 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
     tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=False)
     objects = []
     rng_key = _rng_key(layout)
+    if load_rng and rng_key not in metadata.state_dict_metadata and any(
+            k.startswith(RNG_STATE + "/") for k in metadata.state_dict_metadata):
+        # Saved at another TP/PP layout: its RNG streams do not carry over (Megatron-LM
+        # ignores them too).
+        if log is not None:
+            log(f"{directory} was saved at another tensor/pipeline-parallel layout: its RNG "
+                "states are not loaded (the seeded ones are kept)")
+        load_rng = False
     if load_rng:
         if rng_key not in metadata.state_dict_metadata:
             raise CheckpointError(
