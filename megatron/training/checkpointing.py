@@ -203,7 +203,7 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     rng_states = None if cfg.checkpoint.no_save_rng else \
         _gather_rng_states(cfg.model.data_parallel_random_init)
     if cfg.checkpoint.ckpt_format == "torch_dist":
-        return _save_torch_dist(iteration, model, scheduler, cfg, args, rng_states,
+        return _save_torch_dist(iteration, model, optimizer, scheduler, cfg, args, rng_states,
                                 num_floating_point_operations_so_far)
     name = get_checkpoint_name(root, iteration)
     digests: dict[str, str] = {}  # this rank's files: manifest entry -> sha256
@@ -240,13 +240,13 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     return checkpoint_dir(root, iteration)
 
 
-def _save_torch_dist(iteration: int, model, scheduler, cfg, args, rng_states,
+def _save_torch_dist(iteration: int, model, optimizer, scheduler, cfg, args, rng_states,
                      flops: float) -> Path:
     """``--ckpt-format torch_dist``: every rank writes its chunks; then global rank 0 writes
     the checksums and moves the tracker."""
     root = Path(cfg.checkpoint.save)
-    directory, digests = dist_training.save(iteration, model, scheduler, cfg, args, rng_states,
-                                            flops)
+    directory, digests = dist_training.save(iteration, model, optimizer, scheduler, cfg, args,
+                                            rng_states, flops)
     every = {name: digest for ranks in comm.all_gather_object(digests, comm.world_group())
              for name, digest in ranks.items()}
     if _is_global_rank_0():
@@ -597,12 +597,12 @@ def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: in
     consumed = (0, 0) if fresh else _consumed_samples(common, directory, cfg, iteration,
                                                        training)
     load_rng = not (fresh or ck.no_load_rng)
-    _, rng_states = dist_training.load(directory, model, cfg, load_rng, log=warn_rank_0)
-    if optimizer is not None and not (fresh or ck.no_load_optim):
-        raise CheckpointError(f"{directory} holds no optimizer state (the torch_dist format "
-                              "stores the model, RNG, iteration and args here): pass "
-                              "--no-load-optim or --finetune")
-    if optimizer is not None:
+    load_optim = optimizer is not None and not (fresh or ck.no_load_optim)
+    _, rng_states = dist_training.load(directory, model, cfg, load_rng,
+                                       optimizer if load_optim else None, log=warn_rank_0)
+    if load_optim and scheduler is not None and "opt_param_scheduler" in common:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None and not load_optim:
         optimizer.reload_model_params()
     if load_rng and rng_states is not None:
         _load_rng_state({"rng_state": rng_states}, cfg, directory)

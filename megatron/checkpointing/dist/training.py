@@ -11,9 +11,10 @@ of RNG states of its data-parallel ranks) and the common state (``common_state``
 ``opt_param_scheduler``). Loading reads this rank's chunks at whatever TP / PP / virtual-stage /
 DP layout the run has.
 
-The optimizer state is not stored in this format yet: saving it is refused by
-``megatron.config.validate`` (``--no-save-optim``), and a load needs ``--no-load-optim`` or
-``--finetune``.
+With ``--use-distributed-optimizer`` the optimizer state is stored too
+(:mod:`.optimizer`: ``optimizer.state.*`` per parameter, param groups and grad scaler in the
+common state); other optimizers' state is not stored in this format
+(``megatron.config.validate`` asks for ``--no-save-optim``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.dist import optimizer as dist_optimizer
 from megatron.checkpointing.dist import storage
 from megatron.checkpointing.dist.model import (Layout, check_strictness, duplicate_chunks,
                                                model_objects, model_tensors)
@@ -43,7 +45,7 @@ def _rng_key(layout: Layout) -> str:
                               (layout.pp_size, layout.tp_size))
 
 
-def save(iteration: int, model: Sequence[torch.nn.Module], scheduler, cfg, args,
+def save(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler, cfg, args,
          rng_states: list[dict] | None, flops_so_far: float) -> tuple[Path, dict[str, str]]:
     """Write this rank's part of iteration ``iteration`` (collective over the world).
 
@@ -61,6 +63,11 @@ def save(iteration: int, model: Sequence[torch.nn.Module], scheduler, cfg, args,
     if rng_states is not None:
         objects[_rng_key(layout)] = rng_states
     tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=True)
+    if optimizer is not None and not cfg.checkpoint.no_save_optim:
+        common["optimizer"] = optimizer.state_dict()
+        opt_tensors, _ = dist_optimizer.state_tensors(model, optimizer, layout, cfg.model.swiglu,
+                                                      _dp_group(), for_save=True)
+        tensors.update(opt_tensors)
     digests = storage.save(directory, tensors, objects, cfg.checkpoint.ckpt_fully_parallel_save)
     return directory, digests
 
@@ -70,8 +77,13 @@ def read_common(directory: Path) -> dict:
     return storage.read_common_state(directory)
 
 
+def _dp_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_data_parallel_group()
+
+
 def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
-         log=None) -> tuple[dict, list[dict] | None]:
+         optimizer=None, log=None) -> tuple[dict, list[dict] | None]:
     """Read this rank's model chunks in place, and its RNG states (collective).
 
     Returns:
@@ -85,6 +97,14 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
     storage.check_files(directory, metadata, cfg.checkpoint.verify_checkpoint_checksums)
     common = storage.read_common_state(directory)
     tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=False)
+    wholes = None
+    if optimizer is not None:
+        if "optimizer" not in common:
+            raise CheckpointError(f"{directory} holds no optimizer state (saved with "
+                                  "--no-save-optim?): pass --no-load-optim or --finetune")
+        opt_tensors, wholes = dist_optimizer.state_tensors(
+            model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=False)
+        tensors.update(opt_tensors)
     objects = []
     rng_key = _rng_key(layout)
     if load_rng and rng_key not in metadata.state_dict_metadata and any(
@@ -112,6 +132,13 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
     with torch.no_grad():
         for kept, copy in duplicate_chunks(model, layout, cfg.model.swiglu):
             copy.data.copy_(kept.data)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(common["optimizer"])
+        except (KeyError, ValueError, TypeError) as err:
+            raise CheckpointError(f"the optimizer state in {directory} does not fit this run's "
+                                  f"optimizer ({err}); pass --no-load-optim") from None
+        dist_optimizer.scatter_back(optimizer, wholes)
     return common, loaded.get(rng_key)
 
 
