@@ -25,7 +25,6 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     # torch_dist: every rank reads its own chunks; plans are built at every save.
     ("checkpoint", "ckpt_fully_parallel_load"): "--ckpt-fully-parallel-load",
     ("checkpoint", "ckpt_assume_constant_structure"): "--ckpt-assume-constant-structure",
-    ("checkpoint", "async_save"): "--async-save",
 }
 
 _DEPRECATED = {

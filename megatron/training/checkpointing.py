@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,7 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
     remove_stale_temp_files, save_file, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.dist import storage as dist_storage
+from megatron.checkpointing.dist.async_save import SAVER as ASYNC_SAVER
 from megatron.checkpointing.dist import training as dist_training
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
@@ -245,6 +247,9 @@ def _save_torch_dist(iteration: int, model, optimizer, scheduler, cfg, args, rng
     """``--ckpt-format torch_dist``: every rank writes its chunks; then global rank 0 writes
     the checksums and moves the tracker."""
     root = Path(cfg.checkpoint.save)
+    if cfg.checkpoint.async_save:
+        return _start_async_save(iteration, model, optimizer, scheduler, cfg, args, rng_states,
+                                 flops)
     directory, digests = dist_training.save(iteration, model, optimizer, scheduler, cfg, args,
                                             rng_states, flops)
     every = {name: digest for ranks in comm.all_gather_object(digests, comm.world_group())
@@ -256,6 +261,36 @@ def _save_torch_dist(iteration: int, model, optimizer, scheduler, cfg, args, rng
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
                "[torch_dist]")
     return directory
+
+
+def _start_async_save(iteration: int, model, optimizer, scheduler, cfg, args, rng_states,
+                      flops: float) -> Path:
+    """--async-save: wait for the save in flight, copy the state to host memory and hand it to
+    the background writer; the tracker moves once every rank's write is complete."""
+    start = time.perf_counter()
+    waited = ASYNC_SAVER.wait()
+    root = Path(cfg.checkpoint.save)
+    directory, state = dist_training.stage(iteration, model, optimizer, scheduler, cfg, args,
+                                           rng_states, flops, to_host=True)
+
+    def publish(every: dict[str, str]) -> None:
+        dist_storage.finish(directory, every)
+        _publish(root, iteration, directory)
+
+    ASYNC_SAVER.start(directory, state, cfg.checkpoint.ckpt_fully_parallel_save, publish)
+    log_rank_0(f"  started the asynchronous save of iteration {iteration:7d} to {root}: the "
+               f"loop was blocked {time.perf_counter() - start:.3f} s ({waited:.3f} s of it "
+               "waiting for the previous save)")
+    return directory
+
+
+def finish_async_save() -> None:
+    """Wait for the asynchronous save in flight (at the end of training), logging the wait."""
+    if ASYNC_SAVER.in_flight:
+        waited = ASYNC_SAVER.wait()
+        log_rank_0(f"  waited {waited:.3f} s for the asynchronous checkpoint save to complete")
+    else:
+        ASYNC_SAVER.wait()  # reports a failed one
 
 
 def _model_states(model: Sequence[torch.nn.Module]) -> dict:

@@ -140,6 +140,37 @@ class _SavePlanner(DefaultSavePlanner):
         return object
 
 
+def stage(tensors: Mapping[str, list[Chunk]], objects: Mapping[str, Any],
+          to_host: bool = False) -> dict[str, Any]:
+    """The DCP state dict of this rank's chunks and objects (objects serialized now).
+
+    ``to_host``: chunks copied to host memory (an asynchronous save writes them while training
+    changes the originals)."""
+    if to_host:
+        tensors = {key: [Chunk(c.data.detach().to("cpu", copy=True), c.offset, c.global_shape)
+                         for c in chunks] for key, chunks in tensors.items()}
+    state: dict[str, Any] = {key: sharded_tensor(chunks) for key, chunks in tensors.items()}
+    state.update({key: _pack(obj) for key, obj in objects.items()})
+    return state
+
+
+def write(directory: Path, state: dict[str, Any], fully_parallel: bool = True,
+          group=None) -> dict[str, str]:
+    """Write a :func:`stage`\ d state dict (collective over ``group``, default the world).
+
+    Returns:
+        ``{file name: sha256}`` of the files this rank wrote.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True,
+                                  thread_count=1, overwrite=True)
+    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                           dedup_save_to_lowest_rank=not fully_parallel)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+    mine = directory / f"__{dist.get_rank()}_0.distcp"
+    return {mine.name: _sha256(mine)} if mine.is_file() else {}
+
+
 def save(directory: Path, tensors: Mapping[str, list[Chunk]], objects: Mapping[str, Any],
          fully_parallel: bool = True) -> dict[str, str]:
     """Write every rank's chunks and objects to ``directory`` (collective over the world).
@@ -154,16 +185,7 @@ def save(directory: Path, tensors: Mapping[str, list[Chunk]], objects: Mapping[s
     Returns:
         ``{file name: sha256}`` of the files this rank wrote.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {key: sharded_tensor(chunks) for key, chunks in tensors.items()}
-    state.update({key: _pack(obj) for key, obj in objects.items()})
-    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True,
-                                  thread_count=1, overwrite=True)
-    planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                           dedup_save_to_lowest_rank=not fully_parallel)
-    dcp.save(state, storage_writer=writer, planner=planner)
-    mine = directory / f"__{dist.get_rank()}_0.distcp"
-    return {mine.name: _sha256(mine)} if mine.is_file() else {}
+    return write(directory, stage(tensors, objects), fully_parallel)
 
 
 def finish(directory: Path, digests: Mapping[str, str]) -> None:

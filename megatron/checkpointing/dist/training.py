@@ -45,13 +45,12 @@ def _rng_key(layout: Layout) -> str:
                               (layout.pp_size, layout.tp_size))
 
 
-def save(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler, cfg, args,
-         rng_states: list[dict] | None, flops_so_far: float) -> tuple[Path, dict[str, str]]:
-    """Write this rank's part of iteration ``iteration`` (collective over the world).
-
-    Returns:
-        (the iteration directory, ``{file: sha256}`` of the files this rank wrote).
-    """
+def stage(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler, cfg, args,
+          rng_states: list[dict] | None, flops_so_far: float, to_host: bool = False
+          ) -> tuple[Path, dict]:
+    """(the iteration directory, this rank's DCP state dict of iteration ``iteration``);
+    ``to_host`` copies the tensors to host memory (an asynchronous save). Collective over the
+    data-parallel group with the distributed optimizer."""
     directory = checkpoint_dir(cfg.checkpoint.save, iteration)
     layout = _layout(cfg)
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
@@ -68,8 +67,19 @@ def save(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler,
         opt_tensors, _ = dist_optimizer.state_tensors(model, optimizer, layout, cfg.model.swiglu,
                                                       _dp_group(), for_save=True)
         tensors.update(opt_tensors)
-    digests = storage.save(directory, tensors, objects, cfg.checkpoint.ckpt_fully_parallel_save)
-    return directory, digests
+    return directory, storage.stage(tensors, objects, to_host)
+
+
+def save(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler, cfg, args,
+         rng_states: list[dict] | None, flops_so_far: float) -> tuple[Path, dict[str, str]]:
+    """Write this rank's part of iteration ``iteration`` (collective over the world).
+
+    Returns:
+        (the iteration directory, ``{file: sha256}`` of the files this rank wrote).
+    """
+    directory, state = stage(iteration, model, optimizer, scheduler, cfg, args, rng_states,
+                             flops_so_far)
+    return directory, storage.write(directory, state, cfg.checkpoint.ckpt_fully_parallel_save)
 
 
 def read_common(directory: Path) -> dict:
