@@ -80,7 +80,7 @@ def _safe_globals() -> list:
 
 
 def safe_globals() -> list:
-    """The allowlist of types a checkpoint object may hold (``torch.serialization.safe_globals``)."""
+    """The types a checkpoint object may hold (for ``torch.serialization.safe_globals``)."""
     return _safe_globals()
 
 

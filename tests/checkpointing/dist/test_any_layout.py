@@ -1,6 +1,7 @@
-"""A torch_dist checkpoint saved at TP=2 x PP=2 (4 gloo ranks) loads at TP=1 x DP=4, TP=4, PP=4,
-TP=1 x PP=2 x DP=2 and with virtual stages: every parameter equals the saved one (gathered to one-process names, with no
-use of the key table). The keys, global shapes and chunks are Megatron-Core's."""
+"""A torch_dist checkpoint saved at TP=2 x PP=2 (4 gloo ranks) loads at TP=1 x DP=4, TP=4,
+PP=4, TP=1 x PP=2 x DP=2 and with virtual stages: every parameter equals the saved one bitwise
+(gathered to one-process names, with no use of the key table). The keys, global shapes and
+chunks are Megatron-Core's."""
 
 from __future__ import annotations
 
