@@ -118,9 +118,8 @@ def dense_mlp_rules(glu: bool) -> tuple[KeyRule, ...]:
 
 def moe_rules(glu: bool) -> tuple[KeyRule, ...]:
     """The MoE layer's rows: router, experts stacked ``[layers, experts, ...]``, shared expert.
-    The pre-MLP norm keeps the dense name (Megatron-Core's ``pre_mlp_layernorm`` with MoE is
-    ``mlp.linear_fc1.layer_norm_*`` only under Transformer Engine; the local spec's MoE layer
-    saves it as ``pre_mlp_layernorm``)."""
+    The pre-MLP norm keeps the dense row: Megatron-Core saves it as
+    ``mlp.linear_fc1.layer_norm_weight`` with MoE too."""
     return _rules(LAYER, "decoder.layers.", (
         ("mlp.router.weight", "mlp.router.weight", None),
         ("mlp.local_experts.{expert}.dense_h_to_4h.weight",
