@@ -288,18 +288,31 @@ def check_files(directory: Path, metadata: Metadata, verify_checksums: bool = Tr
     manifest = directory / MANIFEST_FILENAME
     if not verify_checksums or not manifest.is_file():
         return
-    for line in manifest.read_text().splitlines():
+    # Every rank hashes its share of the files; a failure is raised on every rank (none may
+    # go on into DCP's collectives alone).
+    share = (dist.get_rank(), dist.get_world_size()) \
+        if dist.is_initialized() and dist.get_world_size() > 1 else (0, 1)
+    problem = None
+    lines = manifest.read_text().splitlines()
+    for index, line in enumerate(lines):
+        if index % share[1] != share[0] or problem is not None:
+            continue
         digest, _, name = line.partition("  ")
         path = directory / name
         if name == BACKEND_FILE or not path.is_file() and name not in needed:
             continue
         if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        if _sha256(path) != digest:
-            raise CheckpointError(
-                f"corrupt or truncated checkpoint file {path}: its sha256 differs from the one "
-                f"{manifest} recorded when it was saved. Restore it from a good copy, or pass "
-                "--no-verify-checkpoint-checksums to load it anyway")
+            problem = f"checkpoint file {path} is missing"
+        elif _sha256(path) != digest:
+            problem = (f"corrupt or truncated checkpoint file {path}: its sha256 differs from "
+                       f"the one {manifest} recorded when it was saved. Restore it from a good "
+                       "copy, or pass --no-verify-checkpoint-checksums to load it anyway")
+    if share[1] > 1:
+        every: list = [None] * share[1]
+        dist.all_gather_object(every, problem)
+        problem = next((p for p in every if p is not None), None)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 # Load -----------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def _build(tp, pp, vpp=None, seed=0):
 def _save_then_load(rank, world, directory):
     from megatron.checkpointing.dist import storage
     from megatron.checkpointing.dist.model import Layout, load_weights, save_weights
+    from megatron.checkpointing.errors import CheckpointError
     from megatron.core import parallel_state as ps
     config, model = _build(2, 2)
     saved = _gather_full_params(model)
@@ -64,6 +65,21 @@ def _save_then_load(rank, world, directory):
                 if name == "word_embeddings.weight" else reference[name]
             worst = max(worst, float((value - ref).abs().max()))
         results[(tp, pp, vpp)] = worst
+    # A flipped byte in one rank's file: every rank refuses it (whichever rank hashed it).
+    bad = Path(directory + "_corrupt")
+    if rank == 0:
+        import shutil
+        shutil.copytree(directory, bad)
+        shard = bad / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        shard.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    try:
+        load_weights(model, bad, Layout.from_parallel_state(config.num_layers), False)
+        results["corrupt"] = "loaded"
+    except CheckpointError as err:
+        results["corrupt"] = str(err)
     if rank == 0:
         md = storage.read_metadata(Path(directory)).state_dict_metadata
         results["keys"] = {k: (tuple(v.size), len(v.chunks)) for k, v in md.items()
@@ -74,6 +90,7 @@ def _save_then_load(rank, world, directory):
 def test_save_at_tp2_pp2_loads_at_every_layout(tmp_path):
     results = run_distributed(4, _save_then_load, str(tmp_path / "ckpt"))
     for rank_result in results:
+        assert "__1_0.distcp: its sha256 differs" in rank_result.pop("corrupt")
         for layout, worst in rank_result.items():
             if layout != "keys":
                 assert worst == 0.0, (layout, worst)
