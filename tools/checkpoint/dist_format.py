@@ -12,6 +12,7 @@ in-memory store: nothing listens on a port).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 from pathlib import Path
 
@@ -36,9 +37,17 @@ def _iteration_dir(root: Path) -> tuple[Path, int, bool]:
     return checkpoint_dir(root, *tracked), tracked[0], tracked[1]
 
 
-def _one_process_world() -> None:
-    if not dist.is_initialized():
+@contextlib.contextmanager
+def _one_process_world():
+    """A world of this process alone, for DCP's collectives (torn down after, if made here)."""
+    made = not dist.is_initialized()
+    if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if made:
+            dist.destroy_process_group()
 
 
 def legacy_to_torch_dist(source_root: Path, target_root: Path) -> Path:
@@ -59,9 +68,9 @@ def legacy_to_torch_dist(source_root: Path, target_root: Path) -> Path:
               "iteration": sd.get("iteration", iteration)}
     objects: dict = {storage.COMMON_STATE_KEY: common}
     objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers)))
-    _one_process_world()
     out = checkpoint_dir(target_root, iteration, release)
-    storage.finish(out, storage.save(out, tensors, objects))
+    with _one_process_world():
+        storage.finish(out, storage.save(out, tensors, objects))
     _publish(Path(target_root), iteration, release, out)
     return out
 

@@ -28,6 +28,8 @@ def test_torch_to_torch_dist_and_back_is_bitwise(tmp_path):
     iter_dir = checkpoint_dir(tmp_path / "dist", 7)
     assert storage.is_torch_dist_dir(iter_dir)
     assert storage.read_common_state(iter_dir)["iteration"] == 7
+    import torch.distributed as dist
+    assert not dist.is_initialized()  # the converter's one-process world is gone
     _run("--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "back",
          "--source-ckpt-format", "torch_dist")
     original = helpers.flat_model(helpers.shards(checkpoint_dir(tmp_path / "torch", 7))[0, 0])
@@ -53,3 +55,14 @@ def test_a_bare_megatron_core_directory_needs_args(tmp_path, capsys):
     assert convert.main(["--model-type", "GPT", "--load-dir", str(root), "--save-dir",
                          str(tmp_path / "out"), "--source-ckpt-format", "torch_dist"]) == 2
     assert "holds no args" in capsys.readouterr().err
+
+
+def test_use_checkpoint_args_reads_a_torch_dist_checkpoint(tmp_path):
+    from megatron.training.checkpointing import read_checkpoint_args
+    model = helpers.gpt()
+    helpers.save_single(tmp_path / "torch", model, helpers.args_of(model))
+    _run("--load-dir", tmp_path / "torch", "--save-dir", tmp_path / "dist",
+         "--target-ckpt-format", "torch_dist")
+    args = read_checkpoint_args(tmp_path / "dist")
+    assert args.num_layers == model.config.num_layers
+    assert args.hidden_size == model.config.hidden_size
