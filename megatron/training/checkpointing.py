@@ -21,6 +21,9 @@ Lineage: training refuses to start from random weights when ``--save`` already h
 (a mistyped ``--load`` would otherwise overwrite them), and a save that moves the tracker back
 to an older iteration says so.
 
+``--ckpt-format torch_dist`` (Megatron-Core's format, any layout at load, ``--async-save``) is
+dispatched to ``megatron.checkpointing.dist``; ``--auto-detect-ckpt-format`` reads either.
+
 Loading uses ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM
 checkpoint holds (``megatron.checkpointing.load_checkpoint_file``), so a checkpoint that would
 run code is refused with a clear error. Checkpoints older than version 2.0 have another QKV row

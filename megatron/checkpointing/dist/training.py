@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron.checkpointing.dist import optimizer as dist_optimizer
 from megatron.checkpointing.dist import storage
@@ -150,13 +149,3 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
                                   f"optimizer ({err}); pass --no-load-optim") from None
         dist_optimizer.scatter_back(optimizer, wholes)
     return common, loaded.get(rng_key)
-
-
-def layout_of_checkpoint(directory: Path) -> bool:
-    """Whether ``directory`` is a torch_dist iteration directory."""
-    return storage.is_torch_dist_dir(directory)
-
-
-def is_global_rank_0() -> bool:
-    return dist.get_rank() == 0 if dist.is_initialized() else True
-
