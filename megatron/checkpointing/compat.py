@@ -33,7 +33,8 @@ CONVERTER = "tools/checkpoint/convert.py"
 """The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""
 
 
-def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> None:
+def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path,
+                     any_layout: bool = False) -> None:
     """Refuse a checkpoint whose saved args describe another model or another TP/PP split
     than ``cfg``; warn where it loads but computes something else (the GeLU form).
 
@@ -41,6 +42,8 @@ def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> N
         ckpt_args: the checkpoint's ``args`` (None: not recorded, only warned about).
         cfg: the run's ``MegatronConfig``.
         path: the shard read, named in the messages.
+        any_layout: the format loads at any parallel layout (torch_dist): the TP/PP split is
+            not compared.
 
     Raises:
         CheckpointError: every differing flag, one line each, with how to fix it.
@@ -50,8 +53,8 @@ def check_compatible(ckpt_args: argparse.Namespace | None, cfg, path: Path) -> N
                     "flags cannot be checked against it")
         return
     ours = cfg.to_namespace()
-    diffs = _pipeline_diffs(ckpt_args, ours)
-    for name in PARALLEL_ARGS + ARCHITECTURE_ARGS:
+    diffs = [] if any_layout else _pipeline_diffs(ckpt_args, ours)
+    for name in (() if any_layout else PARALLEL_ARGS) + ARCHITECTURE_ARGS:
         theirs, mine = _built(ckpt_args, name), _built(ours, name)
         if theirs is None and name == "tensor_model_parallel_size":
             # checkpoint_version < 3.0 named the TP size model_parallel_size.

@@ -122,6 +122,11 @@ def _safe_globals() -> list:
     return allowed
 
 
+def safe_globals() -> list:
+    """The types a checkpoint object may hold (for ``torch.serialization.safe_globals``)."""
+    return _safe_globals()
+
+
 def load_checkpoint_file(path: str | os.PathLike, mmap: bool = False) -> dict:
     """``torch.load`` with ``weights_only=True`` plus the allowlist; clear errors otherwise.
 

@@ -27,6 +27,9 @@ NOT_IMPLEMENTED: dict[tuple[str, str], str] = {
     ("parallel", "standalone_embedding_stage"): "--standalone-embedding-stage",
     ("parallel", "pipeline_model_parallel_split_rank"): "--pipeline-model-parallel-split-rank",
     ("data", "retriever_seq_length"): "--retriever-seq-length",
+    # torch_dist: every rank reads its own chunks; plans are built at every save.
+    ("checkpoint", "ckpt_fully_parallel_load"): "--ckpt-fully-parallel-load",
+    ("checkpoint", "ckpt_assume_constant_structure"): "--ckpt-assume-constant-structure",
 }
 
 _DEPRECATED = {

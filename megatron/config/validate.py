@@ -123,6 +123,7 @@ def validate(flags, world_size: int, require_model: bool = True,
     _check_sequence_parallel(cfg)
     _check_compile_layers(cfg)
     _check_misc(cfg)
+    _check_checkpoint_format(cfg)
     _check_data(cfg)
     _check_output_directories(cfg)
     _check_tokenizer(cfg)
@@ -537,6 +538,20 @@ def _check_misc(cfg) -> None:
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         raise ValueError("--reset-attention-mask needs the per-sample attention mask: drop "
                          "--no-create-attention-mask-in-dataloader")
+
+
+def _check_checkpoint_format(cfg) -> None:
+    """Options of the torch_dist format need it."""
+    ck = cfg.checkpoint
+    if ck.ckpt_format == "torch_dist" and ck.save is not None and not ck.no_save_optim \
+            and not cfg.parallel.use_distributed_optimizer:
+        raise ValueError("--ckpt-format torch_dist stores the optimizer state of the "
+                         "distributed optimizer only: add --use-distributed-optimizer, pass "
+                         "--no-save-optim (the model, RNG states, iteration and args are saved), "
+                         "or save with --ckpt-format torch")
+    if ck.async_save and ck.ckpt_format != "torch_dist":
+        raise ValueError("--async-save needs --ckpt-format torch_dist (the torch format writes "
+                         "synchronously)")
 
 
 def _is_number(text: str) -> bool:

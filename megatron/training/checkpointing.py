@@ -22,6 +22,9 @@ Lineage: training refuses to start from random weights when ``--save`` already h
 (a mistyped ``--load`` would otherwise overwrite them), and a save that moves the tracker back
 to an older iteration says so.
 
+``--ckpt-format torch_dist`` (Megatron-Core's format, any layout at load, ``--async-save``) is
+dispatched to ``megatron.checkpointing.dist``; ``--auto-detect-ckpt-format`` reads either.
+
 Loading uses ``torch.load(weights_only=True)`` with an allowlist of the few types a Megatron-LM
 checkpoint holds (``megatron.checkpointing.load_checkpoint_file``), so a checkpoint that would
 run code is refused with a clear error. Checkpoints older than version 2.0 have another QKV row
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +53,9 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
     remove_stale_temp_files, save_file, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
+from megatron.checkpointing.dist import storage as dist_storage
+from megatron.checkpointing.dist.async_save import SAVER as ASYNC_SAVER
+from megatron.checkpointing.dist import training as dist_training
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -189,6 +196,9 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     args.iteration = iteration
     rng_states = None if cfg.checkpoint.no_save_rng else \
         _gather_rng_states(cfg.model.data_parallel_random_init)
+    if cfg.checkpoint.ckpt_format == "torch_dist":
+        return _save_torch_dist(iteration, model, optimizer, scheduler, cfg, args, rng_states,
+                                num_floating_point_operations_so_far)
     name = get_checkpoint_name(root, iteration)
     digests: dict[str, str] = {}  # this rank's files: manifest entry -> sha256
     distributed_optimizer = cfg.parallel.use_distributed_optimizer and optimizer is not None
@@ -223,6 +233,57 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return checkpoint_dir(root, iteration)
+
+
+def _save_torch_dist(iteration: int, model, optimizer, scheduler, cfg, args, rng_states,
+                     flops: float) -> Path:
+    """``--ckpt-format torch_dist``: every rank writes its chunks; then global rank 0 writes
+    the checksums and moves the tracker."""
+    root = Path(cfg.checkpoint.save)
+    if cfg.checkpoint.async_save:
+        return _start_async_save(iteration, model, optimizer, scheduler, cfg, args, rng_states,
+                                 flops)
+    directory, digests = dist_training.save(iteration, model, optimizer, scheduler, cfg, args,
+                                            rng_states, flops)
+    every = {name: digest for ranks in comm.all_gather_object(digests, comm.world_group())
+             for name, digest in ranks.items()}
+    if _is_global_rank_0():
+        dist_storage.finish(directory, every)
+        _publish(root, iteration, directory)
+    comm.barrier(comm.world_group())
+    log_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
+               "[torch_dist]")
+    return directory
+
+
+def _start_async_save(iteration: int, model, optimizer, scheduler, cfg, args, rng_states,
+                      flops: float) -> Path:
+    """--async-save: wait for the save in flight, copy the state to host memory and hand it to
+    the background writer; the tracker moves once every rank's write is complete."""
+    start = time.perf_counter()
+    waited = ASYNC_SAVER.wait()
+    root = Path(cfg.checkpoint.save)
+    directory, state = dist_training.stage(iteration, model, optimizer, scheduler, cfg, args,
+                                           rng_states, flops, to_host=True)
+
+    def publish(every: dict[str, str]) -> None:
+        dist_storage.finish(directory, every)
+        _publish(root, iteration, directory)
+
+    ASYNC_SAVER.start(directory, state, cfg.checkpoint.ckpt_fully_parallel_save, publish)
+    log_rank_0(f"  started the asynchronous save of iteration {iteration:7d} to {root}: the "
+               f"loop was blocked {time.perf_counter() - start:.3f} s ({waited:.3f} s of it "
+               "waiting for the previous save)")
+    return directory
+
+
+def finish_async_save() -> None:
+    """Wait for the asynchronous save in flight (at the end of training), logging the wait."""
+    if ASYNC_SAVER.in_flight:
+        waited = ASYNC_SAVER.wait()
+        log_rank_0(f"  waited {waited:.3f} s for the asynchronous checkpoint save to complete")
+    else:
+        ASYNC_SAVER.wait()  # reports a failed one
 
 
 def _model_states(model: Sequence[torch.nn.Module]) -> dict:
@@ -308,10 +369,14 @@ def read_checkpoint_args(load_dir: str | os.PathLike,
     tracked = read_tracker(load_dir) if iteration is None else (iteration, False)
     if tracked is None:
         return None
-    shard = _find_any_shard(checkpoint_dir(load_dir, *tracked))
-    if shard is None:
-        return None
-    args = load_checkpoint_file(shard).get("args")
+    iter_dir = checkpoint_dir(load_dir, *tracked)
+    if dist_storage.is_torch_dist_dir(iter_dir):
+        shard, args = iter_dir, dist_training.read_common(iter_dir).get("args")
+    else:
+        shard = _find_any_shard(iter_dir)
+        if shard is None:
+            return None
+        args = load_checkpoint_file(shard).get("args")
     if isinstance(args, types.SimpleNamespace):  # how some other tools store them
         args = argparse.Namespace(**vars(args))
     if not isinstance(args, argparse.Namespace):
@@ -350,6 +415,8 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
                     "random weights")
         return 0, 0, 0
     iteration, release = tracked
+    if _format_of(checkpoint_dir(root, iteration, release), ck) == "torch_dist":
+        return _load_torch_dist(model, optimizer, scheduler, cfg, root, iteration, release)
     name = get_checkpoint_name(root, iteration, release)
     if not name.is_file():
         shard = _find_any_shard(name.parent.parent)
@@ -389,6 +456,49 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
+
+
+def _format_of(iter_dir: Path, ck) -> str:
+    """The format to read ``iter_dir`` in: --ckpt-format's, or with --auto-detect-ckpt-format
+    the one on disk.
+
+    Raises:
+        CheckpointError: the directory holds the other format.
+    """
+    found = "torch_dist" if dist_storage.is_torch_dist_dir(iter_dir) else "torch"
+    if found == ck.ckpt_format or ck.auto_detect_ckpt_format or not iter_dir.is_dir():
+        return found if iter_dir.is_dir() else ck.ckpt_format
+    raise CheckpointError(f"{iter_dir} holds a {found} checkpoint, and this run reads "
+                          f"--ckpt-format {ck.ckpt_format}: pass --ckpt-format {found} or "
+                          "--auto-detect-ckpt-format")
+
+
+def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: int,
+                     release: bool) -> tuple[int, int, int]:
+    """``load_checkpoint`` for a torch_dist iteration directory, at this run's layout."""
+    ck = cfg.checkpoint
+    directory = checkpoint_dir(root, iteration, release)
+    common = dist_training.read_common(directory)
+    check_compatible(common.get("args"), cfg, directory, any_layout=True)
+    fresh = release or ck.finetune
+    iteration = 0 if fresh else _saved_iteration(common, directory)
+    training = optimizer is not None and not cfg.training.skip_train
+    consumed = (0, 0) if fresh else _consumed_samples(common, directory, cfg, iteration,
+                                                       training)
+    load_rng = not (fresh or ck.no_load_rng)
+    load_optim = optimizer is not None and not (fresh or ck.no_load_optim)
+    _, rng_states = dist_training.load(directory, model, cfg, load_rng,
+                                       optimizer if load_optim else None, log=warn_rank_0)
+    if load_optim and scheduler is not None and "opt_param_scheduler" in common:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None and not load_optim:
+        optimizer.reload_model_params()
+    if load_rng and rng_states is not None:
+        _load_rng_state({"rng_state": rng_states}, cfg, directory)
+    comm.barrier(comm.world_group())
+    log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration} "
+               "[torch_dist]")
+    return iteration, consumed[0], consumed[1]
 
 
 def _read_verified(path: Path, cfg, unverified: list[Path]) -> dict:

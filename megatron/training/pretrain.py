@@ -27,7 +27,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.timers import Timers
 from megatron.data.samplers import build_pretraining_data_loader
 from megatron.training import log_line
-from megatron.training.checkpointing import (check_fresh_start, load_checkpoint,
+from megatron.training.checkpointing import (check_fresh_start, finish_async_save, load_checkpoint,
                                              remove_interrupted_save_files)
 from megatron.training.initialize import build_tokenizer_from_config, initialize_megatron
 from megatron.training.loop import Trainer, TrainState, evaluate_and_print
@@ -88,6 +88,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         if test_it is not None:
             evaluate_and_print("the end of training for test data", forward_step_func, test_it,
                                model, cfg, microbatches, writer, state, cfg.training.eval_iters)
+    finish_async_save()
     if writer is not None:
         writer.flush()
         writer.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(distrib_optim.pt, loadable at any data-parallel size) or, with "
                              "--no-target-use-distributed-optimizer, the plain one (default: "
                              "as the source)")
+    parser.add_argument("--source-ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                        help="--loader megatron: the source's --ckpt-format (torch_dist: "
+                             "Megatron-Core's dist_checkpointing directory)")
+    parser.add_argument("--target-ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                        help="--saver megatron: the target's --ckpt-format (torch_dist loads at "
+                             "any TP/PP layout: leave the target sizes at 1)")
     parser.add_argument("--no-checksum-verification", action="store_true",
                         help="do not check the source shards against their recorded sha256s "
                              "(checksums.sha256)")
@@ -103,6 +110,20 @@ def _validate(opts: argparse.Namespace) -> None:
         raise ValueError("--hf-architecture needs --saver hf")
     if opts.target_use_distributed_optimizer is not None and opts.saver != "megatron":
         raise ValueError("--[no-]target-use-distributed-optimizer needs --saver megatron")
+    dist_sides = [side for side, fmt in (("--source-ckpt-format", opts.source_ckpt_format),
+                                         ("--target-ckpt-format", opts.target_ckpt_format))
+                  if fmt == "torch_dist"]
+    if dist_sides and "hf" in (opts.loader, opts.saver):
+        raise ValueError(f"{dist_sides[0]} torch_dist needs --loader megatron --saver megatron")
+    if dist_sides and opts.keep_optimizer_state:
+        raise ValueError(f"{dist_sides[0]} torch_dist: --keep-optimizer-state is not supported "
+                         "(the torch_dist optimizer state is resharded on load by training "
+                         "itself: resume from the torch_dist checkpoint at the new layout)")
+    if opts.target_ckpt_format == "torch_dist" and (
+            opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1
+            or opts.target_num_layers_per_virtual_pipeline_stage is not None):
+        raise ValueError("--target-ckpt-format torch_dist has no layout (it loads at any TP/PP): "
+                         "leave the --target-*-parallel-size flags at 1")
     if opts.target_num_layers_per_virtual_pipeline_stage is not None \
             and opts.target_pipeline_parallel_size < 2:
         raise ValueError("--target-num-layers-per-virtual-pipeline-stage needs "
@@ -165,16 +186,36 @@ def save_model(md, opts: argparse.Namespace):
                          tokenizer_dir=opts.tokenizer_dir, architecture=opts.hf_architecture)
 
 
+def _convert(opts: argparse.Namespace, scratch: Path):
+    """Load, save; a torch_dist side goes through a TP1.PP1 torch checkpoint in ``scratch``."""
+    from tools.checkpoint import dist_format
+    opts = argparse.Namespace(**vars(opts))
+    if opts.source_ckpt_format == "torch_dist":
+        opts.load_dir = str(dist_format.torch_dist_to_legacy(Path(opts.load_dir),
+                                                             scratch / "source"))
+    target = opts.save_dir
+    if opts.target_ckpt_format == "torch_dist":
+        from tools.checkpoint import saver_megatron
+        saver_megatron.refuse_existing(Path(target))
+        opts.save_dir = str(scratch / "target")
+    md = load_model(opts)
+    try:
+        out = save_model(md, opts)
+    finally:
+        md.close()
+    if opts.target_ckpt_format == "torch_dist":
+        dist_format.legacy_to_torch_dist(Path(opts.save_dir), Path(target))
+        out = target
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     start = time.perf_counter()
     try:
         _validate(opts)
-        md = load_model(opts)
-        try:
-            out = save_model(md, opts)
-        finally:
-            md.close()
+        with tempfile.TemporaryDirectory(prefix="convert_torch_dist_") as scratch:
+            out = _convert(opts, Path(scratch))
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError
         sys.stderr.write(f"convert.py: error: {err}\n")
         return 2
