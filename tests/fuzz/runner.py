@@ -208,6 +208,22 @@ def compare(reference: dict, ranks: list[dict], cfg: Config, first_iteration: in
 # The driver (parent process)
 # ---------------------------------------------------------------------------------------------
 
+def _short_crash(message: str) -> str:
+    """run_distributed's report with each traceback printed once: a rank that raised the same
+    as an earlier one is named, not repeated."""
+    blocks = message.split("\n--- ")
+    seen: dict[str, str] = {}
+    out = [blocks[0]]
+    for block in blocks[1:]:
+        head, _, body = block.partition("\n")
+        if body and body in seen:
+            out.append(f"{head} the same as {seen[body]}")
+        else:
+            seen.setdefault(body, head.split(" raised")[0])
+            out.append(f"{head}\n{body}" if body else head)
+    return "\n--- ".join(out)
+
+
 def config_json(cfg: Config) -> str:
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
@@ -278,16 +294,20 @@ class Fuzzer:
             key = config_json(ref_cfg)
             if key not in self.references:
                 todo[key] = self._run_spec(ref_cfg, init=False)
-        if todo:
+        if not todo:
+            return
+        try:
             results = self._pooled(1, list(todo.values()))
-            self.references.update({key: r[0] for key, r in zip(todo, results)})
+        except RuntimeError:
+            return  # one crashed: check() runs each alone and reports the one that crashes
+        self.references.update({key: r[0] for key, r in zip(todo, results)})
 
     def check(self, cfg: Config, inject: dict | None = None) -> list[str]:
         """Problems of one configuration (empty: it equals one process)."""
         try:
             reference = self.reference(cfg)
         except RuntimeError as err:
-            return [f"the one-process reference crashed:\n{err}"]
+            return [f"the one-process reference crashed:\n{_short_crash(str(err))}"]
         world = space.world_size(cfg)
         draw_dir = self.workdir / f"draw{self.runs}"
         shutil.rmtree(draw_dir, ignore_errors=True)
@@ -305,7 +325,7 @@ class Fuzzer:
         try:
             straight = self._pooled(world, [self._run_spec(cfg, extra, inject=inject)])[0]
         except RuntimeError as err:
-            return [f"crash after validation accepted the flags:\n{err}"]
+            return [f"crash after validation accepted the flags:\n{_short_crash(str(err))}"]
         problems = compare(reference, straight, cfg)
         if resume_at and not problems:
             problems += self._check_resume(cfg, reference, save, draw_dir, inject)
@@ -334,7 +354,7 @@ class Fuzzer:
             resumed = self._pooled(space.world_size(resumed_cfg), [self._run_spec(
                 resumed_cfg, ["--load", str(target)], init=False, inject=inject)])[0]
         except RuntimeError as err:
-            return [f"the resume at the converted layout crashed:\n{err}"]
+            return [f"the resume at the converted layout crashed:\n{_short_crash(str(err))}"]
         return compare(reference, resumed, cfg, first_iteration=cfg["resume_at"],
                        what="resumed")
 
