@@ -35,6 +35,7 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 2e-5
 TIED_COPY_TOL = 1e-6
 TIMEOUT_S = 420.0
+STARTUP_RETRIES = 2
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 HEAD_COPY = "word_embeddings.weight"
 
@@ -267,7 +268,15 @@ class Fuzzer:
         if self.one_world_at_a_time:
             close_worlds(keep=world)
         self.runs += len(runs)
-        per_rank = run_distributed(world, run_in_ranks, runs, timeout=self.timeout)
+        for attempt in range(STARTUP_RETRIES + 1):
+            try:
+                per_rank = run_distributed(world, run_in_ranks, runs, timeout=self.timeout)
+                break
+            except RuntimeError as err:
+                # A world that could not start (a loaded machine) is not a finding: retry.
+                if not str(err).startswith("start-up failed") or attempt == STARTUP_RETRIES:
+                    raise
+                self.log(f"    a world of {world} failed to start; retrying")
         return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
     def _run_spec(self, cfg: Config, extra=(), init: bool = True,
@@ -355,7 +364,8 @@ class Fuzzer:
                 resumed_cfg, ["--load", str(target)], init=False, inject=inject)])[0]
         except RuntimeError as err:
             return [f"the resume at the converted layout crashed:\n{_short_crash(str(err))}"]
-        return compare(reference, resumed, cfg, first_iteration=cfg["resume_at"],
+        # The resumed run's own layout decides how its gathered parameters are laid out.
+        return compare(reference, resumed, resumed_cfg, first_iteration=cfg["resume_at"],
                        what="resumed")
 
     # -----------------------------------------------------------------------------------------

@@ -96,3 +96,20 @@ def test_a_planted_bug_is_caught_and_minimized(fuzzer):
     report = runner.report_failure(cfg, problems, minimized, fuzzer.data)
     assert runner.repro_command(cfg) in report and "--data-path" in report
     assert not runner.fuzz([cfg], fuzzer), "the same configuration without the bug passes"
+
+
+def test_swiglu_fc1_is_compared_in_the_one_process_layout():
+    """TP=2 gathers SwiGLU's fc1 as [gate_0; up_0; gate_1; up_1]; the comparison puts it back
+    as one process's [gate; up], and only for a Llama run at TP > 1 (a resumed run is compared
+    in its own layout)."""
+    import torch
+
+    name = "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"
+    gate, up = torch.arange(8.0).view(4, 2), 10 + torch.arange(8.0).view(4, 2)
+    gathered = torch.cat([gate[:2], up[:2], gate[2:], up[2:]])
+    llama_tp2 = {**space.baseline(), "family": "llama", "tp": 2}
+    merged, problems = runner.merged_params([{"params": {name: gathered}}] * 2, llama_tp2)
+    assert not problems and torch.equal(merged[name], torch.cat([gate, up]))
+    one = torch.cat([gate, up])
+    merged, _ = runner.merged_params([{"params": {name: one}}], {**llama_tp2, "tp": 1})
+    assert torch.equal(merged[name], one)
