@@ -195,8 +195,12 @@ def run_distributed(world_size: int, fn: Callable, *args: Any,
         raise
 
 
+def close_worlds(keep: int | None = None) -> None:
+    """Stop the pooled worlds, but the one of ``keep`` ranks (idle worlds hold their memory)."""
+    for size in [s for s in _WORLDS if s != keep]:
+        _WORLDS.pop(size).close()
+
+
 @atexit.register
 def _close_worlds() -> None:
-    for world in _WORLDS.values():
-        world.close()
-    _WORLDS.clear()
+    close_worlds()

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +54,33 @@ class Corpus:
     vocab_file: str
     merge_file: str
     cache_dir: str
+
+
+_SLICE_BYTES = 300_000
+
+
+def build_gpt2_corpus(shared_data: Path, out: Path) -> Corpus:
+    """~300 KB of tinyshakespeare under ``out``, tokenized by tools/preprocess_data.py with the
+    real GPT-2 BPE files of ``shared_data`` (paragraph runs as documents, end-of-document tokens
+    appended)."""
+    from tools import preprocess_data
+
+    tok = shared_data / "tokenizers"
+    vocab, merges = tok / "gpt2-vocab.json", tok / "gpt2-merges.txt"
+    text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    paragraphs = text[:_SLICE_BYTES].split("\n\n")
+    docs = ["\n\n".join(paragraphs[i:i + 8]) for i in range(0, len(paragraphs), 8)]
+    src = out / "shakespeare.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    prefix = out / "shakespeare"
+    rc = preprocess_data.main(["--input", str(src), "--output-prefix", str(prefix),
+                               "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                               "--merge-file", str(merges), "--append-eod", "--workers", "1"])
+    assert rc == 0, f"preprocess_data exited {rc}"
+    data_prefix = Path(f"{prefix}_text_document")
+    assert data_prefix.with_suffix(".bin").is_file() and data_prefix.with_suffix(".idx").is_file()
+    return Corpus(prefix=str(data_prefix), vocab_file=str(vocab), merge_file=str(merges),
+                  cache_dir=str(out / "index-cache"))
 
 
 def gpt_argv(corpus: Corpus, *, tp: int = 1, mbs: int = 2, gbs: int = 8, iters: int = 10,
@@ -345,5 +374,5 @@ def pooled(world_size: int, runs: list[dict], expect_error: tuple[type, ...] = (
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 
 
-__all__ = ["Corpus", "SimulatedCrash", "TINY_MODEL", "gpt_argv", "losses", "max_abs_diff",
-           "max_param_diff", "pooled", "read_scalars", "run_pretrains"]
+__all__ = ["Corpus", "SimulatedCrash", "TINY_MODEL", "build_gpt2_corpus", "gpt_argv", "losses",
+           "max_abs_diff", "max_param_diff", "pooled", "read_scalars", "run_pretrains"]

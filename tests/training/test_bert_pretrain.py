@@ -144,7 +144,7 @@ def _one_bert_run(run: dict) -> dict[str, Any]:
     result["iteration"] = state.iteration
     result["seconds"] = time.perf_counter() - start
     if run.get("params"):
-        result["params"] = e2e._gather_full_params(built[-1])
+        result["params"] = e2e._gather_full_params(e2e._last_model(built))
     return result
 
 

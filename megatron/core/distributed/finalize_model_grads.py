@@ -43,7 +43,7 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
         chunk.finish_grad_sync()
     if started:
         _allreduce_sequence_parallel_grads(model_chunks)
-        if _needs_embedding_allreduce(model_chunks) and any(
+        if _tied_embedding_weight(model_chunks) is not None and any(
                 getattr(c, "use_distributed_optimizer", False) for c in model_chunks):
             raise NotImplementedError(
                 "tied embeddings with --pipeline-model-parallel-size > 1, "
@@ -127,13 +127,20 @@ def _shared_embedding_weight(model_chunks: list[torch.nn.Module]) -> torch.nn.Pa
     return None
 
 
-def _allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
+def _tied_embedding_weight(model_chunks: list[torch.nn.Module]) -> torch.nn.Parameter | None:
+    """This stage's copy of the word embedding tied over the pipeline, whose gradient is summed
+    with the other end's; None with PP = 1, on a middle stage, or untied
+    (--untie-embeddings-and-output-weights: two independent weights, nothing to sum)."""
     if not _needs_embedding_allreduce(model_chunks):
-        return
+        return None
     chunk = model_chunks[0] if parallel_state.is_pipeline_first_stage(True) else model_chunks[-1]
     if not getattr(getattr(chunk, "module", chunk), "share_embeddings_and_output_weights", True):
-        return  # --untie-embeddings-and-output-weights: two independent weights
-    weight = _shared_embedding_weight(model_chunks)
+        return None
+    return _shared_embedding_weight(model_chunks)
+
+
+def _allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
+    weight = _tied_embedding_weight(model_chunks)
     if weight is None:
         return
     grad = _grad_of(weight)
