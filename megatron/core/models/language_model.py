@@ -20,7 +20,6 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     gather_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_not_set,
                                                  tp_world_size)
-from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.rotary import RotaryEmbedding
@@ -43,15 +42,6 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]
-
-
-def is_plain_causal_mask(mask: torch.Tensor) -> bool:
-    """True when ``mask`` (bool, True = masked) is the ordinary causal mask for every sample, so
-    attention can use the faster ``is_causal`` path instead of an explicit mask."""
-    if mask.dim() != 4 or mask.size(1) != 1 or mask.size(-1) != mask.size(-2):
-        return False
-    ref = causal_mask(mask.size(-1), mask.device)
-    return bool(torch.equal(mask.to(torch.bool), ref.expand_as(mask)))
 
 
 def replicated_linear(in_features: int, out_features: int, config: TransformerConfig
