@@ -113,6 +113,7 @@ class TransformerLanguageModel(torch.nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent,
                                                   config.rotary_interleaved, config.rotary_base)
         self.max_position_embeddings = config.max_position_embeddings or 0
+        self.activation_dtype = config.params_dtype  # of the queries and keys RoPE rotates
         # Built after the encoder, as Megatron's, so the default generator's draws match.
         self.pooler = Pooler(config) if post_process and add_pooler else None
         self.output_layer = None
@@ -145,7 +146,8 @@ class TransformerLanguageModel(torch.nn.Module):
             else:  # [s, b, h] from the previous stage ([s/p, b, h] with sequence parallelism)
                 seq = self.encoder.input_tensor.size(0) * self._sequence_split()
             rotary = self.rotary_pos_emb(seq, offset, min_length=self.max_position_embeddings,
-                                         device=device_mod.get_device())  # [s, 1, 1, rot]
+                                         device=device_mod.get_device(),
+                                         dtype=self.activation_dtype)  # 2 x [s, 1, 1, rot]
         hidden = self.encoder(hidden, attention_mask, inference_params, rotary)
         if self.gather_sequence:
             # Every rank computes the replicated head's whole gradient: backward keeps its rows.

@@ -42,7 +42,8 @@ from megatron.core.tensor_parallel.random import (checkpoint, checkpoint_eagerly
 from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_size
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
-from megatron.core.transformer.rotary import apply_rotary_pos_emb
+from megatron.core.transformer.rotary import (RotaryPosEmb, apply_rotary_pos_emb,
+                                               rotary_cos_sin)
 
 # Megatron fills masked scores with this value rather than -inf: fully masked rows (padding
 # queries) then get a uniform distribution instead of NaN.
@@ -225,14 +226,14 @@ class SelfAttention(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
-                rotary_pos_emb: torch.Tensor | None = None,
+                rotary_pos_emb: RotaryPosEmb | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias); with
         sequence parallelism ``[s/p, b, h]`` in and out (the QKV projection gathers the
         sequence, attention runs on all ``s`` for this rank's heads, the dense layer scatters).
 
-        ``rotary_pos_emb``: RoPE angles ``[s, 1, 1, rot]`` of this forward's positions
-        (queries and keys are rotated before the keys enter the cache). With
+        ``rotary_pos_emb``: RoPE ``(cos, sin)`` ``[s, 1, 1, rot]`` of this forward's positions
+        (or their fp32 angles); queries and keys are rotated before the keys enter the cache. With
         ``inference_params`` (generation) this step's keys and values are appended to the
         layer's cache (only the G key/value heads) and the queries attend to every cached
         position (see :mod:`megatron.core.inference_params`).
@@ -247,8 +248,9 @@ class SelfAttention(torch.nn.Module):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
+            rotary = rotary_cos_sin(rotary_pos_emb, query.dtype)  # one pair for q and k
+            query = apply_rotary_pos_emb(query, rotary, self.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary, self.rotary_interleaved)
         if inference_params is not None:
             key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, g, hn]
             attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)

@@ -76,7 +76,7 @@ class TransformerBlock(torch.nn.Module):
                 ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``[s/p, b, h]`` in
         and out with sequence parallelism; ``inference_params`` is the generation KV cache and
-        ``rotary_pos_emb`` the RoPE angles, both passed to every layer."""
+        ``rotary_pos_emb`` the RoPE ``(cos, sin)``, both passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if self.config.recompute_granularity == "full" and self.training:
