@@ -66,6 +66,9 @@ class TransformerConfig:
     onnx_safe: bool = False
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU uses the tanh approximation; with it off, exact erf GeLU."""
+    bias_swiglu_fusion: bool = True
+    """With ``swiglu``: the fused (bias +) SwiGLU, which keeps only fc1's output for the
+    backward (``megatron.core.fusions.fused_bias_swiglu``; same values)."""
     masked_softmax_fusion: bool = True
     """The unfused attention path's scale-mask-softmax runs the fused kernel
     (``megatron.core.fusions.fused_softmax``) where one is built for the device and dtype."""
