@@ -37,7 +37,7 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
         logits = tp_layers.sequence_parallel_linear(hidden, weight, bias,
                                                     tp_group)  # [s, b, V/p]
     else:
-        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
+        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group, grad_in_place=True)
         logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
     if parallel_output:
         return logits

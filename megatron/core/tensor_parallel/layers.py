@@ -114,6 +114,36 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+class _LinearWithAsyncInputGradAllReduce(torch.autograd.Function):
+    """``F.linear`` of an input replicated on every TP rank (a column-parallel layer without
+    sequence parallelism: the paper's *f* then the linear), Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``allreduce_dgrad``: the backward
+    starts the all-reduce of the input gradient (a partial sum over this rank's output slice)
+    and computes the weight gradient while it runs, instead of waiting for the whole linear
+    backward before a separate all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp_group, fuse_accumulation):
+        ctx.save_for_backward(x, weight)
+        ctx.tp_group, ctx.fuse_accumulation = tp_group, fuse_accumulation
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, reducing = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(weight)  # [..., in], this rank's partial sum
+            reducing = comm.all_reduce(grad_x, ctx.tp_group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, weight,
+                                                            ctx.fuse_accumulation, ctx.has_bias)
+        comm.wait(reducing, "all_reduce", ctx.tp_group)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
 def _weight_and_bias_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            fuse_accumulation: bool, has_bias: bool):
     """The weight and bias gradients of ``F.linear(x, weight, bias)``; with
@@ -270,9 +300,14 @@ class ColumnParallelLinear(torch.nn.Module):
             out = sequence_parallel_linear(x, self.weight, bias, self.tp_group,
                                            self.gradient_accumulation_fusion)  # [s, b, out/p]
             return out, (self.bias if self.skip_bias_add else None)
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        out = _linear(x, self.weight, bias,
-                      self.gradient_accumulation_fusion)  # [..., out/p]
+        if tp_world_size(self.tp_group) > 1 and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            out = communicate(_LinearWithAsyncInputGradAllReduce, x, self.weight, bias,
+                              self.tp_group, self.gradient_accumulation_fusion)  # [..., out/p]
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group, grad_in_place=True)
+            out = _linear(x, self.weight, bias,
+                          self.gradient_accumulation_fusion)  # [..., out/p]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [..., out]
             # The shards concatenate rank-major; strided shards need their blocks put back.
@@ -347,7 +382,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, out]
         else:
-            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None
@@ -392,7 +427,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)  # [..., h]
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

@@ -92,23 +92,24 @@ def communicate(function: type[torch.autograd.Function], *args):
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tp_group):
-        ctx.tp_group = tp_group
+    def forward(ctx, x, tp_group, grad_in_place):
+        ctx.tp_group, ctx.grad_in_place = tp_group, grad_in_place
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad.clone(), ctx.tp_group), None
+        grad = grad if ctx.grad_in_place else grad.clone()
+        return _reduce(grad, ctx.tp_group), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tp_group):
-        return _reduce(x.clone(), tp_group)
+    def forward(ctx, x, tp_group, in_place):
+        return _reduce(x if in_place else x.clone(), tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -168,20 +169,30 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first(grad, ctx.tp_group), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor,
-                                         tp_group: ProcessGroup | None) -> torch.Tensor:
-    """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``."""
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None, *,
+                                         grad_in_place: bool = False) -> torch.Tensor:
+    """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``.
+
+    Args:
+        grad_in_place: the consumer hands back a gradient nobody else reads (a linear layer's
+            input gradient): it is all-reduced in place, as Megatron's, not in a copy.
+    """
     if tp_world_size(tp_group) == 1:
         return x
-    return communicate(_CopyToRegion, x, tp_group)
+    return communicate(_CopyToRegion, x, tp_group, grad_in_place)
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
-                                             tp_group: ProcessGroup | None) -> torch.Tensor:
-    """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward."""
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None,
+                                             *, in_place: bool = False) -> torch.Tensor:
+    """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward.
+
+    Args:
+        in_place: ``x`` is a temporary nobody else reads (a row-parallel layer's partial sums):
+            it is all-reduced in place and returned, as Megatron's, not in a copy.
+    """
     if tp_world_size(tp_group) == 1:
         return x
-    return communicate(_ReduceFromRegion, x, tp_group)
+    return communicate(_ReduceFromRegion, x, tp_group, in_place)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor,
