@@ -405,13 +405,18 @@ class VocabParallelEmbedding(torch.nn.Module):
         init_method: in-place initializer of the full ``[V, h]`` table.
         params_dtype: dtype of the table.
         device: where it lives.
+        reduce_scatter_embeddings: ``ids [b, s]`` -> this rank's ``[s/p, b, h]`` (sequence
+            parallelism): the lookup is transposed to ``[s, b, h]`` and its partial sums
+            reduce-scattered along the sequence instead of all-reduced.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 reduce_scatter_embeddings: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = divide(num_embeddings, tp_world_size(tp_group))
         self.vocab_start_index, self.vocab_end_index = vocab_range(
@@ -420,13 +425,18 @@ class VocabParallelEmbedding(torch.nn.Module):
                                            tp_group, params_dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [...]`` (int) -> ``[..., h]``."""
+        """``ids [...]`` (int) -> ``[..., h]``; with ``reduce_scatter_embeddings``
+        ``ids [b, s]`` -> ``[s/p, b, h]``."""
         if tp_world_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            return out.transpose(0, 1).contiguous() if self.reduce_scatter_embeddings else out
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)  # [..., h]
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            out = out.transpose(0, 1).contiguous()  # [s, b, h] partial sums
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, h]
         return reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
 
     def extra_repr(self) -> str:

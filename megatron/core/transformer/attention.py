@@ -56,6 +56,16 @@ def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
                       diagonal=1).view(1, 1, seq_length, seq_length)
 
 
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask (True = masked) -> the additive ``[b|1, 1, sq, sk]`` SDPA takes: 0 where
+    attended, ``_MASK_VALUE`` where masked. A float mask is taken as additive already. The
+    transformer block converts once per forward, not every layer."""
+    if attention_mask.dtype != torch.bool:
+        return attention_mask.to(dtype)
+    mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill(attention_mask, _MASK_VALUE)
+
+
 class CoreAttention(torch.nn.Module):
     """softmax(Q K^T / sqrt(hn)) V on this rank's heads, with dropout under the TP RNG stream.
 
@@ -108,8 +118,7 @@ class CoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np|g, s, hn]
         mask, is_causal = None, False
         if attention_mask is not None:
-            mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill(attention_mask, _MASK_VALUE)  # additive [b|1, 1, sq, sk]
+            mask = additive_mask(attention_mask, q.dtype)  # [b|1, 1, sq, sk]
         elif self.attn_mask_type == "causal" and sq > 1:
             # One query (a generation step: the newest position) sees every key: no mask.
             is_causal = True

@@ -20,6 +20,7 @@ import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.transformer.attention import additive_mask
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.layernorm import build_norm
@@ -79,6 +80,9 @@ class TransformerBlock(torch.nn.Module):
         ``rotary_pos_emb`` the RoPE ``(cos, sin)``, both passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
+        if attention_mask is not None and self.config.use_sdpa:
+            # SDPA's additive form, built once for every layer (not once per layer).
+            attention_mask = additive_mask(attention_mask, self.config.params_dtype)
         if self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
                                                        rotary_pos_emb)

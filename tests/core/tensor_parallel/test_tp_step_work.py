@@ -5,7 +5,10 @@
   layer's input gradient (backward) run in place, on no copy of ``[s, b, h]``;
 * without sequence parallelism the column-parallel layer's input-gradient all-reduce is started
   asynchronously before the weight-gradient GEMM and waited for after it (Megatron's async
-  ``allreduce_dgrad``).
+  ``allreduce_dgrad``);
+* with sequence parallelism the embedding output is this rank's own ``[s/p, b, h]`` storage
+  (not a view of the whole sequence), reduce-scattered in one collective when there are word
+  embeddings alone.
 """
 
 from __future__ import annotations
@@ -84,8 +87,40 @@ def _checks(rank, world_size):
     y = torch.ones(3, device=dev)
     reduce_from_tensor_model_parallel_region(y, group)
     assert torch.equal(y, torch.ones(3, device=dev))
+    _check_sequence_parallel_embedding(group, rank, world_size)
     ps.destroy_model_parallel()
     return True
+
+
+def _check_sequence_parallel_embedding(group, rank, tp):
+    from megatron.core.models.embedding import Embedding
+    from megatron.core.transformer.config import TransformerConfig
+
+    s, b, h = 8, 2, 16
+    ids = torch.randint(0, 32, (b, s), generator=torch.Generator().manual_seed(5)).to(
+        device.get_device())
+    positions = torch.arange(s, device=device.get_device()).expand(b, s)
+    for rope in (False, True):
+        kwargs = dict(num_layers=1, hidden_size=h, num_attention_heads=2, padded_vocab_size=32,
+                      max_position_embeddings=s, hidden_dropout=0.0, params_dtype=torch.float64,
+                      position_embedding_type="rope" if rope else "learned_absolute")
+        torch.manual_seed(1)
+        whole = Embedding(TransformerConfig(**kwargs), None)(ids, positions)  # [s, b, h]
+        torch.manual_seed(1)
+        emb = Embedding(TransformerConfig(**kwargs, sequence_parallel=True), group)
+        calls: list = []
+        real = (comm.all_reduce, comm.reduce_scatter_into)
+        comm.all_reduce = lambda *a, **k: (calls.append("all_reduce"), real[0](*a, **k))[1]
+        comm.reduce_scatter_into = lambda *a, **k: (calls.append("reduce_scatter"),
+                                                    real[1](*a, **k))[1]
+        try:
+            out = emb(ids, positions)  # [s/p, b, h]
+        finally:
+            comm.all_reduce, comm.reduce_scatter_into = real
+        rows = s // tp
+        torch.testing.assert_close(out, whole[rank * rows:(rank + 1) * rows], rtol=0, atol=0)
+        assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+        assert calls == (["reduce_scatter"] if rope else ["all_reduce"]), (rope, calls)
 
 
 def test_tp_layers_reduce_in_place_and_overlap_the_input_gradient():
