@@ -68,6 +68,8 @@ class GPTModel(LanguageModule):
         logits = parallel_lm_logits(hidden, self.output_weight(), self.tp_group,
                                     self.parallel_output or labels is not None,
                                     sequence_parallel=self.config.sequence_parallel,
+                                    gradient_accumulation_fusion=(
+                                        self.config.gradient_accumulation_fusion),
                                     )  # [s, b, V/p]: with SP the s/p rows are gathered
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/p]

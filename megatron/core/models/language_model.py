@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 
 from megatron.core import device as device_mod
-from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.models.embedding import Embedding
 from megatron.core.tensor_parallel import layers as tp_layers
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region,
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_not_set,
                                                  tp_world_size)
@@ -28,17 +26,17 @@ from megatron.core.transformer.rotary import RotaryEmbedding
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
                        tp_group: ProcessGroup | None, parallel_output: bool = True,
                        bias: torch.Tensor | None = None,
-                       sequence_parallel: bool = False) -> torch.Tensor:
+                       sequence_parallel: bool = False,
+                       gradient_accumulation_fusion: bool = False) -> torch.Tensor:
     """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` (+ vocab-split ``bias [V/p]``,
     BERT's LM head) -> ``[s, b, V/p]`` (or gathered ``[s, b, V]``); a column-parallel linear
     whose weight is the (tied) word embedding. With ``sequence_parallel`` the hidden states are
-    this rank's ``[s/p, b, h]`` rows, all-gathered first (as Megatron's output layer)."""
-    if sequence_parallel:
-        logits = tp_layers.sequence_parallel_linear(hidden, weight, bias,
-                                                    tp_group)  # [s, b, V/p]
-    else:
-        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group, grad_in_place=True)
-        logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
+    this rank's ``[s/p, b, h]`` rows, all-gathered first (as Megatron's output layer). With
+    ``gradient_accumulation_fusion`` the weight gradient goes straight into
+    ``weight.main_grad`` (the DDP buffer) where there is one, as for every other linear."""
+    logits = tp_layers.column_parallel_linear(hidden, weight, bias, tp_group,
+                                              gradient_accumulation_fusion,
+                                              sequence_parallel)  # [s, b, V/p]
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]

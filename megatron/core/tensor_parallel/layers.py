@@ -245,6 +245,26 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return fused_linear_few_rows.linear(x, weight, bias)
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           tp_group: ProcessGroup | None,
+                           gradient_accumulation_fusion: bool = False,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """``F.linear`` with this rank's output slice ``weight [out/p, in]`` of an input that every
+    TP rank holds (``x [..., in]``; with ``sequence_parallel`` this rank's ``[s/p, b, in]`` rows,
+    all-gathered first): the paper's *f* and the linear in one, whose backward all-reduces (or
+    reduce-scatters) the input gradient while the weight gradient is computed, and adds the
+    weight gradient into ``weight.main_grad`` with ``gradient_accumulation_fusion``. Returns
+    ``[..., out/p]`` (``[s, b, out/p]``)."""
+    if sequence_parallel:
+        return sequence_parallel_linear(x, weight, bias, tp_group, gradient_accumulation_fusion)
+    if tp_world_size(tp_group) > 1 and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        return communicate(_LinearWithAsyncInputGradAllReduce, x, weight, bias, tp_group,
+                           gradient_accumulation_fusion)
+    x = copy_to_tensor_model_parallel_region(x, tp_group, grad_in_place=True)
+    return _linear(x, weight, bias, gradient_accumulation_fusion)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A + b`` with ``A`` split along its output dimension: ``A = [A_1, ..., A_p]``.
 
@@ -296,18 +316,9 @@ class ColumnParallelLinear(torch.nn.Module):
         """``x [..., in]`` (``[s/p, b, in]`` with sequence parallelism) -> (``[..., out/p]``
         or gathered ``[..., out]``, skipped bias)."""
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
-            out = sequence_parallel_linear(x, self.weight, bias, self.tp_group,
-                                           self.gradient_accumulation_fusion)  # [s, b, out/p]
-            return out, (self.bias if self.skip_bias_add else None)
-        if tp_world_size(self.tp_group) > 1 and torch.is_grad_enabled() \
-                and not torch.compiler.is_compiling():
-            out = communicate(_LinearWithAsyncInputGradAllReduce, x, self.weight, bias,
-                              self.tp_group, self.gradient_accumulation_fusion)  # [..., out/p]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group, grad_in_place=True)
-            out = _linear(x, self.weight, bias,
-                          self.gradient_accumulation_fusion)  # [..., out/p]
+        out = column_parallel_linear(x, self.weight, bias, self.tp_group,
+                                     self.gradient_accumulation_fusion,
+                                     self.sequence_parallel)  # [..., out/p]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [..., out]
             # The shards concatenate rank-major; strided shards need their blocks put back.
