@@ -68,7 +68,8 @@ class Embedding(torch.nn.Module):
             and config.num_tokentypes <= 0
         self.word_embeddings = tp_layers.VocabParallelEmbedding(
             config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype,
-            reduce_scatter_embeddings=self.reduce_scatter_embeddings)
+            reduce_scatter_embeddings=self.reduce_scatter_embeddings,
+            **tp_layers.init_options(config))
         self.position_embeddings = None
         if config.add_position_embedding and config.position_embedding_type == "learned_absolute":
             self.position_embeddings = _replicated_embedding(

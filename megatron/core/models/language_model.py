@@ -119,7 +119,7 @@ class TransformerLanguageModel(torch.nn.Module):
             self.output_layer = tp_layers.ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
                 init_method=tp_layers.init_method_normal(config.init_method_std),
-                params_dtype=config.params_dtype)
+                params_dtype=config.params_dtype, **tp_layers.init_options(config))
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.encoder.set_input_tensor(input_tensor)

@@ -5,9 +5,12 @@ Shapes: ``p`` TP size; inputs are ``[..., in]`` (the transformer passes ``[s, b,
 Every layer takes its TP group ``tp_group`` explicitly (``None`` = this rank alone: no tensor
 parallelism).
 
-Initialization is TP-invariant: the full weight is drawn on the CPU from torch's default
+Initialization, as Megatron's: with ``use_cpu_initialization`` (the layers' default, and the
+training default on a CPU device) the full weight is drawn on the CPU from torch's default
 generator (seeded identically on all TP ranks by the training code) and each rank keeps its
-slice, so TP = 1, 2, 4 build the same full model (Megatron's ``--use-cpu-initialization``).
+slice, so TP = 1, 2, 4 build the same full model. Without it (the training default on a GPU)
+each rank draws only its shard, on the device, from the model-parallel RNG stream: 1/TP of the
+work, and no full fp32 weight on the host.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (communicate,
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
                                                  set_sequence_parallel_attribute,
                                                  set_tensor_model_parallel_attributes,
@@ -56,15 +60,36 @@ def master_dtype(params_dtype: torch.dtype) -> torch.dtype:
 def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride: int,
                          init_method: InitMethod, tp_group: ProcessGroup | None,
                          params_dtype: torch.dtype, device: torch.device | None,
-                         ) -> torch.nn.Parameter:
-    """Draw the full weight on the CPU, keep this rank's slice; mark the TP attributes."""
-    master = torch.empty(full_shape, dtype=master_dtype(params_dtype), device="cpu")
-    init_method(master)
-    shard = split_master_weight(master.to(params_dtype), partition_dim,
-                                tp_world_size(tp_group), tp_rank(tp_group), stride)
-    weight = torch.nn.Parameter(shard.to(device or device_mod.get_device()))
+                         use_cpu_initialization: bool = True,
+                         perform_initialization: bool = True) -> torch.nn.Parameter:
+    """This rank's shard of a ``full_shape`` weight split along ``partition_dim``, with the TP
+    attributes marked. ``use_cpu_initialization``: the full weight is drawn on the CPU and
+    sliced (the same full weight at every TP size); else the shard alone is drawn on the
+    device from the model-parallel RNG stream. ``perform_initialization`` False: no draw."""
+    dev = device or device_mod.get_device()
+    tp = tp_world_size(tp_group)
+    shard_shape = list(full_shape)
+    shard_shape[partition_dim] = divide(shard_shape[partition_dim], tp)
+    if not perform_initialization:
+        shard = torch.empty(shard_shape, dtype=params_dtype, device=dev)
+    elif use_cpu_initialization:
+        master = torch.empty(full_shape, dtype=master_dtype(params_dtype), device="cpu")
+        init_method(master)
+        shard = split_master_weight(master.to(params_dtype), partition_dim, tp,
+                                    tp_rank(tp_group), stride).to(dev)
+    else:
+        shard = torch.empty(shard_shape, dtype=params_dtype, device=dev)
+        with get_rng_tracker().fork():
+            init_method(shard)
+    weight = torch.nn.Parameter(shard)
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     return weight
+
+
+def init_options(config) -> dict:
+    """The initialization keywords of the TP layers from a ``TransformerConfig``."""
+    return dict(use_cpu_initialization=config.use_cpu_initialization,
+                perform_initialization=config.perform_initialization)
 
 
 def _swap_stride_blocks(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
@@ -286,6 +311,10 @@ class ColumnParallelLinear(torch.nn.Module):
             ``weight.main_grad`` when the DDP wrapper gave it one.
         sequence_parallel: the input is split along the sequence, ``[s/p, b, in]``, and
             all-gathered here (sequence parallelism); the output is ``[s, b, out/p]``.
+        use_cpu_initialization: draw the full weight on the CPU and keep this rank's slice
+            (TP-invariant); False: draw this rank's shard on the device from the
+            model-parallel RNG stream.
+        perform_initialization: False leaves the weight undrawn (a checkpoint load follows).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -294,7 +323,8 @@ class ColumnParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False")
@@ -306,7 +336,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 0, stride, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
         self.bias = None
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
@@ -355,6 +386,7 @@ class RowParallelLinear(torch.nn.Module):
             all-reducing them: ``[s, b, in/p]`` -> ``[s/p, b, out]`` (sequence parallelism).
             The bias is then added on this rank's rows only, so its gradient is partial and is
             marked ``sequence_parallel`` (summed over TP ranks by ``finalize_model_grads``).
+        use_cpu_initialization, perform_initialization: as :class:`ColumnParallelLinear`'s.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -363,7 +395,8 @@ class RowParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
@@ -375,7 +408,8 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 1, stride, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
         self.bias = None
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
@@ -419,12 +453,14 @@ class VocabParallelEmbedding(torch.nn.Module):
         reduce_scatter_embeddings: ``ids [b, s]`` -> this rank's ``[s/p, b, h]`` (sequence
             parallelism): the lookup is transposed to ``[s, b, h]`` and its partial sums
             reduce-scattered along the sequence instead of all-reduced.
+        use_cpu_initialization, perform_initialization: as :class:`ColumnParallelLinear`'s.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
-                 reduce_scatter_embeddings: bool = False) -> None:
+                 reduce_scatter_embeddings: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
@@ -433,7 +469,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_start_index, self.vocab_end_index = vocab_range(
             self.num_embeddings_per_partition, tp_rank(tp_group))
         self.weight = _init_sharded_weight((num_embeddings, embedding_dim), 0, 1, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` (int) -> ``[..., h]``; with ``reduce_scatter_embeddings``

@@ -14,7 +14,7 @@ row-parallel (one all-reduce forward, one backward). Two attention implementatio
   Megatron's ``FusedScaleMaskSoftmax``).
 
 ``--apply-query-key-layer-scaling`` and ``--attention-softmax-in-fp32`` act on the unfused path
-only. SDPA does not need them: with fp16/bf16 inputs torch (checked with 2.13, CPU) computes the
+only. SDPA does not need them: with fp16/bf16 inputs torch's CPU kernels compute the
 scores and the softmax in fp32 internally -- the CPU flash kernel (no dropout) accumulates in fp32,
 and the math kernel (chosen when dropout is on) upcasts q, k, v to fp32 and multiplies q and k by
 sqrt(scale) each before the matmul -- and casts only the output back. On CUDA the flash and
@@ -209,7 +209,7 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
         else:
@@ -223,7 +223,7 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
 
     def _head_norm(self) -> torch.nn.Module:
         """``--qk-layernorm``: one norm over ``hn`` shared by every head, replicated on all TP

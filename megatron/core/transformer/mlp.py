@@ -45,7 +45,7 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
         self.dense_4h_to_h = tp_layers.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
@@ -53,7 +53,7 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias); with
