@@ -26,6 +26,7 @@ from megatron.core import device as device_mod
 from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.tensor_parallel.mappings import (communicate,
                                                     copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
@@ -254,6 +255,10 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     ``x [s/p, b, in]`` is all-gathered to ``[s, b, in]`` first, and in backward the input
     gradient is reduce-scattered back to ``[s/p, b, in]`` (the gathered input is not stored)."""
     if tp_world_size(tp_group) == 1:
+        return _linear(x, weight, bias, gradient_accumulation_fusion)
+    if torch.compiler.is_compiling():
+        # Traced: the gather as a functional collective, whose backward reduce-scatters.
+        x = gather_from_sequence_parallel_region(x, tp_group)  # [s, b, in]
         return _linear(x, weight, bias, gradient_accumulation_fusion)
     return communicate(_SequenceParallelLinear, x, weight, bias, tp_group,
                        gradient_accumulation_fusion)

@@ -1,13 +1,12 @@
 """A stack of transformer layers with the final LayerNorm (Megatron-LM's ``ParallelTransformer``,
 the ``encoder`` of the checkpoint), with full activation recomputation and pipeline hooks.
 
-With ``compile_layers`` (``--compile-layers``) every layer runs through ``torch.compile``. At
-TP=1 a layer is one graph (tests/core/transformer/test_compile_layers.py counts the breaks). At
-TP>1 the tensor-parallel communication stays eager, a graph break at each: the four
-all-reduce/identity regions of a layer (``tensor_parallel.mappings``), or with sequence
-parallelism its gathers and reduce-scatters; and, only while their dropout is active, the
-attention core (and with sequence parallelism the bias-dropout-adds) run eagerly under the
-per-rank RNG stream (``tensor_parallel.random.run_in_tp_stream``).
+With ``compile_layers`` (``--compile-layers``) every layer runs through ``torch.compile``, and
+a layer is one graph (tests/core/transformer/test_compile_layers.py counts graphs and breaks):
+at TP>1 the tensor-parallel collectives are traced as functional collectives
+(``tensor_parallel.mappings``). Only while their dropout is active, the attention core (and
+with sequence parallelism the bias-dropout-adds) run eagerly under the per-rank RNG stream
+(``tensor_parallel.random.run_in_tp_stream``), a graph break each.
 
 Legend: s sequence, b batch, h hidden.
 """
