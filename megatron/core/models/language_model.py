@@ -71,6 +71,19 @@ class Pooler(torch.nn.Module):
         return torch.tanh(self.dense(hidden[sequence_index]))
 
 
+class OutputLayer(torch.nn.Module):
+    """The untied output layer: its vocabulary-split weight ``[V/p, h]`` (state-dict name
+    ``weight``, drawn as a column-parallel linear's). It has no forward of its own: the logits
+    are :func:`parallel_lm_logits` of this weight, as of the tied embedding."""
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = tp_layers.column_parallel_weight(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
+            init_method=tp_layers.init_method_normal(config.init_method_std),
+            params_dtype=config.params_dtype, **tp_layers.init_options(config))
+
+
 class TransformerLanguageModel(torch.nn.Module):
     """Embedding (first pipeline stage), encoder, and the untied output layer (last stage).
 
@@ -116,10 +129,7 @@ class TransformerLanguageModel(torch.nn.Module):
         self.pooler = Pooler(config) if post_process and add_pooler else None
         self.output_layer = None
         if post_process and config.untie_embeddings_and_output_weights:
-            self.output_layer = tp_layers.ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
-                init_method=tp_layers.init_method_normal(config.init_method_std),
-                params_dtype=config.params_dtype, **tp_layers.init_options(config))
+            self.output_layer = OutputLayer(config, tp_group)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.encoder.set_input_tensor(input_tensor)

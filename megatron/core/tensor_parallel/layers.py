@@ -87,6 +87,20 @@ def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride
     return weight
 
 
+def column_parallel_weight(output_size: int, input_size: int, *,
+                           tp_group: ProcessGroup | None, init_method: InitMethod,
+                           params_dtype: torch.dtype = torch.float32,
+                           device: torch.device | None = None,
+                           use_cpu_initialization: bool = True,
+                           perform_initialization: bool = True) -> torch.nn.Parameter:
+    """This rank's ``[out/p, in]`` rows of an output-split weight, drawn as
+    :class:`ColumnParallelLinear`'s (for a weight whose product another function computes, such
+    as the untied output layer's in :func:`column_parallel_linear`)."""
+    return _init_sharded_weight((output_size, input_size), 0, 1, init_method, tp_group,
+                                params_dtype, device, use_cpu_initialization,
+                                perform_initialization)
+
+
 def init_options(config) -> dict:
     """The initialization keywords of the TP layers from a ``TransformerConfig``."""
     return dict(use_cpu_initialization=config.use_cpu_initialization,
