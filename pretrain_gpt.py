@@ -36,19 +36,24 @@ def datasets_provider(cfg, tokenizer, num_samples: list[int]):
     return build_train_valid_test_datasets(config, num_samples)
 
 
-def get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
-    """Next micro-batch on the compute device; a plain causal mask is left implicit.
+def get_batch(data_iterator, keep_attention_mask: bool = True) -> dict[str, torch.Tensor | None]:
+    """Next micro-batch on the compute device.
 
     Every pipeline stage reads the micro-batch, as Megatron-LM 23.06's get_batch does: the first
     stage uses the tokens and positions, the last the labels and loss mask, and every stage the
     attention mask (an explicit one, with --reset-attention-mask, masks every layer).
     With context parallelism each rank keeps its two of the 2 CP chunks of every sequence
     (tokens, labels, loss mask, position ids), as Megatron-Core's get_batch_on_this_cp_rank.
+    ``keep_attention_mask`` False drops the loader's mask (it is the plain causal one): the model
+    then takes its implicit causal path, as Megatron-Core's causal attention does, and neither a
+    ``[b, 1, s, s]`` copy to the device nor a comparison that would wait for it is paid.
     """
     batch = next(data_iterator)
     dev = device.get_device()
     out = {key: batch[key].to(dev, non_blocking=True) if batch.get(key) is not None else None
-           for key in _BATCH_KEYS}
+           for key in _BATCH_KEYS if key != "attention_mask"}
+    mask = batch.get("attention_mask") if keep_attention_mask else None
+    out["attention_mask"] = mask.to(dev, non_blocking=True) if mask is not None else None
     return get_batch_on_this_cp_rank(out, parallel_state.get_context_parallel_world_size(),
                                      parallel_state.get_context_parallel_rank())
 
@@ -77,9 +82,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": reported}
 
 
-def forward_step(data_iterator, model):
-    """Megatron's contract: returns the model output and the function that reduces it."""
-    batch = get_batch(data_iterator)
+def forward_step(data_iterator, model, cfg=None):
+    """Megatron's contract: returns the model output and the function that reduces it.
+
+    ``cfg`` (bound by ``pretrain``): without --reset-attention-mask every loader mask is the
+    plain causal one, so it is dropped; without a config the mask is kept and honoured.
+    """
+    keep_mask = cfg is None or cfg.data.reset_attention_mask
+    batch = get_batch(data_iterator, keep_attention_mask=keep_mask)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])

@@ -511,8 +511,10 @@ def stage_finetune(c: Check):
 
 def stage_parallel(c: Check, stage: str, flags: list[str]):
     """Two processes on the one GPU over gloo (NCCL refuses two ranks on one device)."""
+    # The whole-weight CPU draw: the same start weights as the one-GPU stages, so the losses
+    # compare with gpt-bf16's.
     out = train(c, stage, ["--bf16", "--train-iters", "10", "--distributed-backend", "gloo",
-                           *flags], nproc=2)
+                           "--use-cpu-initialization", *flags], nproc=2)
     return 0, losses_figure(lm_losses(out))
 
 

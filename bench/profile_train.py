@@ -32,6 +32,7 @@ All figures are medians over the rounds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -80,7 +81,7 @@ def ours_step(shape: bench_train.Shape, bf16: bool, extra: list[str]) -> Callabl
 
     def step():
         state.iteration += 1
-        train_step(pretrain_gpt.forward_step, train_it, model, optimizer, scheduler, cfg,
+        train_step(functools.partial(pretrain_gpt.forward_step, cfg=cfg), train_it, model, optimizer, scheduler, cfg,
                    microbatches, timers, iteration=state.iteration)
 
     return step

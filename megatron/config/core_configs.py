@@ -54,7 +54,28 @@ def transformer_config(cfg):
     from megatron.core.transformer.config import TransformerConfig
 
     return from_flags(TransformerConfig, cfg, onnx_safe=bool(cfg.model.onnx_safe),
-                      num_moe_experts=cfg.model.num_experts)
+                      num_moe_experts=cfg.model.num_experts,
+                      use_cpu_initialization=_use_cpu_initialization(cfg),
+                      perform_initialization=not _checkpoint_to_load(cfg))
+
+
+def _use_cpu_initialization(cfg) -> bool:
+    """``--use-cpu-initialization``; on a CPU device the whole-weight draw is the only one
+    (Megatron's per-rank draw is its GPU path)."""
+    from megatron.core import device
+
+    return bool(cfg.parallel.use_cpu_initialization) or device.get_device().type == "cpu"
+
+
+def _checkpoint_to_load(cfg) -> bool:
+    """``--load`` names a directory with a checkpoint tracker: the load (strict) overwrites
+    every weight the model draws, so the draw is skipped."""
+    import os
+
+    from megatron.checkpointing.names import TRACKER_FILENAME
+
+    load = getattr(cfg.checkpoint, "load", None)
+    return bool(load) and os.path.isfile(os.path.join(load, TRACKER_FILENAME))
 
 
 def ddp_config(cfg):

@@ -177,6 +177,9 @@ class ModelConfig:
     bias_gelu_fusion: bool = spec(True, flag="--no-bias-gelu-fusion")
     """Disable the fused bias + GeLU (TorchScript, tanh GeLU); without it the exact erf GeLU
     runs, as in Megatron-LM 23.06."""
+    bias_swiglu_fusion: bool = spec(True, flag="--no-bias-swiglu-fusion")
+    """Disable the fused (bias +) SwiGLU of --swiglu (Megatron-Core's flag): the plain ops then
+    keep silu(gate) besides fc1's output for the backward (same values, more memory)."""
     bias_dropout_fusion: bool = spec(True, flag="--no-bias-dropout-fusion")
     """Disable the fused bias + dropout + residual add (TorchScript; same values)."""
     no_persist_layer_norm: bool = False

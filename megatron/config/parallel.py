@@ -63,8 +63,10 @@ class ParallelConfig:
     """Skip the model-parallel initialization (external launchers). Accepted for Megatron-LM
     scripts; no effect here: initialize_megatron always initializes."""
     use_cpu_initialization: bool | None = spec(None, argtype=None)
-    """Initialize weights on the CPU (the full matrix, then this rank's slice). Always the case
-    here, so that runs at different TP sizes start from the same weights: accepted, no effect."""
+    """Draw each tensor-parallel weight whole on the CPU and keep this rank's slice, so runs at
+    different TP sizes start from the same weights. Without it, on a GPU each rank draws only
+    its own shard on the device from the model-parallel RNG (Megatron's default); on a CPU
+    device the whole-weight draw is always used."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Call the allocator's empty_cache: 0 never, 1 after each step, 2 also after evaluation."""
     standalone_embedding_stage: bool = False

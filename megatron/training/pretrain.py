@@ -5,11 +5,14 @@
 * ``model_provider(cfg, pre_process=True, post_process=True) -> torch.nn.Module``
 * ``train_valid_test_datasets_provider(cfg, tokenizer, [train, valid, test] num samples)
   -> (train_ds, valid_ds, test_ds)`` (any may be None)
-* ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``
+* ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``; one that also
+  takes a keyword ``cfg`` is called with the run's validated config
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -48,13 +51,14 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     any process group starts; a provider of its own samples leaves it False.
 
     ``forward_step_func`` is called as ``forward_step_func(data_iterator, model)``; scripts that
-    need the config bind it with ``functools.partial``-style closures over the returned config
-    (``forward_step_func`` may also accept ``cfg`` as keyword: see pretrain_gpt.py).
+    need the config take it as the keyword ``cfg`` (see pretrain_gpt.py: the batch keeps an
+    explicit attention mask only where the data flags can make one that is not plain causal).
     """
     # Megatron's _TRAIN_START_TIME: --exit-duration-in-mins counts set-up time too.
     start_time = time.time()
     cfg = initialize_megatron(argv, extra_args_provider, require_train_length=True,
                               require_data=require_data)
+    forward_step_func = _bind_config(forward_step_func, cfg)
     timers = Timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
     tokenizer = build_tokenizer_from_config(cfg) if cfg.tokenizer.tokenizer_type else None
     model, optimizer, scheduler, state = setup_model_and_optimizer(cfg, model_provider, timers)
@@ -93,6 +97,15 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         writer.flush()
         writer.close()
     return state
+
+
+def _bind_config(forward_step_func: Callable, cfg: MegatronConfig) -> Callable:
+    """``forward_step_func`` with ``cfg=cfg`` bound when it takes that keyword."""
+    try:
+        takes_cfg = "cfg" in inspect.signature(forward_step_func).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        takes_cfg = False
+    return functools.partial(forward_step_func, cfg=cfg) if takes_cfg else forward_step_func
 
 
 def setup_model_and_optimizer(cfg: MegatronConfig, model_provider: Callable,

@@ -5,6 +5,13 @@ embeddings), transposed to ``[s, b, h]``, then embedding dropout.
 The embedding output is replicated on all TP ranks, so its dropout uses the default generator
 (identical on all TP ranks, paper appendix B.2). With sequence parallelism each rank keeps its
 ``s/p`` rows of it, and the dropout on those draws from the per-rank TP stream (as Megatron).
+Those rows are a fresh ``[s/p, b, h]`` tensor, never a view that would keep the whole
+``[s, b, h]`` alive: with word embeddings alone (no learned positions, no token types) the
+vocabulary-parallel lookup is reduce-scattered straight to them (one collective instead of an
+all-reduce and a split, Megatron-Core's ``reduce_scatter_embeddings``); otherwise the split rows
+are cloned where dropout does not copy them anyway (Megatron's
+``clone_scatter_output_in_embedding``).
+
 Legend: b batch, s sequence, h hidden, p TP size.
 """
 
@@ -53,8 +60,16 @@ class Embedding(torch.nn.Module):
         h, dtype = config.hidden_size, config.params_dtype
         self.hidden_dropout = config.hidden_dropout
         self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
+        # Sequence parallel with word embeddings alone: the lookup's partial sums are
+        # reduce-scattered to this rank's rows at once.
+        self.reduce_scatter_embeddings = config.sequence_parallel and not (
+            config.add_position_embedding
+            and config.position_embedding_type == "learned_absolute") \
+            and config.num_tokentypes <= 0
         self.word_embeddings = tp_layers.VocabParallelEmbedding(
-            config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype)
+            config.padded_vocab_size, h, tp_group=tp_group, init_method=init, params_dtype=dtype,
+            reduce_scatter_embeddings=self.reduce_scatter_embeddings,
+            **tp_layers.init_options(config))
         self.position_embeddings = None
         if config.add_position_embedding and config.position_embedding_type == "learned_absolute":
             self.position_embeddings = _replicated_embedding(
@@ -68,6 +83,11 @@ class Embedding(torch.nn.Module):
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids [b, s]`` -> ``[s, b, h]`` (``[s/p, b, h]``, this rank's rows, with
         sequence parallelism)."""
+        if self.reduce_scatter_embeddings:
+            emb = self.word_embeddings(input_ids)  # [s/p, b, h], reduce-scattered
+            if tokentype_ids is not None:
+                raise ValueError("tokentype_ids given but the model has num_tokentypes = 0")
+            return self._sequence_dropout(emb)
         emb = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             emb = emb + self.position_embeddings(position_ids)
@@ -78,7 +98,13 @@ class Embedding(torch.nn.Module):
         emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
         if not self.sequence_parallel:
             return F.dropout(emb, p=self.hidden_dropout, training=self.training)
-        emb = scatter_to_sequence_parallel_region(emb, self.tp_group)  # [s/p, b, h]
+        emb = scatter_to_sequence_parallel_region(emb, self.tp_group)  # [s/p, b, h], a view
+        if not (self.training and self.hidden_dropout > 0):
+            emb = emb.clone()  # dropout would copy it; without, free the whole [s, b, h]
+        return self._sequence_dropout(emb)
+
+    def _sequence_dropout(self, emb: torch.Tensor) -> torch.Tensor:
+        """Dropout of this rank's ``[s/p, b, h]`` rows, from the per-rank TP stream."""
         drop = self.training and self.hidden_dropout > 0
         with get_rng_tracker().fork() if drop else contextlib.nullcontext():
             return F.dropout(emb, p=self.hidden_dropout, training=self.training)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.models.language_model import is_plain_causal_mask, parallel_lm_logits
+from megatron.core.models.language_model import parallel_lm_logits
 from megatron.core.models.language_module import LanguageModule
 
 __all__ = ["GPTModel"]
@@ -25,8 +25,9 @@ class GPTModel(LanguageModule):
 
     ``forward(input_ids, position_ids, attention_mask=None, labels=None)``: ``input_ids`` and
     ``position_ids`` ``[b, s]`` (first stage); ``attention_mask`` bool ``[b|1, 1, s, s]``,
-    True = masked, ``None`` = plain causal (a plain causal mask is detected and replaced by the
-    fast causal path); ``labels [b, s]`` or None. Returns, with ``labels``, the unreduced loss
+    True = masked, ``None`` = plain causal (the fast implicit path: callers whose mask is the
+    plain causal one pass None, as Megatron-Core's, rather than have every forward compare it
+    on the device); ``labels [b, s]`` or None. Returns, with ``labels``, the unreduced loss
     ``[b, s]`` (fp32 or wider; the training code reduces ``sum(loss * loss_mask) /
     sum(loss_mask)``); without, logits ``[b, s, V/p]`` (``[b, s, V]`` if not
     ``parallel_output``); on a non-last pipeline stage, hidden ``[s, b, h]``.
@@ -52,8 +53,6 @@ class GPTModel(LanguageModule):
         Returns:
             See the class docstring.
         """
-        if attention_mask is not None and is_plain_causal_mask(attention_mask):
-            attention_mask = None  # the fast causal path
         hidden = self.language_model(input_ids, position_ids, attention_mask,
                                      tokentype_ids, inference_params)  # [s, b, h]
         if not self.post_process:
@@ -69,6 +68,8 @@ class GPTModel(LanguageModule):
         logits = parallel_lm_logits(hidden, self.output_weight(), self.tp_group,
                                     self.parallel_output or labels is not None,
                                     sequence_parallel=self.config.sequence_parallel,
+                                    gradient_accumulation_fusion=(
+                                        self.config.gradient_accumulation_fusion),
                                     )  # [s, b, V/p]: with SP the s/p rows are gathered
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/p]

@@ -13,15 +13,12 @@ import torch
 
 from megatron.core import comm
 from megatron.core import device as device_mod
-from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.models.embedding import Embedding
 from megatron.core.tensor_parallel import layers as tp_layers
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region,
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_not_set,
                                                  tp_world_size)
-from megatron.core.transformer.attention import causal_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.context_parallel import split_for_cp
@@ -31,29 +28,20 @@ from megatron.core.transformer.rotary import RotaryEmbedding
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor,
                        tp_group: ProcessGroup | None, parallel_output: bool = True,
                        bias: torch.Tensor | None = None,
-                       sequence_parallel: bool = False) -> torch.Tensor:
+                       sequence_parallel: bool = False,
+                       gradient_accumulation_fusion: bool = False) -> torch.Tensor:
     """``hidden [s, b, h]`` x vocab-split ``weight [V/p, h]`` (+ vocab-split ``bias [V/p]``,
     BERT's LM head) -> ``[s, b, V/p]`` (or gathered ``[s, b, V]``); a column-parallel linear
     whose weight is the (tied) word embedding. With ``sequence_parallel`` the hidden states are
-    this rank's ``[s/p, b, h]`` rows, all-gathered first (as Megatron's output layer)."""
-    if sequence_parallel:
-        logits = tp_layers.sequence_parallel_linear(hidden, weight, bias,
-                                                    tp_group)  # [s, b, V/p]
-    else:
-        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-        logits = fused_linear_few_rows.linear(hidden, weight, bias)  # [s, b, V/p]
+    this rank's ``[s/p, b, h]`` rows, all-gathered first (as Megatron's output layer). With
+    ``gradient_accumulation_fusion`` the weight gradient goes straight into
+    ``weight.main_grad`` (the DDP buffer) where there is one, as for every other linear."""
+    logits = tp_layers.column_parallel_linear(hidden, weight, bias, tp_group,
+                                              gradient_accumulation_fusion,
+                                              sequence_parallel)  # [s, b, V/p]
     if parallel_output:
         return logits
     return gather_from_tensor_model_parallel_region(logits, tp_group)  # [s, b, V]
-
-
-def is_plain_causal_mask(mask: torch.Tensor) -> bool:
-    """True when ``mask`` (bool, True = masked) is the ordinary causal mask for every sample, so
-    attention can use the faster ``is_causal`` path instead of an explicit mask."""
-    if mask.dim() != 4 or mask.size(1) != 1 or mask.size(-1) != mask.size(-2):
-        return False
-    ref = causal_mask(mask.size(-1), mask.device)
-    return bool(torch.equal(mask.to(torch.bool), ref.expand_as(mask)))
 
 
 def replicated_linear(in_features: int, out_features: int, config: TransformerConfig
@@ -83,6 +71,19 @@ class Pooler(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
         """``hidden [s, b, h]`` -> ``[b, h]``."""
         return torch.tanh(self.dense(hidden[sequence_index]))
+
+
+class OutputLayer(torch.nn.Module):
+    """The untied output layer: its vocabulary-split weight ``[V/p, h]`` (state-dict name
+    ``weight``, drawn as a column-parallel linear's). It has no forward of its own: the logits
+    are :func:`parallel_lm_logits` of this weight, as of the tied embedding."""
+
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = tp_layers.column_parallel_weight(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group,
+            init_method=tp_layers.init_method_normal(config.init_method_std),
+            params_dtype=config.params_dtype, **tp_layers.init_options(config))
 
 
 class TransformerLanguageModel(torch.nn.Module):
@@ -126,14 +127,12 @@ class TransformerLanguageModel(torch.nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent,
                                                   config.rotary_interleaved, config.rotary_base)
         self.max_position_embeddings = config.max_position_embeddings or 0
+        self.activation_dtype = config.params_dtype  # of the queries and keys RoPE rotates
         # Built after the encoder, as Megatron's, so the default generator's draws match.
         self.pooler = Pooler(config) if post_process and add_pooler else None
         self.output_layer = None
         if post_process and config.untie_embeddings_and_output_weights:
-            self.output_layer = tp_layers.ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
-                init_method=tp_layers.init_method_normal(config.init_method_std),
-                params_dtype=config.params_dtype)
+            self.output_layer = OutputLayer(config, tp_group)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.encoder.set_input_tensor(input_tensor)
@@ -160,9 +159,10 @@ class TransformerLanguageModel(torch.nn.Module):
             cp, cp_rank = comm.world_size(self.cp_group), comm.rank(self.cp_group)
             rotary = self.rotary_pos_emb(seq * cp, offset,
                                          min_length=self.max_position_embeddings,
-                                         device=device_mod.get_device())  # [S, 1, 1, rot]
+                                         device=device_mod.get_device(),
+                                         dtype=self.activation_dtype)  # 2 x [S, 1, 1, rot]
             # Context parallelism: this rank's rows are global chunks r and 2 CP - r - 1.
-            rotary = split_for_cp(rotary, 0, cp, cp_rank)  # [s, 1, 1, rot]
+            rotary = tuple(split_for_cp(t, 0, cp, cp_rank) for t in rotary)  # 2 x [s, 1, 1, rot]
         hidden = self.encoder(hidden, attention_mask, inference_params, rotary)
         if self.gather_sequence:
             # Every rank computes the replicated head's whole gradient: backward keeps its rows.

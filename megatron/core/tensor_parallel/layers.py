@@ -5,9 +5,12 @@ Shapes: ``p`` TP size; inputs are ``[..., in]`` (the transformer passes ``[s, b,
 Every layer takes its TP group ``tp_group`` explicitly (``None`` = this rank alone: no tensor
 parallelism).
 
-Initialization is TP-invariant: the full weight is drawn on the CPU from torch's default
+Initialization, as Megatron's: with ``use_cpu_initialization`` (the layers' default, and the
+training default on a CPU device) the full weight is drawn on the CPU from torch's default
 generator (seeded identically on all TP ranks by the training code) and each rank keeps its
-slice, so TP = 1, 2, 4 build the same full model (Megatron's ``--use-cpu-initialization``).
+slice, so TP = 1, 2, 4 build the same full model. Without it (the training default on a GPU)
+each rank draws only its shard, on the device, from the model-parallel RNG stream: 1/TP of the
+work, and no full fp32 weight on the host.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from megatron.core import device as device_mod
 from megatron.core.fusions import fused_linear_few_rows
 from megatron.core.tensor_parallel.mappings import (communicate,
                                                     copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide,
                                                  set_sequence_parallel_attribute,
                                                  set_tensor_model_parallel_attributes,
@@ -56,15 +61,50 @@ def master_dtype(params_dtype: torch.dtype) -> torch.dtype:
 def _init_sharded_weight(full_shape: tuple[int, int], partition_dim: int, stride: int,
                          init_method: InitMethod, tp_group: ProcessGroup | None,
                          params_dtype: torch.dtype, device: torch.device | None,
-                         ) -> torch.nn.Parameter:
-    """Draw the full weight on the CPU, keep this rank's slice; mark the TP attributes."""
-    master = torch.empty(full_shape, dtype=master_dtype(params_dtype), device="cpu")
-    init_method(master)
-    shard = split_master_weight(master.to(params_dtype), partition_dim,
-                                tp_world_size(tp_group), tp_rank(tp_group), stride)
-    weight = torch.nn.Parameter(shard.to(device or device_mod.get_device()))
+                         use_cpu_initialization: bool = True,
+                         perform_initialization: bool = True) -> torch.nn.Parameter:
+    """This rank's shard of a ``full_shape`` weight split along ``partition_dim``, with the TP
+    attributes marked. ``use_cpu_initialization``: the full weight is drawn on the CPU and
+    sliced (the same full weight at every TP size); else the shard alone is drawn on the
+    device from the model-parallel RNG stream. ``perform_initialization`` False: no draw."""
+    dev = device or device_mod.get_device()
+    tp = tp_world_size(tp_group)
+    shard_shape = list(full_shape)
+    shard_shape[partition_dim] = divide(shard_shape[partition_dim], tp)
+    if not perform_initialization:
+        shard = torch.empty(shard_shape, dtype=params_dtype, device=dev)
+    elif use_cpu_initialization:
+        master = torch.empty(full_shape, dtype=master_dtype(params_dtype), device="cpu")
+        init_method(master)
+        shard = split_master_weight(master.to(params_dtype), partition_dim, tp,
+                                    tp_rank(tp_group), stride).to(dev)
+    else:
+        shard = torch.empty(shard_shape, dtype=params_dtype, device=dev)
+        with get_rng_tracker().fork():
+            init_method(shard)
+    weight = torch.nn.Parameter(shard)
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     return weight
+
+
+def column_parallel_weight(output_size: int, input_size: int, *,
+                           tp_group: ProcessGroup | None, init_method: InitMethod,
+                           params_dtype: torch.dtype = torch.float32,
+                           device: torch.device | None = None,
+                           use_cpu_initialization: bool = True,
+                           perform_initialization: bool = True) -> torch.nn.Parameter:
+    """This rank's ``[out/p, in]`` rows of an output-split weight, drawn as
+    :class:`ColumnParallelLinear`'s (for a weight whose product another function computes, such
+    as the untied output layer's in :func:`column_parallel_linear`)."""
+    return _init_sharded_weight((output_size, input_size), 0, 1, init_method, tp_group,
+                                params_dtype, device, use_cpu_initialization,
+                                perform_initialization)
+
+
+def init_options(config) -> dict:
+    """The initialization keywords of the TP layers from a ``TransformerConfig``."""
+    return dict(use_cpu_initialization=config.use_cpu_initialization,
+                perform_initialization=config.perform_initialization)
 
 
 def _swap_stride_blocks(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
@@ -112,6 +152,36 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
         grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, weight, True,
                                                         ctx.has_bias)
         return grad_x, grad_weight, grad_bias
+
+
+class _LinearWithAsyncInputGradAllReduce(torch.autograd.Function):
+    """``F.linear`` of an input replicated on every TP rank (a column-parallel layer without
+    sequence parallelism: the paper's *f* then the linear), Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``allreduce_dgrad``: the backward
+    starts the all-reduce of the input gradient (a partial sum over this rank's output slice)
+    and computes the weight gradient while it runs, instead of waiting for the whole linear
+    backward before a separate all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp_group, fuse_accumulation):
+        ctx.save_for_backward(x, weight)
+        ctx.tp_group, ctx.fuse_accumulation = tp_group, fuse_accumulation
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, reducing = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(weight)  # [..., in], this rank's partial sum
+            reducing = comm.all_reduce(grad_x, ctx.tp_group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, weight,
+                                                            ctx.fuse_accumulation, ctx.has_bias)
+        comm.wait(reducing, "all_reduce", ctx.tp_group)
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def _weight_and_bias_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -200,6 +270,10 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     gradient is reduce-scattered back to ``[s/p, b, in]`` (the gathered input is not stored)."""
     if tp_world_size(tp_group) == 1:
         return _linear(x, weight, bias, gradient_accumulation_fusion)
+    if torch.compiler.is_compiling():
+        # Traced: the gather as a functional collective, whose backward reduce-scatters.
+        x = gather_from_sequence_parallel_region(x, tp_group)  # [s, b, in]
+        return _linear(x, weight, bias, gradient_accumulation_fusion)
     return communicate(_SequenceParallelLinear, x, weight, bias, tp_group,
                        gradient_accumulation_fusion)
 
@@ -213,6 +287,26 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and not torch.compiler.is_compiling():
         return _LinearWithGradAccumulationFusion.apply(x, weight, bias)
     return fused_linear_few_rows.linear(x, weight, bias)
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           tp_group: ProcessGroup | None,
+                           gradient_accumulation_fusion: bool = False,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """``F.linear`` with this rank's output slice ``weight [out/p, in]`` of an input that every
+    TP rank holds (``x [..., in]``; with ``sequence_parallel`` this rank's ``[s/p, b, in]`` rows,
+    all-gathered first): the paper's *f* and the linear in one, whose backward all-reduces (or
+    reduce-scatters) the input gradient while the weight gradient is computed, and adds the
+    weight gradient into ``weight.main_grad`` with ``gradient_accumulation_fusion``. Returns
+    ``[..., out/p]`` (``[s, b, out/p]``)."""
+    if sequence_parallel:
+        return sequence_parallel_linear(x, weight, bias, tp_group, gradient_accumulation_fusion)
+    if tp_world_size(tp_group) > 1 and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        return communicate(_LinearWithAsyncInputGradAllReduce, x, weight, bias, tp_group,
+                           gradient_accumulation_fusion)
+    x = copy_to_tensor_model_parallel_region(x, tp_group, grad_in_place=True)
+    return _linear(x, weight, bias, gradient_accumulation_fusion)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -236,6 +330,10 @@ class ColumnParallelLinear(torch.nn.Module):
             ``weight.main_grad`` when the DDP wrapper gave it one.
         sequence_parallel: the input is split along the sequence, ``[s/p, b, in]``, and
             all-gathered here (sequence parallelism); the output is ``[s, b, out/p]``.
+        use_cpu_initialization: draw the full weight on the CPU and keep this rank's slice
+            (TP-invariant); False: draw this rank's shard on the device from the
+            model-parallel RNG stream.
+        perform_initialization: False leaves the weight undrawn (a checkpoint load follows).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -244,7 +342,8 @@ class ColumnParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False")
@@ -256,7 +355,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 0, stride, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
         self.bias = None
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
@@ -266,13 +366,9 @@ class ColumnParallelLinear(torch.nn.Module):
         """``x [..., in]`` (``[s/p, b, in]`` with sequence parallelism) -> (``[..., out/p]``
         or gathered ``[..., out]``, skipped bias)."""
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
-            out = sequence_parallel_linear(x, self.weight, bias, self.tp_group,
-                                           self.gradient_accumulation_fusion)  # [s, b, out/p]
-            return out, (self.bias if self.skip_bias_add else None)
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        out = _linear(x, self.weight, bias,
-                      self.gradient_accumulation_fusion)  # [..., out/p]
+        out = column_parallel_linear(x, self.weight, bias, self.tp_group,
+                                     self.gradient_accumulation_fusion,
+                                     self.sequence_parallel)  # [..., out/p]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [..., out]
             # The shards concatenate rank-major; strided shards need their blocks put back.
@@ -309,6 +405,7 @@ class RowParallelLinear(torch.nn.Module):
             all-reducing them: ``[s, b, in/p]`` -> ``[s/p, b, out]`` (sequence parallelism).
             The bias is then added on this rank's rows only, so its gradient is partial and is
             marked ``sequence_parallel`` (summed over TP ranks by ``finalize_model_grads``).
+        use_cpu_initialization, perform_initialization: as :class:`ColumnParallelLinear`'s.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -317,7 +414,8 @@ class RowParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
@@ -329,7 +427,8 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.stride = stride
         self.weight = _init_sharded_weight((output_size, input_size), 1, stride, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
         self.bias = None
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
@@ -347,7 +446,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, out]
         else:
-            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None
@@ -370,29 +469,42 @@ class VocabParallelEmbedding(torch.nn.Module):
         init_method: in-place initializer of the full ``[V, h]`` table.
         params_dtype: dtype of the table.
         device: where it lives.
+        reduce_scatter_embeddings: ``ids [b, s]`` -> this rank's ``[s/p, b, h]`` (sequence
+            parallelism): the lookup is transposed to ``[s, b, h]`` and its partial sums
+            reduce-scattered along the sequence instead of all-reduced.
+        use_cpu_initialization, perform_initialization: as :class:`ColumnParallelLinear`'s.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
                  init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 reduce_scatter_embeddings: bool = False, use_cpu_initialization: bool = True,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = divide(num_embeddings, tp_world_size(tp_group))
         self.vocab_start_index, self.vocab_end_index = vocab_range(
             self.num_embeddings_per_partition, tp_rank(tp_group))
         self.weight = _init_sharded_weight((num_embeddings, embedding_dim), 0, 1, init_method,
-                                           tp_group, params_dtype, device)
+                                           tp_group, params_dtype, device,
+                                           use_cpu_initialization, perform_initialization)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [...]`` (int) -> ``[..., h]``."""
+        """``ids [...]`` (int) -> ``[..., h]``; with ``reduce_scatter_embeddings``
+        ``ids [b, s]`` -> ``[s/p, b, h]``."""
         if tp_world_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            return out.transpose(0, 1).contiguous() if self.reduce_scatter_embeddings else out
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)  # [..., h]
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.reduce_scatter_embeddings:
+            out = out.transpose(0, 1).contiguous()  # [s, b, h] partial sums
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, h]
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

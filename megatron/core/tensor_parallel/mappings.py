@@ -19,13 +19,16 @@ sequence of ``[s, b, h]``) instead; its operators are *g* and *g-bar* of the pap
   row-parallel linear and keep this rank's ``s/p`` rows; backward all-gathers.
 
 Every function takes the TP group ``tp_group`` explicitly; ``None`` (this rank alone: no tensor
-parallelism) or a group of one makes it a no-op (nothing left for ``torch.compile`` to break on);
-otherwise it runs eagerly, a graph break inside a compiled layer (:func:`communicate`).
+parallelism) or a group of one makes it a no-op. Inside a compiled layer the collectives are
+traced as functional collectives, not graph breaks (:func:`communicate`). The layers' own
+temporaries (a row-parallel layer's partial sums, a linear's input gradient) are all-reduced in
+place, as Megatron's; the public *f* and *g* copy first unless told the tensor is theirs.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 
 from megatron.core import comm
 from megatron.core.tensor_parallel.utils import (ProcessGroup, divide, split_along_last_dim,
@@ -35,6 +38,8 @@ from megatron.core.tensor_parallel.utils import (ProcessGroup, divide, split_alo
 def _reduce(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
     if tp_world_size(tp_group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "sum", tp_group)
     x = x.contiguous()  # in-place collective on a fresh buffer, not on a view of the input
     comm.all_reduce(x, tp_group)
     return x
@@ -51,6 +56,8 @@ def _gather_last(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor
     size = tp_world_size(tp_group)
     if size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, tp_group)
     parts = comm.all_gather_list(x.contiguous(), tp_group)
     return torch.cat(parts, dim=-1).contiguous()
 
@@ -68,6 +75,8 @@ def _gather_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tenso
     size = tp_world_size(tp_group)
     if size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x.contiguous(), 0, tp_group)  # [s, ...]
     out = torch.empty((x.size(0) * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into(out, x.contiguous(), tp_group)
     return out  # [s, ...]
@@ -77,38 +86,41 @@ def _reduce_scatter_first(x: torch.Tensor, tp_group: ProcessGroup | None) -> tor
     size = tp_world_size(tp_group)
     if size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, tp_group)  # [s/p, ...]
     out = torch.empty((divide(x.size(0), size), *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_into(out, x.contiguous(), tp_group)
     return out  # [s/p, ...]
 
 
-@torch.compiler.disable
 def communicate(function: type[torch.autograd.Function], *args):
-    """``function.apply(*args)``, eagerly even inside a compiled layer (``--compile-layers``):
-    the collectives, with comm's NCCL-rule checks and watchdog bookkeeping, are graph breaks
-    rather than traced (a Python-side effect in every call)."""
+    """``function.apply(*args)``. Eagerly its collectives go through :mod:`megatron.core.comm`
+    (NCCL-rule checks, watchdog bookkeeping); inside a compiled layer (``--compile-layers``)
+    the Function is traced, its collectives as torch's functional collectives, so a layer at
+    TP > 1 stays one graph (as torchtitan traces them)."""
     return function.apply(*args)
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tp_group):
-        ctx.tp_group = tp_group
+    def forward(ctx, x, tp_group, grad_in_place):
+        ctx.tp_group, ctx.grad_in_place = tp_group, grad_in_place
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad.clone(), ctx.tp_group), None
+        grad = grad if ctx.grad_in_place else grad.clone()
+        return _reduce(grad, ctx.tp_group), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tp_group):
-        return _reduce(x.clone(), tp_group)
+    def forward(ctx, x, tp_group, in_place):
+        return _reduce(x if in_place else x.clone(), tp_group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -168,20 +180,30 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first(grad, ctx.tp_group), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor,
-                                         tp_group: ProcessGroup | None) -> torch.Tensor:
-    """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``."""
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None, *,
+                                         grad_in_place: bool = False) -> torch.Tensor:
+    """*f*: identity forward; the backward all-reduces the gradient over ``tp_group``.
+
+    Args:
+        grad_in_place: the consumer hands back a gradient nobody else reads (a linear layer's
+            input gradient): it is all-reduced in place, as Megatron's, not in a copy.
+    """
     if tp_world_size(tp_group) == 1:
         return x
-    return communicate(_CopyToRegion, x, tp_group)
+    return communicate(_CopyToRegion, x, tp_group, grad_in_place)
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor,
-                                             tp_group: ProcessGroup | None) -> torch.Tensor:
-    """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward."""
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, tp_group: ProcessGroup | None,
+                                             *, in_place: bool = False) -> torch.Tensor:
+    """*g*: all-reduce (sum) over ``tp_group`` forward; identity backward.
+
+    Args:
+        in_place: ``x`` is a temporary nobody else reads (a row-parallel layer's partial sums):
+            it is all-reduced in place and returned, as Megatron's, not in a copy.
+    """
     if tp_world_size(tp_group) == 1:
         return x
-    return communicate(_ReduceFromRegion, x, tp_group)
+    return communicate(_ReduceFromRegion, x, tp_group, in_place)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor,

@@ -14,7 +14,7 @@ row-parallel (one all-reduce forward, one backward). Two attention implementatio
   Megatron's ``FusedScaleMaskSoftmax``).
 
 ``--apply-query-key-layer-scaling`` and ``--attention-softmax-in-fp32`` act on the unfused path
-only. SDPA does not need them: with fp16/bf16 inputs torch (checked with 2.13, CPU) computes the
+only. SDPA does not need them: with fp16/bf16 inputs torch's CPU kernels compute the
 scores and the softmax in fp32 internally -- the CPU flash kernel (no dropout) accumulates in fp32,
 and the math kernel (chosen when dropout is on) upcasts q, k, v to fp32 and multiplies q and k by
 sqrt(scale) each before the matmul -- and casts only the output back. On CUDA the flash and
@@ -44,7 +44,8 @@ from megatron.core.tensor_parallel.utils import ProcessGroup, divide, tp_world_s
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.layernorm import build_norm
-from megatron.core.transformer.rotary import apply_rotary_pos_emb
+from megatron.core.transformer.rotary import (RotaryPosEmb, apply_rotary_pos_emb,
+                                               rotary_cos_sin)
 
 # Megatron fills masked scores with this value rather than -inf (no NaN). A fully masked row (a
 # padding query) gets what Megatron-LM gives it for the dtype: zeros from its fused CUDA kernel
@@ -66,6 +67,16 @@ def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[1, 1, s, s]`` mask, True above the diagonal (future positions)."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device),
                       diagonal=1).view(1, 1, seq_length, seq_length)
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask (True = masked) -> the additive ``[b|1, 1, sq, sk]`` SDPA takes: 0 where
+    attended, ``_MASK_VALUE`` where masked. A float mask is taken as additive already. The
+    transformer block converts once per forward, not every layer."""
+    if attention_mask.dtype != torch.bool:
+        return attention_mask.to(dtype)
+    mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill(attention_mask, _MASK_VALUE)
 
 
 class CoreAttention(torch.nn.Module):
@@ -132,8 +143,7 @@ class CoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np|g, s, hn]
         mask, is_causal = None, False
         if attention_mask is not None:
-            mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill(attention_mask, _MASK_VALUE)  # additive [b|1, 1, sq, sk]
+            mask = additive_mask(attention_mask, q.dtype)  # [b|1, 1, sq, sk]
         elif self.attn_mask_type == "causal" and sq > 1:
             # One query (a generation step: the newest position) sees every key: no mask.
             is_causal = True
@@ -242,7 +252,7 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
         else:
@@ -256,7 +266,7 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
 
     def _head_norm(self) -> torch.nn.Module:
         """``--qk-layernorm``: one norm over ``hn`` shared by every head, replicated on all TP
@@ -268,14 +278,14 @@ class SelfAttention(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
-                rotary_pos_emb: torch.Tensor | None = None,
+                rotary_pos_emb: RotaryPosEmb | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the dense bias, the dense bias); with
         sequence parallelism ``[s/p, b, h]`` in and out (the QKV projection gathers the
         sequence, attention runs on all ``s`` for this rank's heads, the dense layer scatters).
 
-        ``rotary_pos_emb``: RoPE angles ``[s, 1, 1, rot]`` of this forward's positions
-        (queries and keys are rotated before the keys enter the cache). With
+        ``rotary_pos_emb``: RoPE ``(cos, sin)`` ``[s, 1, 1, rot]`` of this forward's positions
+        (or their fp32 angles); queries and keys are rotated before the keys enter the cache. With
         ``inference_params`` (generation) this step's keys and values are appended to the
         layer's cache (only the G key/value heads) and the queries attend to every cached
         position (see :mod:`megatron.core.inference_params`).
@@ -290,8 +300,9 @@ class SelfAttention(torch.nn.Module):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
+            rotary = rotary_cos_sin(rotary_pos_emb, query.dtype)  # one pair for q and k
+            query = apply_rotary_pos_emb(query, rotary, self.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary, self.rotary_interleaved)
         if inference_params is not None:
             key, value = inference_params.store(self.layer_number, key, value)  # [sk, b, g, hn]
             attention_mask = self._cached_causal_mask(attention_mask, s, key.size(0), key.device)

@@ -1,13 +1,12 @@
 """A stack of transformer layers with the final LayerNorm (Megatron-LM's ``ParallelTransformer``,
 the ``encoder`` of the checkpoint), with full activation recomputation and pipeline hooks.
 
-With ``compile_layers`` (``--compile-layers``) every layer runs through ``torch.compile``. At
-TP=1 a layer is one graph (tests/core/transformer/test_compile_layers.py counts the breaks). At
-TP>1 the tensor-parallel communication stays eager, a graph break at each: the four
-all-reduce/identity regions of a layer (``tensor_parallel.mappings``), or with sequence
-parallelism its gathers and reduce-scatters; and, only while their dropout is active, the
-attention core (and with sequence parallelism the bias-dropout-adds) run eagerly under the
-per-rank RNG stream (``tensor_parallel.random.run_in_tp_stream``).
+With ``compile_layers`` (``--compile-layers``) every layer runs through ``torch.compile``, and
+a layer is one graph (tests/core/transformer/test_compile_layers.py counts graphs and breaks):
+at TP>1 the tensor-parallel collectives are traced as functional collectives
+(``tensor_parallel.mappings``). Only while their dropout is active, the attention core (and
+with sequence parallelism the bias-dropout-adds) run eagerly under the per-rank RNG stream
+(``tensor_parallel.random.run_in_tp_stream``), a graph break each.
 
 Legend: s sequence, b batch, h hidden.
 """
@@ -20,6 +19,7 @@ import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.utils import ProcessGroup
+from megatron.core.transformer.attention import additive_mask
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.layernorm import build_norm
@@ -77,9 +77,12 @@ class TransformerBlock(torch.nn.Module):
                 ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (LayerNorm-ed on the last stage); ``[s/p, b, h]`` in
         and out with sequence parallelism; ``inference_params`` is the generation KV cache and
-        ``rotary_pos_emb`` the RoPE angles, both passed to every layer."""
+        ``rotary_pos_emb`` the RoPE ``(cos, sin)``, both passed to every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
+        if attention_mask is not None and self.config.use_sdpa:
+            # SDPA's additive form, built once for every layer (not once per layer).
+            attention_mask = additive_mask(attention_mask, self.config.params_dtype)
         if self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
                                                        rotary_pos_emb)

@@ -66,6 +66,9 @@ class TransformerConfig:
     onnx_safe: bool = False
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU uses the tanh approximation; with it off, exact erf GeLU."""
+    bias_swiglu_fusion: bool = True
+    """With ``swiglu``: the fused (bias +) SwiGLU, which keeps only fc1's output for the
+    backward (``megatron.core.fusions.fused_bias_swiglu``; same values)."""
     masked_softmax_fusion: bool = True
     """The unfused attention path's scale-mask-softmax runs the fused kernel
     (``megatron.core.fusions.fused_softmax``) where one is built for the device and dtype."""
@@ -88,6 +91,15 @@ class TransformerConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    use_cpu_initialization: bool = True
+    """Draw every TP-split weight whole on the CPU from the default generator and keep this
+    rank's slice (Megatron's ``--use-cpu-initialization``): every TP size starts from the same
+    weights. False (Megatron's default on a GPU): each rank draws only its own shard on the
+    device, from the model-parallel RNG stream (1/TP of the work; TP sizes then start from
+    different weights)."""
+    perform_initialization: bool = True
+    """Draw the TP-split weights at all (Megatron-Core's option): False leaves them
+    uninitialized, for a model whose every weight a checkpoint load overwrites next."""
 
     # Activation recomputation.
     recompute_granularity: Literal["full", "selective"] | None = None

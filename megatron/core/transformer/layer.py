@@ -52,8 +52,8 @@ class TransformerLayer(torch.nn.Module):
                 inference_params=None, rotary_pos_emb: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s/p, b, h]`` both with sequence parallelism;
-        ``inference_params``: the generation KV cache; ``rotary_pos_emb``: RoPE angles
-        ``[s, 1, 1, rot]`` of this forward's positions)."""
+        ``inference_params``: the generation KV cache; ``rotary_pos_emb``: RoPE
+        ``(cos, sin)`` ``[s, 1, 1, rot]`` of this forward's positions, or their angles)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         ln_out = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params,

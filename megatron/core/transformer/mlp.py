@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.utils import ProcessGroup
 from megatron.core.transformer.config import TransformerConfig
@@ -27,6 +28,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.approximate = "tanh" if config.gelu_tanh_approximation else "none"
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
+        self.bias_swiglu_fusion = config.swiglu and config.bias_swiglu_fusion
         # Megatron's condition: the fused bias-gelu needs a bias and is bypassed by the explicit
         # GeLU choices (--openai-gelu, --onnx-safe); both compute the same tanh GeLU.
         self.bias_gelu_fusion = (config.bias_gelu_fusion and config.add_bias_linear
@@ -43,7 +45,7 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
         self.dense_4h_to_h = tp_layers.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
@@ -51,13 +53,16 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias); with
         sequence parallelism ``[s/p, b, h]`` in and out, ``[s, b, f/p]`` inside."""
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, f/p] (2f/p: SwiGLU)
-        if self.swiglu or self.squared_relu:
+        if self.bias_swiglu_fusion:
+            # Keeps fc1's output (and bias) alone for the backward, as Megatron's fusion.
+            intermediate = bias_swiglu(intermediate, bias)  # [s, b, f/p]
+        elif self.swiglu or self.squared_relu:
             if bias is not None:
                 intermediate = intermediate + bias
             if self.swiglu:

@@ -9,9 +9,9 @@ inductor).
 * TP=1 recompute with dropout: the compiled block with full or selective recompute gives the
   outputs and gradients of the compiled block without it (the recompute replays the masks).
 * TP=2, with and without sequence parallelism: the compiled block equals the eager block, and
-  the only graph breaks are the TP collectives; with dropout the replicated residual stream
-  stays identical on both ranks (default generator in step) while attention dropout runs under
-  the per-rank stream.
+  each layer is one graph: the TP collectives are traced as functional collectives, no graph
+  break; with dropout the replicated residual stream stays identical on both ranks (default
+  generator in step) while attention dropout runs under the per-rank stream (the one break).
 
 The compiled sides here use the ``aot_eager`` backend (dynamo + AOTAutograd, eager kernels):
 what is under test is what our code gives the compiler, and inductor's C++ compilation would
@@ -131,6 +131,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
         counters.clear()
         compiled = _run_block(block, x, seed=5)
         out[f"sp={sp} breaks"] = _graph_breaks()
+        out[f"sp={sp} graphs"] = counters["stats"]["unique_graphs"]
         block.compiled_layers = None
         out[f"sp={sp} diff"] = _max_diff(_run_block(block, x, seed=5), compiled)
     # Dropout on: the replicated residual stream must stay identical on the two ranks.
@@ -148,13 +149,15 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_compiled_layers_at_tp2_break_only_at_collectives():
+def test_compiled_layers_at_tp2_trace_the_collectives():
     results = run_distributed(2, _tp2_checks, timeout=300)
     for rank, res in enumerate(results):
         for sp in (False, True):
             assert res[f"sp={sp} diff"] <= 1e-6, (rank, sp, res)
-            # Every graph break is a TP collective run eagerly (tensor_parallel.mappings).
-            assert res[f"sp={sp} breaks"] == {"communicate"}, res
-        # With dropout, also the attention core under the per-rank stream.
-        assert res["dropout breaks"] == {"communicate", "_forked_eagerly"}, res
+            # The collectives are traced (tensor_parallel.mappings): a layer is one graph, and
+            # the layers (the same code, their parameters graph inputs) share it.
+            assert res[f"sp={sp} breaks"] == set(), res
+            assert res[f"sp={sp} graphs"] == 1, res
+        # With dropout, the attention core under the per-rank stream runs eagerly.
+        assert res["dropout breaks"] == {"_forked_eagerly"}, res
         assert res["replicated output equal"] and res["default generator in step"], res

@@ -161,9 +161,11 @@ def test_generation_with_the_cache_equals_recomputation():
         # ids restarting mid-sequence (--reset-position-ids) leave the logits unchanged.
         restarted = torch.cat([positions[:, :4], positions[:, :6]], dim=1)
         torch.testing.assert_close(model(ids, restarted), full, rtol=1e-10, atol=1e-10)
-        rotary = model.language_model.rotary_pos_emb(1, 6, min_length=16)
-        torch.testing.assert_close(rotary[0, 0, 0], model.language_model.rotary_pos_emb.table(
-            16, rotary.device)[6])
+        cos, sin = model.language_model.rotary_pos_emb(1, 6, min_length=16,
+                                                       dtype=torch.float64)
+        angles = model.language_model.rotary_pos_emb.table(16, cos.device)[6]
+        torch.testing.assert_close(cos[0, 0, 0], torch.cos(angles).double())
+        torch.testing.assert_close(sin[0, 0, 0], torch.sin(angles).double())
 
 
 @pytest.mark.parametrize("changes", [{}, {"add_qkv_bias": True, "num_query_groups": 1},
