@@ -67,7 +67,9 @@ class PipelineStages:
     def chunks(self) -> list[StageChunk]:
         """Every model chunk, by pipeline rank, then virtual rank (the order of the files and
         of ``model0``, ``model1``... inside them)."""
-        pp, vp = self.pipeline_size, self.virtual_size
+        pp = self.pipeline_size
+        # One chunk per stage is saved as ``model``, as Megatron-LM saves a one-chunk list.
+        vp = self.virtual_size if (self.virtual_size or 1) > 1 else None
         per_chunk = self.num_layers // (pp * (vp or 1))
         out = []
         for p in range(pp):

@@ -204,3 +204,13 @@ def _structure(node):
     if isinstance(node, dict):
         return {k: _structure(v) for k, v in node.items()}
     return tuple(node.shape)
+
+
+def test_one_virtual_chunk_per_stage_is_saved_as_model():
+    """A virtual pipeline of size 1 (layers per virtual stage = layers per stage) is one model
+    chunk per stage: the trainer saves it as ``model`` (as Megatron-LM saves a one-chunk list),
+    so the converter must too (found by the layout fuzzer: the resume read no ``model``)."""
+    chunks = PipelineStages(4, 2, 1).chunks()
+    assert [c.model_key for c in chunks] == ["model", "model"]
+    assert [(c.first_layer, c.num_layers) for c in chunks] == [(0, 2), (2, 2)]
+    assert [c.model_key for c in PipelineStages(4, 2, 2).chunks()] == ["model0", "model1"] * 2

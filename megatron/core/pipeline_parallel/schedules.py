@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, Shape
 from megatron.core.timers import Timers, timed
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_scale
@@ -98,10 +98,13 @@ def _set_aux_loss_scale(grad_scale_func: Callable | None, num_microbatches: int)
     """The MoE routers' auxiliary losses join the backward pass with the main loss's scale:
     the fp16 loss scale over the number of micro-batches (Megatron's schedules set
     ``MoEAuxLossAutoScaler``'s scale the same way)."""
-    # A host scalar: only its value is read (the loss scaler's scale, one per step).
-    scale = 1.0 if grad_scale_func is None else \
-        float(grad_scale_func(torch.ones((), device="cpu")))
-    set_aux_loss_scale(scale / num_microbatches)
+    if grad_scale_func is None:
+        set_aux_loss_scale(1.0 / num_microbatches)
+        return
+    # The loss scaler's scale stays a device tensor: reading its value would make every step
+    # wait for the device.
+    one = torch.ones((), device=device.get_device())
+    set_aux_loss_scale(grad_scale_func(one) / num_microbatches)
 
 
 def _backward_step(loss: torch.Tensor, grad_scale_func: Callable | None,
