@@ -58,6 +58,16 @@ RANGES: dict[tuple[str, str], _Range] = {
     ("model", "hidden_dropout"): _BELOW_ONE,
     ("model", "seed"): _SEED,
     ("model", "init_method_std"): _POSITIVE,
+    **{("model", name): _POSITIVE_INT for name in (
+        "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+        "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk")},
+    **{("model", name): _NON_NEGATIVE for name in (
+        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate")},
+    **{("model", name): _POSITIVE for name in (
+        "moe_router_topk_scaling_factor", "moe_input_jitter_eps", "moe_expert_capacity_factor")},
+    ("model", "num_experts"): _NON_NEGATIVE_INT,  # 0, as unset, is a dense model
+    ("parallel", "expert_model_parallel_size"): _POSITIVE_INT,
+    ("parallel", "expert_tensor_parallel_size"): _POSITIVE_INT,
     ("parallel", "tensor_model_parallel_size"): _POSITIVE_INT,
     ("parallel", "pipeline_model_parallel_size"): _POSITIVE_INT,
     ("parallel", "context_parallel_size"): _POSITIVE_INT,

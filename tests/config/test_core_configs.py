@@ -25,7 +25,9 @@ BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 16
 
 # Fields that no flag provides, on purpose: who fills them.
 NOT_FROM_FLAGS = {
-    TransformerConfig: {"num_tokentypes"},  # the model builder (BERT: 2, GPT: 0)
+    # num_tokentypes: the model builder (BERT: 2, GPT: 0); num_moe_experts: --num-experts under
+    # Megatron-Core's field name (core_configs passes it by hand).
+    TransformerConfig: {"num_tokentypes", "num_moe_experts"},
     OptimizerConfig: set(),
     DistributedDataParallelConfig: {"check_for_nan_in_grad"},  # from the NaN-check flag and fp16
 }
