@@ -36,7 +36,7 @@ RNG_STATE = "rng_state"
 
 
 def _layout(cfg) -> Layout:
-    return Layout.from_parallel_state(cfg.model.num_layers)
+    return Layout.from_parallel_state(cfg.model.num_layers, cfg.model.num_experts)
 
 
 def _rng_key(layout: Layout) -> str:
