@@ -1,7 +1,8 @@
 """MoE models in ``--ckpt-format torch_dist``: Megatron-Core 0.19.2's MoE checkpoint
 (``moe_alltoall_shared``: 4 experts, top-2, a shared expert) loads into our MoE model under the
 legacy names at TP=1 and TP=2 and gives its recorded logits; what we save has its keys, global
-shapes, chunks and ``_extra_state`` objects, and loads back bitwise."""
+shapes, chunks and ``_extra_state`` objects, and loads back bitwise. The same checkpoint loads by `--load DIR --ckpt-format torch_dist`
+with the model's pretrain_gpt.py flags (a bare directory: its weights as a release)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,51 @@ def test_megatron_core_moe_checkpoint_gives_its_logits_and_resaves_as_its_keys(t
             assert mine[key] == (value["global_shape"], sorted(value["chunks"])), key
         else:
             assert mine[key][0] == value["global_shape"], key
+
+
+# The fixture's model as pretrain_gpt.py flags (tests/core/transformer/test_moe_mcore.py maps
+# its TransformerConfig onto ours).
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+         "--seq-length", "32", "--max-position-embeddings", "32",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+         "--make-vocab-size-divisible-by", "64", "--normalization", "RMSNorm", "--swiglu",
+         "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--num-experts", "4",
+         "--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size", "64",
+         "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+         "--moe-token-dispatcher-type", "alltoall", "--micro-batch-size", "1",
+         "--train-iters", "1", "--lr", "1e-4", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--use-cpu-initialization", "--distributed-backend", "gloo"]
+
+
+def _load_by_flags(rank, world, tp):
+    import pretrain_gpt
+    from megatron.config.cli import build_parser, parse_flags
+    from megatron.config.validate import validate
+    from megatron.core import parallel_state as ps
+    from megatron.training.checkpointing import load_checkpoint
+    argv = [*FLAGS, "--tensor-model-parallel-size", str(tp), "--load", str(FIXTURE / "torch_dist"),
+            "--ckpt-format", "torch_dist"] + (["--sequence-parallel"] if tp > 1 else [])
+    cfg = validate(parse_flags(build_parser(), argv), world_size=world)
+    ps.initialize_model_parallel(tp, 1)
+    torch.manual_seed(99)
+    model = pretrain_gpt.model_provider(cfg).eval()
+    iteration, _, _ = load_checkpoint([model], None, None, cfg)
+    inputs = torch.load(FIXTURE / "outputs.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(inputs["input_ids"], inputs["position_ids"].expand(2, -1),
+                       inputs["attention_mask"])
+    if tp > 1:  # the training model's logits are vocabulary-parallel
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        torch.distributed.all_gather(parts, logits.contiguous())
+        logits = torch.cat(parts, dim=-1)
+    return iteration, logits
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_load_by_flags_gives_the_recorded_logits(tp):
+    expected = torch.load(FIXTURE / "outputs.pt", weights_only=True)["logits"]
+    for iteration, logits in run_distributed(tp, _load_by_flags, tp):
+        assert iteration == 0  # a bare directory: weights only
+        assert (logits - expected).abs().max().item() < TOL
