@@ -1,8 +1,9 @@
 """MoE models in ``--ckpt-format torch_dist``: Megatron-Core 0.19.2's MoE checkpoint
 (``moe_alltoall_shared``: 4 experts, top-2, a shared expert) loads into our MoE model under the
 legacy names at TP=1 and TP=2 and gives its recorded logits; what we save has its keys, global
-shapes, chunks and ``_extra_state`` objects, and loads back bitwise. The same checkpoint loads by `--load DIR --ckpt-format torch_dist`
-with the model's pretrain_gpt.py flags (a bare directory: its weights as a release)."""
+shapes, chunks and ``_extra_state`` objects, and loads back bitwise. The same checkpoint loads
+by ``--load DIR --ckpt-format torch_dist`` with the model's pretrain_gpt.py flags (a bare
+directory: its weights as a release)."""
 
 from __future__ import annotations
 
