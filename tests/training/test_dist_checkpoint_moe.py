@@ -8,6 +8,7 @@ optimizer state the losses differ. A bf16 run (the optimizer's fp32 main copies 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.training import e2e
 from tests.training.test_moe import BIAS, MOE
@@ -79,3 +80,20 @@ def test_a_bf16_resume_is_exact(runs):
     assert "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight" in keys
     straight = e2e.losses(results["bf16"][0])
     assert e2e.losses(results["bf16_resumed"][0]) == straight[3:]
+
+
+def test_the_converter_round_trips_an_moe_checkpoint(runs, tmp_path):
+    """convert.py's torch_dist <-> torch step names every MoE tensor (experts split per layer
+    and expert) and writes them back as they were."""
+    from megatron.checkpointing.dist import storage
+    from tools.checkpoint.dist_format import legacy_to_torch_dist, torch_dist_to_legacy
+    _, save, _ = runs
+    legacy = torch_dist_to_legacy(save, tmp_path / "legacy")
+    back = legacy_to_torch_dist(legacy, tmp_path / "dist")
+    before = storage.read_plain_tensors(save / "iter_0000003")
+    after = storage.read_plain_tensors(back)
+    model_keys = {k for k in before if not k.startswith("optimizer.")}
+    assert model_keys == set(after)
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in model_keys
+    for key in model_keys:
+        assert torch.equal(before[key], after[key]), key
