@@ -543,12 +543,6 @@ def _check_misc(cfg) -> None:
 def _check_checkpoint_format(cfg) -> None:
     """Options of the torch_dist format need it."""
     ck = cfg.checkpoint
-    if ck.ckpt_format == "torch_dist" and ck.save is not None and not ck.no_save_optim \
-            and not cfg.parallel.use_distributed_optimizer:
-        raise ValueError("--ckpt-format torch_dist stores the optimizer state of the "
-                         "distributed optimizer only: add --use-distributed-optimizer, pass "
-                         "--no-save-optim (the model, RNG states, iteration and args are saved), "
-                         "or save with --ckpt-format torch")
     if ck.async_save and ck.ckpt_format != "torch_dist":
         raise ValueError("--async-save needs --ckpt-format torch_dist (the torch format writes "
                          "synchronously)")

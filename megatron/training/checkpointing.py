@@ -406,6 +406,11 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     tracked = read_tracker(root)
     if ck.ckpt_step is not None:
         tracked = (ck.ckpt_step, False)
+    if tracked is None and dist_storage.is_torch_dist_dir(root) \
+            and _format_of(root, ck) == "torch_dist":
+        # A bare torch_dist directory, as dist_checkpointing.save(model.sharded_state_dict(),
+        # dir) writes it: its weights, loaded as a release checkpoint.
+        return _load_torch_dist(model, optimizer, scheduler, cfg, root, 0, True, directory=root)
     if tracked is None:
         if ck.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {root} holds no {TRACKER_FILENAME} and "
@@ -474,10 +479,11 @@ def _format_of(iter_dir: Path, ck) -> str:
 
 
 def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: int,
-                     release: bool) -> tuple[int, int, int]:
-    """``load_checkpoint`` for a torch_dist iteration directory, at this run's layout."""
+                     release: bool, directory: Path | None = None) -> tuple[int, int, int]:
+    """``load_checkpoint`` for a torch_dist iteration directory (``directory``, default the
+    one of ``iteration`` under ``root``), at this run's layout."""
     ck = cfg.checkpoint
-    directory = checkpoint_dir(root, iteration, release)
+    directory = directory or checkpoint_dir(root, iteration, release)
     common = dist_training.read_common(directory)
     check_compatible(common.get("args"), cfg, directory, any_layout=True)
     fresh = release or ck.finetune

@@ -31,7 +31,6 @@ def test_torch_dist_with_the_distributed_optimizer_and_async_save():
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("--ckpt-format torch_dist --save s --save-interval 5", "--use-distributed-optimizer"),
     ("--async-save", "--async-save needs --ckpt-format torch_dist"),
     ("--ckpt-format torch_dist --ckpt-fully-parallel-load", "--ckpt-fully-parallel-load"),
     ("--ckpt-format torch_dist --ckpt-assume-constant-structure",
@@ -43,5 +42,7 @@ def test_refused_by_name(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_torch_dist_without_optimizer_state_saves_with_any_optimizer():
+def test_torch_dist_saves_with_any_optimizer():
     parse("--ckpt-format torch_dist --save s --save-interval 5 --no-save-optim")
+    parse("--ckpt-format torch_dist --save s --save-interval 5")
+    parse("--ckpt-format torch_dist --save s --save-interval 5 --optimizer sgd --bf16")

@@ -4,7 +4,7 @@ loader and saver then re-split as usual.
 
 The model weights, ``args`` and ``iteration`` are carried (the key table of
 ``megatron.checkpointing.dist.keys``; the stacked ``decoder.layers.*`` tensors split into one
-per layer and back); the optimizer state is not (``--keep-optimizer-state`` is refused with
+per layer, MoE experts into one per layer and expert, and back); the optimizer state is not (``--keep-optimizer-state`` is refused with
 ``torch_dist`` on either side). Writing runs DCP in a world of one process (a gloo group on an
 in-memory store: nothing listens on a port).
 """
@@ -62,12 +62,13 @@ def legacy_to_torch_dist(source_root: Path, target_root: Path) -> Path:
     args = sd.get("args")
     flat = flatten_checkpoint_state_dict(sd["model"])
     flat.pop(HEAD_COPY_KEY, None)  # one stage: the embedding itself is the head's weight
-    placement = Placement(num_layers=args.num_layers)
+    placement = Placement(num_layers=args.num_layers,
+                          num_experts=getattr(args, "num_experts", None) or 0)
     tensors = model_chunks(flat, gpt_rules(bool(getattr(args, "swiglu", False))), placement)
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": sd.get("iteration", iteration)}
     objects: dict = {storage.COMMON_STATE_KEY: common}
-    objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers)))
+    objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers, flat)))
     out = checkpoint_dir(target_root, iteration, release)
     with _one_process_world():
         storage.finish(out, storage.save(out, tensors, objects))
@@ -123,10 +124,15 @@ def _legacy_names(global_tensors: dict[str, torch.Tensor], swiglu: bool,
         if key.startswith("optimizer."):
             continue
         rule = by_mcore.get(key)
-        if rule is None or rule.stacked > 1:
+        if rule is None:
             unknown.append(key)
             continue
-        if rule.stacked:
+        if rule.stacked == 2:  # MoE experts: [layers, experts, ...]
+            for layer in range(tensor.shape[0]):
+                for expert in range(tensor.shape[1]):
+                    flat[rule.ours.format(layer=layer, expert=expert)] = \
+                        tensor[layer, expert].clone()
+        elif rule.stacked:
             for layer in range(tensor.shape[0]):
                 flat[rule.ours.format(layer=layer)] = tensor[layer].clone()
         else:
@@ -146,6 +152,10 @@ def _checkpoint_order(flat: dict[str, torch.Tensor], swiglu: bool) -> dict[str, 
     order = [r.ours for r in rules if not r.stacked]
     head = order[len([r for r in rules if r.mcore.startswith("embedding.")]):]
     order = order[:len(order) - len(head)]
-    order += [r.ours.format(layer=i) for i in range(layers) for r in rules if r.stacked == 1]
+    experts = 1 + max((int(k.split(".local_experts.")[1].split(".")[0]) for k in flat
+                       if ".local_experts." in k), default=-1)
+    order += [name for i in range(layers) for r in rules if r.stacked
+              for name in ([r.ours.format(layer=i)] if r.stacked == 1 else
+                           [r.ours.format(layer=i, expert=e) for e in range(experts)])]
     order += head
     return {k: flat[k] for k in order if k in flat}

@@ -52,7 +52,12 @@ LAYER = "language_model.encoder.layers.{layer}."
 EXTRA_STATE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj",
                        "mlp.linear_fc1", "mlp.linear_fc2")
 """Megatron-Core's decoder linears that save an ``_extra_state`` object (``None`` without
-Transformer Engine's FP8): written so that Megatron-Core's own load finds them."""
+Transformer Engine's FP8): written so that Megatron-Core's own load finds them. An MoE layer
+has the experts' (one per layer and expert) and the shared experts' instead of the MLP's."""
+ATTENTION_LINEARS = EXTRA_STATE_LINEARS[:2]
+DENSE_LINEARS = EXTRA_STATE_LINEARS[2:]
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,21 @@ def moe_rules(glu: bool) -> tuple[KeyRule, ...]:
     ``mlp.linear_fc1.layer_norm_weight`` with MoE too."""
     return _rules(LAYER, "decoder.layers.", (
         ("mlp.router.weight", "mlp.router.weight", None),
+        ("mlp.router.bias", "mlp.router.bias", None),
+        ("mlp.router.expert_bias", "mlp.router.expert_bias", None),
         ("mlp.local_experts.{expert}.dense_h_to_4h.weight",
          "mlp.experts.experts.linear_fc1.weight", 0, glu),
+        ("mlp.local_experts.{expert}.dense_h_to_4h.bias",
+         "mlp.experts.experts.linear_fc1.bias", 0, glu),
         ("mlp.local_experts.{expert}.dense_4h_to_h.weight",
          "mlp.experts.experts.linear_fc2.weight", 1),
+        ("mlp.local_experts.{expert}.dense_4h_to_h.bias",
+         "mlp.experts.experts.linear_fc2.bias", None),
         ("mlp.shared_experts.dense_h_to_4h.weight", "mlp.shared_experts.linear_fc1.weight", 0,
          glu),
+        ("mlp.shared_experts.dense_h_to_4h.bias", "mlp.shared_experts.linear_fc1.bias", 0, glu),
         ("mlp.shared_experts.dense_4h_to_h.weight", "mlp.shared_experts.linear_fc2.weight", 1),
+        ("mlp.shared_experts.dense_4h_to_h.bias", "mlp.shared_experts.linear_fc2.bias", None),
         ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight", None),
     ))
 
@@ -242,8 +255,24 @@ def model_chunks(state: Mapping[str, torch.Tensor], rules: Iterable[KeyRule],
     return out
 
 
-def extra_state_keys(where: Placement, local_layers: int) -> list[str]:
+def extra_state_keys(where: Placement, local_layers: int,
+                     names: Iterable[str] = ()) -> list[str]:
     """The ``_extra_state`` objects of this chunk's layers, as Megatron-Core names their
-    ``ShardedObject`` shards (``<linear>._extra_state/shard_<layer>_<num_layers>``)."""
-    return [f"decoder.layers.{linear}._extra_state/shard_{where.layer_offset + i}_"
-            f"{where.num_layers}" for i in range(local_layers) for linear in EXTRA_STATE_LINEARS]
+    ``ShardedObject`` shards (``<linear>._extra_state/shard_<layer>_<num_layers>``; an
+    expert's ``shard_<layer>.<expert>_<num_layers>.<num_experts>``). ``names``: the chunk's
+    own state-dict names, which tell MoE layers (a router, shared experts) from dense ones."""
+    names = set(names)
+    out = []
+    for i in range(local_layers):
+        layer, prefix = where.layer_offset + i, LAYER.format(layer=i)
+        at = f"shard_{layer}_{where.num_layers}"
+        out += [f"decoder.layers.{linear}._extra_state/{at}" for linear in ATTENTION_LINEARS]
+        if prefix + "mlp.router.weight" not in names:
+            out += [f"decoder.layers.{linear}._extra_state/{at}" for linear in DENSE_LINEARS]
+            continue
+        out += [f"decoder.layers.{linear}._extra_state/shard_{layer}.{e}_{where.num_layers}."
+                f"{where.num_experts}" for e in range(where.num_experts)
+                for linear in EXPERT_LINEARS]
+        if prefix + "mlp.shared_experts.dense_h_to_4h.weight" in names:
+            out += [f"decoder.layers.{linear}._extra_state/{at}" for linear in SHARED_LINEARS]
+    return out

@@ -30,22 +30,26 @@ class Layout:
     pp_rank: int = 0
     pp_size: int = 1
     vpp_size: int | None = None
+    num_experts: int = 0
+    """The MoE layers' routed experts (0: a dense model); every rank holds all of them (the
+    expert tensors are split over TP as the dense MLP's)."""
 
     @classmethod
-    def from_parallel_state(cls, num_layers: int) -> Layout:
+    def from_parallel_state(cls, num_layers: int, num_experts: int | None = None) -> Layout:
         from megatron.core import parallel_state as ps
         return cls(num_layers, ps.get_tensor_model_parallel_rank(),
                    ps.get_tensor_model_parallel_world_size(),
                    ps.get_pipeline_model_parallel_rank(),
                    ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_virtual_pipeline_model_parallel_world_size())
+                   ps.get_virtual_pipeline_model_parallel_world_size(), num_experts or 0)
 
     def placement(self, chunk_index: int) -> tuple[Placement, int]:
         """(placement of model chunk ``chunk_index``, its number of layers)."""
         local, offset = pipeline_stage_layers(self.num_layers, self.pp_size, self.pp_rank,
                                               self.vpp_size,
                                               chunk_index if self.vpp_size else None)
-        return Placement(self.num_layers, offset, self.tp_rank, self.tp_size), local
+        return Placement(self.num_layers, offset, self.tp_rank, self.tp_size,
+                         self.num_experts), local
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -105,9 +109,10 @@ def duplicate_chunks(model: Sequence[torch.nn.Module], layout: Layout, swiglu: b
 def model_objects(model: Sequence[torch.nn.Module], layout: Layout) -> dict[str, None]:
     """Megatron-Core's ``_extra_state`` objects of this rank's layers (all ``None`` here)."""
     out: dict[str, None] = {}
-    for index in range(len(model)):
+    for index, chunk in enumerate(model):
         placement, local = layout.placement(index)
-        out.update(dict.fromkeys(extra_state_keys(placement, local)))
+        out.update(dict.fromkeys(extra_state_keys(placement, local,
+                                                  _unwrap(chunk).state_dict().keys())))
     return out
 
 

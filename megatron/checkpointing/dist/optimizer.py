@@ -59,12 +59,12 @@ def state_tensors(model: Sequence[torch.nn.Module], optimizer, layout: Layout, s
     :func:`scatter_back`.
 
     Raises:
-        CheckpointError: the optimizer is not the distributed optimizer.
+        CheckpointError: the optimizer is not the distributed optimizer (a caller's error:
+            :mod:`.plain_optimizer` stores the others).
     """
     if not is_supported(optimizer):
-        raise CheckpointError("--ckpt-format torch_dist stores the optimizer state of the "
-                              "distributed optimizer (--use-distributed-optimizer) only; pass "
-                              "--no-save-optim / --no-load-optim, or use --ckpt-format torch")
+        raise CheckpointError("this is the distributed optimizer's torch_dist state; the other "
+                              "optimizers' is megatron.checkpointing.dist.plain_optimizer's")
     rules = gpt_rules(swiglu)
     pieces = _pieces_of(optimizer)
     names = _state_names(optimizer)

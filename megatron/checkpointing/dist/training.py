@@ -11,10 +11,10 @@ of RNG states of its data-parallel ranks) and the common state (``common_state``
 ``opt_param_scheduler``). Loading reads this rank's chunks at whatever TP / PP / virtual-stage /
 DP layout the run has.
 
-With ``--use-distributed-optimizer`` the optimizer state is stored too
-(:mod:`.optimizer`: ``optimizer.state.*`` per parameter, param groups and grad scaler in the
-common state); other optimizers' state is not stored in this format
-(``megatron.config.validate`` asks for ``--no-save-optim``).
+The optimizer state is stored in Megatron's reshardable form: ``optimizer.state.*`` per
+parameter, param groups and grad scaler in the common state; :mod:`.optimizer` for the
+distributed optimizer, :mod:`.plain_optimizer` for the others. Either loads what the other
+saved.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing.dist import optimizer as dist_optimizer
+from megatron.checkpointing.dist import plain_optimizer
 from megatron.checkpointing.dist import storage
 from megatron.checkpointing.dist.model import (Layout, check_strictness, duplicate_chunks,
                                                model_objects, model_tensors)
@@ -33,10 +34,11 @@ from megatron.checkpointing.names import checkpoint_dir
 from megatron.checkpointing.versions import CHECKPOINT_VERSION
 
 RNG_STATE = "rng_state"
+MAIN_PREFIX = dist_optimizer.PREFIX + dist_optimizer.MAIN + "."
 
 
 def _layout(cfg) -> Layout:
-    return Layout.from_parallel_state(cfg.model.num_layers)
+    return Layout.from_parallel_state(cfg.model.num_layers, cfg.model.num_experts)
 
 
 def _rng_key(layout: Layout) -> str:
@@ -62,9 +64,14 @@ def stage(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler
         objects[_rng_key(layout)] = rng_states
     tensors = model_tensors(model, layout, cfg.model.swiglu, for_save=True)
     if optimizer is not None and not cfg.checkpoint.no_save_optim:
-        common["optimizer"] = optimizer.state_dict()
-        opt_tensors, _ = dist_optimizer.state_tensors(model, optimizer, layout, cfg.model.swiglu,
-                                                      _dp_group(), for_save=True)
+        if dist_optimizer.is_supported(optimizer):
+            common["optimizer"] = optimizer.state_dict()
+            opt_tensors, _ = dist_optimizer.state_tensors(
+                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=True)
+        else:
+            common["optimizer"] = plain_optimizer.common_state(optimizer)
+            opt_tensors, _ = plain_optimizer.state_tensors(model, optimizer, layout,
+                                                           cfg.model.swiglu, for_save=True)
         tensors.update(opt_tensors)
     return directory, storage.stage(tensors, objects, to_host)
 
@@ -111,8 +118,20 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
         if "optimizer" not in common:
             raise CheckpointError(f"{directory} holds no optimizer state (saved with "
                                   "--no-save-optim?): pass --no-load-optim or --finetune")
-        opt_tensors, wholes = dist_optimizer.state_tensors(
-            model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=False)
+        distributed = dist_optimizer.is_supported(optimizer)
+        if distributed:
+            opt_tensors, wholes = dist_optimizer.state_tensors(
+                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=False)
+        else:
+            opt_tensors, wholes = plain_optimizer.state_tensors(
+                model, optimizer, layout, cfg.model.swiglu, for_save=False)
+        has_main = any(k.startswith(MAIN_PREFIX) for k in metadata.state_dict_metadata)
+        if not has_main:
+            # Saved by an fp32 run's plain optimizer (no main copies): the main params are
+            # the loaded weights, as the optimizer built them.
+            opt_tensors = {k: v for k, v in opt_tensors.items()
+                           if not k.startswith(MAIN_PREFIX)}
+            wholes = [w for w in wholes if w[1] != dist_optimizer.MAIN]
         tensors.update(opt_tensors)
     objects = []
     rng_key = _rng_key(layout)
@@ -142,10 +161,16 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
         for kept, copy in duplicate_chunks(model, layout, cfg.model.swiglu):
             copy.data.copy_(kept.data)
     if optimizer is not None:
+        if not has_main:
+            optimizer.reload_model_params()
         try:
-            optimizer.load_state_dict(common["optimizer"])
+            if distributed:
+                optimizer.load_state_dict(common["optimizer"])
+            else:
+                plain_optimizer.restore(optimizer, common["optimizer"], wholes)
         except (KeyError, ValueError, TypeError) as err:
             raise CheckpointError(f"the optimizer state in {directory} does not fit this run's "
                                   f"optimizer ({err}); pass --no-load-optim") from None
-        dist_optimizer.scatter_back(optimizer, wholes)
+        if distributed:
+            dist_optimizer.scatter_back(optimizer, wholes)
     return common, loaded.get(rng_key)
