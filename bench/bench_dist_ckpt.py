@@ -40,8 +40,8 @@ def _phase(fn):
     """(seconds, peak resident bytes above the start, fn's result): RSS sampled every 2 ms."""
     import threading
 
-    import torch.distributed as dist
-    dist.barrier()
+    from megatron.core import comm
+    comm.barrier(comm.world_group())
     base, peak, done = _rss(), [0], threading.Event()
 
     def sample() -> None:
@@ -56,13 +56,13 @@ def _phase(fn):
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
-    dist.barrier()
+    comm.barrier(comm.world_group())
     return seconds, max(peak[0] - base, 0), out
 
 
 def _bench(rank, world, shape, root):
     import torch
-    import torch.distributed as dist
+    from megatron.core import comm
 
     from megatron.checkpointing import load_checkpoint_file, save_file
     from megatron.checkpointing.dist import storage
@@ -108,8 +108,7 @@ def _bench(rank, world, shape, root):
     rows["torch_dist --async-save (blocked)"] = (blocked, peak)
     rows["torch_dist --async-save (write done)"] = (blocked + time.perf_counter() - start, peak)
     params = sum(p.numel() for p in model.parameters())  # this rank's
-    every: list = [None] * world
-    dist.all_gather_object(every, rows)
+    every = comm.all_gather_object(rows, comm.world_group())
     return every, params
 
 

@@ -140,11 +140,12 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
         moved["bytes"] += big.numel() * big.element_size() * (n - 1) // n
         return real_run(name, grp, aop, collective, *args, **kwargs)
 
-    def a2a(output, tensor, out_splits, in_splits, group):
-        me = comm.rank(group)
-        rows = sum(c for r, c in enumerate(in_splits) if r != me)
+    def a2a(output, tensor, group, out_splits=None, in_splits=None):
+        me, n = comm.rank(group), comm.world_size(group)
+        splits = in_splits or [len(tensor) // n] * n
+        rows = sum(c for r, c in enumerate(splits) if r != me)
         moved["bytes"] += rows * (tensor[0].numel() * tensor.element_size() if len(tensor) else 0)
-        return real_a2a(output, tensor, out_splits, in_splits, group)
+        return real_a2a(output, tensor, group, out_splits, in_splits)
 
     comm._run, comm.all_to_all_single = run, a2a
     s = SHAPE
@@ -163,8 +164,8 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
     t, h, e, ep = s["seq"] * s["batch"], s["hidden"], s["experts"], world
     local = e // ep
     remote = int(rmap.sum() - rmap[:, rank * local:(rank + 1) * local].sum())
-    every = [None] * world
-    dist.all_gather_object(every, remote)  # outside comm: not counted
+    # Gathered with comm.all_gather_object: an object gather, not counted among the tensors.
+    every = comm.all_gather_object(remote, comm.world_group())
     received = sum(every) - remote  # EP=2: the other rank's copies for this rank's experts
     if dispatcher == "allgather":
         formula = (ep - 1) * t * (h * 4 + e * 4 + e) + (ep - 1) * t * h * 4

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -73,19 +74,24 @@ class _blocking:  # noqa: N801 - used as a context manager, like contextlib's
     """Marks the main thread as blocked in ``op`` for the block's duration (a plain class: a
     few hundred nanoseconds per collective, less than a generator-based context manager)."""
 
-    __slots__ = ("op", "group")
+    __slots__ = ("op", "group", "main")
 
     def __init__(self, op: str, group: ProcessGroup | None) -> None:
         self.op, self.group = op, group
+        # Only the main thread's collectives are the training's: a background checkpoint
+        # writer's must neither set nor clear what the watchdog reports.
+        self.main = threading.current_thread() is threading.main_thread()
 
     def __enter__(self) -> None:
         global _blocked
-        _blocked = Blocked(self.op, self.group, time.monotonic())
+        if self.main:
+            _blocked = Blocked(self.op, self.group, time.monotonic())
 
     def __exit__(self, *exc) -> None:
         global _blocked, _last_activity
-        _blocked = None
-        _last_activity = time.monotonic()
+        if self.main:
+            _blocked = None
+            _last_activity = time.monotonic()
 
 
 def _issued() -> None:
@@ -247,19 +253,6 @@ def all_gather_list(tensor: torch.Tensor, group: ProcessGroup | None) -> list[to
     return out
 
 
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
-                      output_split_sizes: list[int], input_split_sizes: list[int],
-                      group: ProcessGroup | None) -> None:
-    """Rank ``r`` sends rows ``input_split_sizes[r]`` of ``tensor`` (dim 0, in rank order) to
-    rank r and receives ``output_split_sizes[r]`` rows from it into ``output``."""
-    if world_size(group) == 1:
-        output.copy_(tensor)
-        return
-    with _blocking("all_to_all", group):
-        dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes,
-                               input_split_sizes, group=group)
-
-
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
                         async_op: bool = False):
     """Sum ``tensor`` over ranks and keep this rank's dim-0 shard in ``output``."""
@@ -272,17 +265,20 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
                 tensor.contiguous(), group=group, async_op=async_op)
 
 
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
-                      group: ProcessGroup | None) -> None:
-    """Split ``tensor`` into equal dim-0 pieces, send piece i to rank i, and gather the
-    pieces received (rank j's in place j) into ``output``."""
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None) -> None:
+    """Send dim-0 piece i of ``tensor`` to rank i and gather the pieces received (rank j's in
+    place j) into ``output``. Without split sizes the pieces are equal; with them rank r gets
+    ``input_split_sizes[r]`` rows and ``output_split_sizes[r]`` rows come from it."""
     if world_size(group) == 1:
         output.copy_(tensor)
         return
-    if checking_collectives():
+    if checking_collectives() and output_split_sizes is None and input_split_sizes is None:
         _check("all_to_all", group, [tensor, output], same_on_every_rank=True)
     with _blocking("all_to_all", group):
-        dist.all_to_all_single(output, tensor.contiguous(), group=group)
+        dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes,
+                               input_split_sizes, group=group)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

@@ -4,7 +4,9 @@ Source-level checks (no process group), over the library and its entry points:
 
 * a parameter holding a process group says which one: ``tp_group``, ``pp_group``, ``dp_group``,
   ``mp_group`` (TP x PP), ``cp_group`` (context parallelism), ``embedding_group``,
-  ``position_embedding_group``; plain ``group`` only
+  ``position_embedding_group``, ``ep_group`` (expert parallelism), ``tp_dp_group`` (an MoE
+  router's balancing statistics), ``count_group`` (the group a router's token counts are summed
+  over), ``ckpt_group`` (the ranks writing one checkpoint); plain ``group`` only
   in comm.py's generic functions; never ``data_parallel_group`` / ``model_parallel_group``;
 * every call of a comm function passes its group, and never a literal ``None`` (which is this
   rank alone: a caller meaning every rank passes ``comm.world_group()``);
@@ -24,7 +26,7 @@ from megatron.core import comm
 ROOT = Path(__file__).resolve().parents[2]
 COMM = ROOT / "megatron" / "core" / "comm.py"
 GROUP_NAMES = {"tp_group", "pp_group", "dp_group", "mp_group", "cp_group", "embedding_group",
-               "position_embedding_group"}
+               "position_embedding_group", "ep_group", "tp_dp_group", "count_group", "ckpt_group"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast", "broadcast_object_list", "barrier",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron.core import comm
 from megatron.checkpointing.dist import storage
 from megatron.checkpointing.errors import CheckpointError
 
@@ -47,11 +48,10 @@ class AsyncSaver:
         def run() -> None:
             try:
                 digests = storage.write(directory, state, fully_parallel, group)
-                every: list = [None] * dist.get_world_size(group)
-                dist.all_gather_object(every, digests, group=group)
+                every = comm.all_gather_object(digests, group)
                 if dist.get_rank() == 0:
                     publish({k: v for d in every for k, v in d.items()})
-                dist.barrier(group=group)
+                comm.barrier(group)
             except BaseException as err:  # noqa: BLE001 - reported by wait()
                 self._error = err
 

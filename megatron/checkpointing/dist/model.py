@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.core import comm
 from megatron.checkpointing.dist import storage
 from megatron.checkpointing.dist.keys import (HEAD_COPY_KEY, Chunk, Placement, extra_state_keys,
                                               gpt_rules, model_chunks)
@@ -187,8 +188,7 @@ def save_weights(model: Sequence[torch.nn.Module], directory, layout: Layout, sw
     objects.update(model_objects(model, layout))
     digests = storage.save(directory, model_tensors(model, layout, swiglu, for_save=True),
                            objects, fully_parallel)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, digests)
+    every = comm.all_gather_object(digests, comm.world_group())
     if dist.get_rank() == 0:
         storage.finish(directory, {k: v for d in every for k, v in d.items()})
-    dist.barrier()
+    comm.barrier(comm.world_group())

@@ -41,6 +41,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from megatron.core import comm
 from megatron.checkpointing.dist.keys import Chunk
 from megatron.checkpointing.errors import CheckpointError, corrupt_file_error
 from megatron.checkpointing.files import write_manifest
@@ -155,8 +156,8 @@ def stage(tensors: Mapping[str, list[Chunk]], objects: Mapping[str, Any],
 
 
 def write(directory: Path, state: dict[str, Any], fully_parallel: bool = True,
-          group=None) -> dict[str, str]:
-    """Write a :func:`stage`\ d state dict (collective over ``group``, default the world).
+          ckpt_group=None) -> dict[str, str]:
+    """Write a :func:`stage`\ d state dict (collective over ``ckpt_group``, default the world).
 
     Returns:
         ``{file name: sha256}`` of the files this rank wrote.
@@ -166,7 +167,7 @@ def write(directory: Path, state: dict[str, Any], fully_parallel: bool = True,
                                   thread_count=1, overwrite=True)
     planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
                            dedup_save_to_lowest_rank=not fully_parallel)
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=ckpt_group)
     mine = directory / f"__{dist.get_rank()}_0.distcp"
     return {mine.name: _sha256(mine)} if mine.is_file() else {}
 
@@ -308,8 +309,7 @@ def check_files(directory: Path, metadata: Metadata, verify_checksums: bool = Tr
                        f"the one {manifest} recorded when it was saved. Restore it from a good "
                        "copy, or pass --no-verify-checkpoint-checksums to load it anyway")
     if share[1] > 1:
-        every: list = [None] * share[1]
-        dist.all_gather_object(every, problem)
+        every = comm.all_gather_object(problem, comm.world_group())
         problem = next((p for p in every if p is not None), None)
     if problem is not None:
         raise CheckpointError(problem)
@@ -361,8 +361,7 @@ def compare(metadata: Metadata, tensors: Mapping[str, list[Chunk]],
     asked = set(tensors) | set(objects)
     if dist.is_initialized() and dist.get_world_size() > 1:
         # A key is "missing" only when no rank asks for it (each holds part of the model).
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, sorted(asked))
+        every = comm.all_gather_object(sorted(asked), comm.world_group())
         everyone = set().union(*map(set, every))
     else:
         everyone = asked
@@ -455,7 +454,8 @@ def read_plain_tensors(directory: Path, keys: Iterable[str] | None = None
     stored = metadata.state_dict_metadata
     wanted = [k for k, md in stored.items() if not isinstance(md, BytesStorageMetadata)] \
         if keys is None else list(keys)
-    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype)
+    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype,
+                            device="cpu")  # whole tensors read for a tool, on the host
              for k in wanted}
     try:
         dcp.load(state, storage_reader=_SafeReader(str(directory)),

@@ -257,25 +257,25 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
+    def forward(ctx, x, ep_group, output_splits, input_splits):
+        ctx.group, ctx.splits = ep_group, (output_splits, input_splits)
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        comm.all_to_all_single(out, x, output_splits, input_splits, group)
+        comm.all_to_all_single(out, x, ep_group, output_splits, input_splits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        comm.all_to_all_single(back, grad.contiguous(), input_splits, output_splits, ctx.group)
+        comm.all_to_all_single(back, grad.contiguous(), ctx.group, input_splits, output_splits)
         return back, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group: ProcessGroup | None, output_splits: list[int],
+def all_to_all(x: torch.Tensor, ep_group: ProcessGroup | None, output_splits: list[int],
                input_splits: list[int]) -> torch.Tensor:
-    """Exchange dim-0 row blocks over ``group`` (``input_splits[r]`` rows to rank r,
+    """Exchange dim-0 row blocks over ``ep_group`` (``input_splits[r]`` rows to rank r,
     ``output_splits[r]`` rows from it); backward sends the gradients back the same way. Expert
     parallelism's token exchange."""
-    if tp_world_size(group) == 1:
+    if tp_world_size(ep_group) == 1:
         return x
-    return communicate(_AllToAll, x, group, output_splits, input_splits)
+    return communicate(_AllToAll, x, ep_group, output_splits, input_splits)

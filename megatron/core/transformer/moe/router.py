@@ -165,13 +165,13 @@ class TopKRouter(torch.nn.Module):
         return mu.AuxLossScaler.apply(probs, loss)
 
     @staticmethod
-    def _counts(routing_map: torch.Tensor, group: ProcessGroup | None
+    def _counts(routing_map: torch.Tensor, count_group: ProcessGroup | None
                 ) -> tuple[torch.Tensor, int]:
-        """Tokens per column of ``routing_map`` summed over ``group``, and the group's token
-        count (this rank's rows times the group size)."""
+        """Tokens per column of ``routing_map`` summed over ``count_group``, and the group's
+        token count (this rank's rows times the group size)."""
         local = routing_map.sum(dim=0).float()
-        total = routing_map.shape[0] * tp_world_size(group)
-        return reduce_from_tensor_model_parallel_region(local, group), total
+        total = routing_map.shape[0] * tp_world_size(count_group)
+        return reduce_from_tensor_model_parallel_region(local, count_group), total
 
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """One aux-loss-free balancing step from the step's token counts (summed over TP x

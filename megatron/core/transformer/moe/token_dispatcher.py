@@ -138,8 +138,7 @@ class AllToAllDispatcher:
         ep = self.num_experts // self.num_local
         send = torch.tensor(counts, dtype=torch.long, device=hidden.device)  # [E]
         recv = torch.empty_like(send)  # [EP * L]: from each source rank, per local expert
-        comm.all_to_all_single(recv, send, [self.num_local] * ep, [self.num_local] * ep,
-                               self.ep_group)
+        comm.all_to_all_single(recv, send, self.ep_group)  # num_local counts to each rank
         send_rows = send.view(ep, self.num_local).sum(1).tolist()
         recv_by_src = recv.view(ep, self.num_local)  # [EP, L]
         recv_rows = recv_by_src.sum(1).tolist()
