@@ -272,8 +272,8 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Proce
                 tensor.contiguous(), group=group, async_op=async_op)
 
 
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
-                      group: ProcessGroup | None) -> None:
+def all_to_all_equal(output: torch.Tensor, tensor: torch.Tensor,
+                     group: ProcessGroup | None) -> None:
     """Split ``tensor`` into equal dim-0 pieces, send piece i to rank i, and gather the
     pieces received (rank j's in place j) into ``output``."""
     if world_size(group) == 1:

@@ -419,7 +419,7 @@ def _seq_to_heads(t: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
     # [s, b, CP, n/CP, hn] -> [CP, s, b, n/CP, hn]: piece i (heads of rank i) goes to rank i.
     send = t.reshape(s, b, cp, n // cp, hn).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [CP, s, b, n/CP, hn]: piece j = rank j's rows
-    comm.all_to_all_single(recv, send, cp_group)
+    comm.all_to_all_equal(recv, send, cp_group)
     return merge_cp_pieces(list(recv.unbind(0)), dim=0)  # [S, b, n/CP, hn]
 
 
@@ -427,7 +427,7 @@ def _heads_to_seq(t: torch.Tensor, cp_group: ProcessGroup) -> torch.Tensor:
     cp = comm.world_size(cp_group)
     send = torch.stack([split_for_cp(t, 0, cp, rank) for rank in range(cp)])  # [CP, s, b, n/CP, hn]
     recv = torch.empty_like(send)  # piece j: this rank's rows of rank j's heads
-    comm.all_to_all_single(recv, send, cp_group)
+    comm.all_to_all_equal(recv, send, cp_group)
     cp_, s, b, n, hn = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(s, b, cp_ * n, hn)  # [s, b, np, hn]
 

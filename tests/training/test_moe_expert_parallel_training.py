@@ -1,0 +1,84 @@
+"""Training with expert parallelism through ``pretrain()``: a 4-expert, top-2 Llama-style MoE
+GPT (shared expert, aux and z losses, gradient clipping) at EP=2 (the dense layers data
+parallel over both ranks, each expert on one rank) and at EP=2 x DP=2 with the distributed
+optimizer (expert state sharded over the expert-data-parallel group) equals the one-process
+run from the same start weights: the loss every iteration to 1e-5, the gradient norm, and
+every final parameter (the experts gathered over the expert-parallel group) in fp32."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.config.cli import build_parser, parse_flags
+from megatron.config.validate import validate
+from tests.training import e2e
+
+ITERS = 3
+SEQ = 16
+FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(ITERS),
+         "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
+         "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--weight-decay", "0.01",
+         "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+         "--make-vocab-size-divisible-by", "16", "--use-cpu-initialization",
+         "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-backend", "gloo",
+         "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "48",
+         "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--num-experts", "4",
+         "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2", "--moe-aux-loss-coeff",
+         "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "16"]
+LOSS_TOL = 1e-5
+
+
+def _run(extra=(), init: bool = True) -> dict:
+    return {"argv": [*FLAGS, *extra], "params": True, "single_process_init": init}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
+    ep2_ag, ep2_a2a = e2e.pooled(2, [
+        _run(["--expert-model-parallel-size", "2"]),
+        _run(["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])])
+    ep2_dp2, = e2e.pooled(4, [
+        _run(["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+              "--moe-token-dispatcher-type", "alltoall"])])
+    return {"single": single, "ep2_allgather": ep2_ag, "ep2_alltoall": ep2_a2a,
+            "ep2_dp2_distopt": ep2_dp2}
+
+
+@pytest.mark.parametrize("layout", ["ep2_allgather", "ep2_alltoall", "ep2_dp2_distopt"])
+def test_expert_parallel_equals_one_process(runs, layout):
+    ref = runs["single"]
+    assert len(e2e.losses(ref)) == ITERS and not any(h["skipped"] for h in ref["history"])
+    for rank in runs[layout]:
+        assert e2e.max_abs_diff(e2e.losses(ref), e2e.losses(rank)) <= LOSS_TOL, layout
+        norms = [h["grad norm"] for h in rank["history"]]
+        want = [h["grad norm"] for h in ref["history"]]
+        assert all(n > 0 for n in want) and e2e.max_abs_diff(want, norms) <= 1e-5, (want, norms)
+        assert set(rank["params"]) == set(ref["params"])
+        assert e2e.max_param_diff(ref["params"], rank["params"]) <= 1e-5, layout
+    # The run changed the experts (a comparison of untouched weights would prove nothing).
+    name = next(n for n in ref["params"] if ".local_experts.3." in n)
+    assert name in runs[layout][0]["params"]
+
+
+def _validate(extra: list[str], world: int):
+    return validate(parse_flags(build_parser(), [*FLAGS, *extra]), world_size=world)
+
+
+@pytest.mark.parametrize("extra,world,named", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
+     "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size"),
+    (["--DDP-impl", "torch"], 2, "--DDP-impl local"),
+    (["--save", "/nonexistent/ckpt", "--save-interval", "1"], 2, "--save"),
+    (["--num-experts", "3", "--moe-router-topk", "2"], 2, "--num-experts (3)"),
+])
+def test_unbuilt_expert_parallel_combinations_are_refused(extra, world, named):
+    with pytest.raises(ValueError) as err:
+        _validate(["--expert-model-parallel-size", "2", *extra], world)
+    assert named in str(err.value)
