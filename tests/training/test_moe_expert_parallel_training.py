@@ -3,7 +3,8 @@ GPT (shared expert, aux and z losses, gradient clipping) at EP=2 (the dense laye
 parallel over both ranks, each expert on one rank) and at EP=2 x DP=2 with the distributed
 optimizer (expert state sharded over the expert-data-parallel group) equals the one-process
 run from the same start weights: the loss every iteration to 1e-5, the gradient norm, and
-every final parameter (the experts gathered over the expert-parallel group) in fp32."""
+every final parameter (the experts gathered over the expert-parallel group) in fp32; the
+logged parameter norm counts each expert once."""
 
 from __future__ import annotations
 
@@ -37,17 +38,22 @@ def _run(extra=(), init: bool = True) -> dict:
     return {"argv": [*FLAGS, *extra], "params": True, "single_process_init": init}
 
 
+def _tensorboard(path) -> list[str]:
+    return ["--log-params-norm", "--tensorboard-dir", str(path)]
+
+
 @pytest.fixture(scope="module")
-def runs():
-    single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
+def runs(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("ep_tensorboard")
+    single, = (r[0] for r in e2e.pooled(1, [_run(_tensorboard(logs / "single"), init=False)]))
     ep2_ag, ep2_a2a = e2e.pooled(2, [
-        _run(["--expert-model-parallel-size", "2"]),
+        _run(["--expert-model-parallel-size", "2", *_tensorboard(logs / "ep2")]),
         _run(["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])])
     ep2_dp2, = e2e.pooled(4, [
         _run(["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
               "--moe-token-dispatcher-type", "alltoall"])])
     return {"single": single, "ep2_allgather": ep2_ag, "ep2_alltoall": ep2_a2a,
-            "ep2_dp2_distopt": ep2_dp2}
+            "ep2_dp2_distopt": ep2_dp2, "logs": logs}
 
 
 @pytest.mark.parametrize("layout", ["ep2_allgather", "ep2_alltoall", "ep2_dp2_distopt"])
@@ -64,6 +70,13 @@ def test_expert_parallel_equals_one_process(runs, layout):
     # The run changed the experts (a comparison of untouched weights would prove nothing).
     name = next(n for n in ref["params"] if ".local_experts.3." in n)
     assert name in runs[layout][0]["params"]
+
+
+def test_params_norm_counts_every_expert_once(runs):
+    want = e2e.read_scalars(runs["logs"] / "single")["params-norm"]
+    got = e2e.read_scalars(runs["logs"] / "ep2")["params-norm"]
+    assert sorted(want) == sorted(got) == list(range(1, ITERS + 1))
+    assert max(abs(want[i] - got[i]) for i in want) <= 1e-5, (want, got)
 
 
 def _validate(extra: list[str], world: int):
