@@ -159,7 +159,10 @@ def _check_expert_parallel(cfg, ep: int) -> None:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"
                          "parallel group)")
-    for name, path in (("--save", ck.save), ("--load", ck.load)):
-        if path is not None:
-            raise ValueError(f"{flag} with {name}: checkpoints of an expert-parallel run are "
-                             "not implemented yet in this framework")
+    if ck.ckpt_format != "torch" and (ck.save is not None or ck.load is not None):
+        raise ValueError(f"{flag} with --ckpt-format {ck.ckpt_format}: only the torch format's "
+                         "mp_rank_XX_ZZZ directories are built for expert-parallel runs")
+    if par.use_distributed_optimizer and (ck.save is not None or ck.load is not None):
+        raise ValueError(f"{flag} with --use-distributed-optimizer and --save / --load: the "
+                         "expert optimizer state's checkpoint (distrib_optim.pt over the "
+                         "expert-data-parallel group) is not implemented yet")

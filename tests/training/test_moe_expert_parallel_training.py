@@ -45,15 +45,19 @@ def _tensorboard(path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     logs = tmp_path_factory.mktemp("ep_tensorboard")
+    save = tmp_path_factory.mktemp("ep_checkpoint")
     single, = (r[0] for r in e2e.pooled(1, [_run(_tensorboard(logs / "single"), init=False)]))
-    ep2_ag, ep2_a2a = e2e.pooled(2, [
-        _run(["--expert-model-parallel-size", "2", *_tensorboard(logs / "ep2")]),
-        _run(["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])])
+    ep2_ag, ep2_a2a, resumed = e2e.pooled(2, [
+        _run(["--expert-model-parallel-size", "2", *_tensorboard(logs / "ep2"),
+              "--save", str(save), "--save-interval", "2"]),
+        _run(["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+        _run(["--expert-model-parallel-size", "2", "--load", str(save), "--ckpt-step", "2"],
+             init=False)])
     ep2_dp2, = e2e.pooled(4, [
         _run(["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
               "--moe-token-dispatcher-type", "alltoall"])])
     return {"single": single, "ep2_allgather": ep2_ag, "ep2_alltoall": ep2_a2a,
-            "ep2_dp2_distopt": ep2_dp2, "logs": logs}
+            "ep2_dp2_distopt": ep2_dp2, "logs": logs, "save": save, "resumed": resumed}
 
 
 @pytest.mark.parametrize("layout", ["ep2_allgather", "ep2_alltoall", "ep2_dp2_distopt"])
@@ -79,6 +83,40 @@ def test_params_norm_counts_every_expert_once(runs):
     assert max(abs(want[i] - got[i]) for i in want) <= 1e-5, (want, got)
 
 
+def test_checkpoint_has_one_directory_per_expert_rank(runs):
+    import torch
+
+    iteration = runs["save"] / "iter_0000002"
+    assert sorted(p.name for p in iteration.iterdir() if p.is_dir()) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]
+    for ep_rank in (0, 1):
+        sd = torch.load(iteration / f"mp_rank_00_{ep_rank:03d}" / "model_optim_rng.pt",
+                        weights_only=False)
+        assert sd["args"].expert_model_parallel_size == 2
+        keys = [k for k in e2e_flat_keys(sd["model"]) if ".local_experts." in k]
+        # Local indices 0 and 1 on each rank (global = ep_rank * 2 + i).
+        assert {k.split(".local_experts.")[1].split(".")[0] for k in keys} == {"0", "1"}
+        weight = next(k for k in keys if k.endswith("layers.0.mlp.local_experts.1."
+                                                    "dense_4h_to_h.weight"))
+        assert weight  # a key the layout documents
+
+
+def e2e_flat_keys(tree, prefix=""):
+    """Every leaf key of a nested checkpoint state dict, dotted."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from e2e_flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def test_expert_parallel_resumes_exactly(runs):
+    for straight, resumed in zip(runs["ep2_allgather"], runs["resumed"]):
+        assert resumed["iteration"] == ITERS and len(resumed["history"]) == ITERS - 2
+        assert e2e.max_abs_diff(e2e.losses(straight)[2:], e2e.losses(resumed)) <= 1e-6
+        assert e2e.max_param_diff(straight["params"], resumed["params"]) <= 1e-6
+
+
 def _validate(extra: list[str], world: int):
     return validate(parse_flags(build_parser(), [*FLAGS, *extra]), world_size=world)
 
@@ -88,7 +126,10 @@ def _validate(extra: list[str], world: int):
      "--tensor-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size"),
     (["--DDP-impl", "torch"], 2, "--DDP-impl local"),
-    (["--save", "/nonexistent/ckpt", "--save-interval", "1"], 2, "--save"),
+    (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt", "--save-interval", "1"],
+     2, "--use-distributed-optimizer"),
+    (["--ckpt-format", "torch_dist", "--save", "/nonexistent/ckpt", "--save-interval", "1"],
+     2, "--ckpt-format torch_dist"),
     (["--num-experts", "3", "--moe-router-topk", "2"], 2, "--num-experts (3)"),
 ])
 def test_unbuilt_expert_parallel_combinations_are_refused(extra, world, named):
