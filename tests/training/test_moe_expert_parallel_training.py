@@ -101,6 +101,14 @@ def test_checkpoint_has_one_directory_per_expert_rank(runs):
         assert weight  # a key the layout documents
 
 
+def test_converter_refuses_an_expert_parallel_checkpoint_by_name(runs):
+    from megatron.checkpointing.errors import CheckpointError
+    from tools.checkpoint.loader_megatron import MegatronCheckpoint
+
+    with pytest.raises(CheckpointError, match="--expert-model-parallel-size 2"):
+        MegatronCheckpoint(runs["save"], "GPT")
+
+
 def e2e_flat_keys(tree, prefix=""):
     """Every leaf key of a nested checkpoint state dict, dotted."""
     for key, value in tree.items():
