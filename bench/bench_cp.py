@@ -97,7 +97,7 @@ class CommMeter:
         wrap("batch_isend_irecv", lambda ops, group: sum(size(t) for k, t, _ in ops if k == "send"))
         wrap("all_gather_list", lambda t, group: size(t) * (n(group) - 1))
         wrap("reduce_scatter_into", lambda out, t, group, *a: size(t) * (n(group) - 1) // n(group))
-        wrap("all_to_all_single", lambda out, t, group: size(t) * (n(group) - 1) // n(group))
+        wrap("all_to_all_single", lambda out, t, group, *splits: size(t) * (n(group) - 1) // n(group))
 
     def close(self) -> None:
         for name, fn in self.saved.items():

@@ -9,7 +9,8 @@
 #   --rotary-base 1000000 --bf16 --moe-router-dtype fp32 --moe-grouped-gemm
 #   --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4
 #   --use-distributed-optimizer
-# (expert parallelism, --expert-model-parallel-size > 1, is not built yet: docs/guide/moe.md).
+# (expert parallelism, --expert-model-parallel-size > 1, with data parallelism only so far:
+# docs/guide/moe.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}

@@ -3,6 +3,7 @@
     <root>/latest_checkpointed_iteration.txt        the tracker: an iteration number, or "release"
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt         PP == 1: mp_rank_{tp:02d}
     <root>/iter_0000100/mp_rank_01_002/model_optim_rng.pt     PP > 1: mp_rank_{tp:02d}_{pp:03d}
+    <root>/iter_0000100/mp_rank_00_001/model_optim_rng.pt     EP > 1: mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}
     <root>/iter_0000100/mp_rank_00/distrib_optim.pt           --use-distributed-optimizer
     <root>/iter_0000100/checksums.sha256            ours only: the sha256 of every shard file
     <root>/release/mp_rank_00/model_optim_rng.pt              a "release" checkpoint
@@ -42,18 +43,23 @@ def checkpoint_dir(root: str | os.PathLike, iteration: int, release: bool = Fals
 
 
 def shard_dir_name(tensor_rank: int, pipeline_rank: int = 0,
-                   pipeline_parallel: bool = False) -> str:
+                   pipeline_parallel: bool = False, expert_rank: int = 0,
+                   expert_parallel: bool = False) -> str:
     """``mp_rank_{tp:02d}``, or ``mp_rank_{tp:02d}_{pp:03d}`` when the checkpoint has several
-    pipeline stages (the PP rank is in the name then, even for stage 0)."""
-    return f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    pipeline stages (the PP rank is in the name then, even for stage 0), then ``_{ep:03d}``
+    with expert parallelism (Megatron-LM's ``get_checkpoint_name``)."""
+    return f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "") \
+        + (f"_{expert_rank:03d}" if expert_parallel else "")
 
 
 def checkpoint_name(root: str | os.PathLike, iteration: int, release: bool = False, *,
                     tensor_rank: int = 0, pipeline_rank: int = 0,
-                    pipeline_parallel: bool = False) -> Path:
+                    pipeline_parallel: bool = False, expert_rank: int = 0,
+                    expert_parallel: bool = False) -> Path:
     """Path of one shard's ``model_optim_rng.pt``."""
     return checkpoint_dir(root, iteration, release) / \
-        shard_dir_name(tensor_rank, pipeline_rank, pipeline_parallel) / MODEL_FILENAME
+        shard_dir_name(tensor_rank, pipeline_rank, pipeline_parallel, expert_rank,
+                       expert_parallel) / MODEL_FILENAME
 
 
 def tracker_path(root: str | os.PathLike) -> Path:

@@ -115,8 +115,7 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
                          f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size "
                          f"({ep}) x --pipeline-model-parallel-size ({pp})")
     if ep > 1:
-        raise ValueError("--expert-model-parallel-size > 1 is a Megatron-LM option this "
-                         "framework does not implement yet; the experts run at 1")
+        _check_expert_parallel(cfg, ep)
     if etp != tp:
         raise ValueError(f"--expert-tensor-parallel-size ({etp}) different from "
                          f"--tensor-model-parallel-size ({tp}) is a Megatron-LM option this "
@@ -140,3 +139,30 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP / HybridEP) is a "
                          "Megatron-LM option this framework does not implement yet; use "
                          "allgather or alltoall")
+
+
+def _check_expert_parallel(cfg, ep: int) -> None:
+    """What expert parallelism is built with: the expert grid at ETP 1 under data parallelism
+    (local DDP's contiguous buffers, with or without the distributed optimizer). The rest is
+    refused by name."""
+    par, ck = cfg.parallel, cfg.checkpoint
+    flag = f"--expert-model-parallel-size {ep}"
+    for name, size in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
+                       ("--expert-tensor-parallel-size", par.expert_tensor_parallel_size),
+                       ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
+                       ("--context-parallel-size", par.context_parallel_size)):
+        if size > 1:
+            raise ValueError(f"{flag} with {name} {size} is a Megatron-LM combination this "
+                             "framework does not implement yet (expert parallelism runs with "
+                             "data parallelism only)")
+    if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
+        raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
+                         "expert gradients have their own buffers over the expert-data-"
+                         "parallel group)")
+    if ck.ckpt_format != "torch" and (ck.save is not None or ck.load is not None):
+        raise ValueError(f"{flag} with --ckpt-format {ck.ckpt_format}: only the torch format's "
+                         "mp_rank_XX_ZZZ directories are built for expert-parallel runs")
+    if par.use_distributed_optimizer and (ck.save is not None or ck.load is not None):
+        raise ValueError(f"{flag} with --use-distributed-optimizer and --save / --load: the "
+                         "expert optimizer state's checkpoint (distrib_optim.pt over the "
+                         "expert-data-parallel group) is not implemented yet")

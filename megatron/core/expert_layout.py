@@ -46,6 +46,9 @@ class ExpertRankLayout:
     expert_data: Groups
     """Expert parameters' gradients are averaged (and their optimizer state sharded) here."""
     pipeline: Groups
+    expert_tensor_model_pipeline: Groups
+    """ETP x EP x PP: the expert parameters' model-parallel group (their gradient norm and
+    inf flag are reduced over it, as the dense parameters' over TP x PP)."""
 
 
 def expert_rank_layout(world_size: int, expert_tensor_parallel_size: int = 1,
@@ -69,4 +72,5 @@ def expert_rank_layout(world_size: int, expert_tensor_parallel_size: int = 1,
         expert_model=orthogonal_rank_groups(sizes, [False, True, False, False]),
         expert_tensor_and_model=orthogonal_rank_groups(sizes, [True, True, False, False]),
         expert_data=orthogonal_rank_groups(sizes, [False, False, True, False]),
-        pipeline=orthogonal_rank_groups(sizes, [False, False, False, True]))
+        pipeline=orthogonal_rank_groups(sizes, [False, False, False, True]),
+        expert_tensor_model_pipeline=orthogonal_rank_groups(sizes, [True, True, False, True]))

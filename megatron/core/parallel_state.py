@@ -25,6 +25,8 @@ import sys
 
 import torch.distributed as dist
 
+from megatron.core.expert_layout import ExpertRankLayout, expert_rank_layout
+
 Groups = list[list[int]]
 
 
@@ -196,6 +198,11 @@ class ParallelState:
     """None at context-parallel size 1 (this rank alone, for megatron.core.comm)."""
     data_with_context_group: dist.ProcessGroup | None = None
     """DP x CP; the data group itself at context-parallel size 1."""
+    expert_layout: ExpertRankLayout | None = None
+    """The expert layers' grid (parallel folding); None at expert-parallel size 1, where the
+    experts use the dense groups."""
+    expert_groups: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
+    """This rank's group of each :class:`ExpertRankLayout` field."""
 
     def ranks(self, kind: str) -> list[int]:
         return self.layout.group_of(kind, self.rank)
@@ -209,8 +216,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               pipeline_model_parallel_split_rank: int | None = None,
                               distributed_timeout_minutes: float | None = None,
-                              context_parallel_size: int = 1) -> None:
-    """Create every process group of :func:`rank_layout` (collective: all ranks must call it).
+                              context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: int | None = None) -> None:
+    """Create every process group of :func:`rank_layout` (collective: all ranks must call it),
+    and with expert parallelism those of :func:`expert_rank_layout` (the dense grid unchanged).
 
     Args:
         tensor_model_parallel_size: see :func:`rank_layout`.
@@ -221,6 +231,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             (``--distributed-timeout-minutes``); None: the world group's timeout, as given to
             :func:`megatron.core.device.init_distributed`.
         context_parallel_size: see :func:`rank_layout`.
+        expert_model_parallel_size: ranks the experts of an MoE layer are spread over (EP).
+        expert_tensor_parallel_size: ranks each expert is split over (default: the TP size).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -258,6 +270,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if layout.context_parallel_size > 1:
         _STATE.context_group = build("context")
         _STATE.data_with_context_group = build("data_with_context")
+    if expert_model_parallel_size > 1:
+        _STATE.expert_layout = expert_rank_layout(
+            dist.get_world_size(), expert_tensor_parallel_size or tensor_model_parallel_size,
+            expert_model_parallel_size, pipeline_model_parallel_size)
+        for field in dataclasses.fields(ExpertRankLayout):
+            mine = None
+            for ranks in getattr(_STATE.expert_layout, field.name):
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+            _STATE.expert_groups[field.name] = mine
 
 
 def _group_timeout(minutes: float | None) -> datetime.timedelta | None:
@@ -284,7 +307,7 @@ def destroy_model_parallel() -> None:
         for group in (_STATE.tensor_group, _STATE.pipeline_group, _STATE.data_group,
                       _STATE.model_group, _STATE.embedding_group,
                       _STATE.position_embedding_group, _STATE.context_group,
-                      _STATE.data_with_context_group):
+                      _STATE.data_with_context_group, *_STATE.expert_groups.values()):
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 try:
@@ -327,6 +350,47 @@ def get_embedding_group() -> dist.ProcessGroup | None:
 
 def get_position_embedding_group() -> dist.ProcessGroup | None:
     return get_state().position_embedding_group
+
+
+# Expert parallelism (Megatron's parallel folding) -------------------------------------------
+def _expert_group(field: str) -> dist.ProcessGroup | None:
+    state = get_state()
+    return state.expert_groups[field] if state.expert_layout is not None else None
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks an MoE layer's experts are spread over; None (this rank alone) at EP 1."""
+    return _expert_group("expert_model") if _STATE is not None else None
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """EP (1 before initialization)."""
+    if _STATE is None or _STATE.expert_layout is None:
+        return 1
+    return dist.get_world_size(_STATE.expert_groups["expert_model"])
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group (0 before initialization)."""
+    if _STATE is None or _STATE.expert_layout is None:
+        return 0
+    return dist.get_rank(_STATE.expert_groups["expert_model"])
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks holding the same experts: expert gradients are reduced and their optimizer
+    state sharded here. At EP 1 the dense DP x CP group."""
+    if get_state().expert_layout is None:
+        return get_data_parallel_group(with_context_parallel=True)
+    return _expert_group("expert_data")
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup | None:
+    """ETP x EP x PP: the expert parameters' gradient norm is summed here. At EP 1 the dense
+    model-parallel group (TP x PP)."""
+    if get_state().expert_layout is None:
+        return get_model_parallel_group()
+    return _expert_group("expert_tensor_model_pipeline")
 
 
 # Sizes and ranks ----------------------------------------------------------------------------

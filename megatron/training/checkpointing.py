@@ -73,8 +73,11 @@ def get_checkpoint_name(root: str | os.PathLike, iteration: int, release: bool =
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     return checkpoint_name(root, iteration, release, tensor_rank=tensor_rank,
-                           pipeline_rank=pipeline_rank, pipeline_parallel=pipeline_parallel)
+                           pipeline_rank=pipeline_rank, pipeline_parallel=pipeline_parallel,
+                           expert_rank=parallel_state.get_expert_model_parallel_rank(),
+                           expert_parallel=expert_parallel)
 
 
 def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
@@ -96,6 +99,12 @@ def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
         warn_rank_0(f"ranks disagree on the iteration in {tracker}; using the largest, "
                     f"{int(value)}")
     return int(value), release
+
+
+def _writes_model_file() -> bool:
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return comm.rank(parallel_state.get_expert_data_parallel_group()) == 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 # RNG ------------------------------------------------------------------------------------------
@@ -208,8 +217,9 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
         if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
             distrib = name.with_name(DISTRIB_OPTIM_FILENAME)
             digests[manifest_entry(distrib)] = save_file(state, distrib)
-    # Context-parallel ranks hold the same weights: one of them writes.
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+    # Context-parallel ranks hold the same weights: one of them writes. With expert
+    # parallelism one rank of each expert-data-parallel group (its own experts, own file).
+    if _writes_model_file():
         sd: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": iteration,
                     "num_floating_point_operations_so_far": num_floating_point_operations_so_far}

@@ -99,7 +99,9 @@ def initialize_distributed(cfg: MegatronConfig) -> None:
             cfg.virtual_pipeline_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_split_rank,
             distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
-            context_parallel_size=cfg.parallel.context_parallel_size)
+            context_parallel_size=cfg.parallel.context_parallel_size,
+            expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
     # Under fault.run_rank: hear at once when another rank fails (and watch for hangs).
     fault.watch_peers(cfg.parallel.watchdog_timeout_seconds)
     log_rank_0(f"> initialized tensor model parallel with size "

@@ -131,7 +131,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, model_provider: Callable,
     optimizer = get_megatron_optimizer(
         optimizer_config(cfg), model,
         dp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        mp_group=parallel_state.get_model_parallel_group(), timers=timers)
+        mp_group=parallel_state.get_model_parallel_group(), timers=timers,
+        **_expert_groups())
     scheduler = build_scheduler(cfg, optimizer, compute_train_iters(cfg))
     state = TrainState()
     if cfg.checkpoint.load is not None:
@@ -178,6 +179,15 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
     return [_wrap_for_data_parallel(cfg, module) for module in modules]
 
 
+def _expert_groups() -> dict[str, object]:
+    """The optimizer's expert groups with expert parallelism (none at EP 1: the experts are
+    reduced and counted as dense parameters, the same groups)."""
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return {}
+    return {"expert_dp_group": parallel_state.get_expert_data_parallel_group(),
+            "expert_mp_group": parallel_state.get_expert_tensor_model_pipeline_parallel_group()}
+
+
 def _wrap_for_data_parallel(cfg: MegatronConfig, module: torch.nn.Module) -> torch.nn.Module:
     # Context-parallel ranks computed the gradients of different tokens of the same samples:
     # they are reduced over DP x CP (the loss is scaled by CP, see pretrain_gpt.loss_func).
@@ -186,7 +196,9 @@ def _wrap_for_data_parallel(cfg: MegatronConfig, module: torch.nn.Module) -> tor
     if cfg.parallel.ddp_impl == "torch":
         return TorchDistributedDataParallel(
             module, dp_group=dp_group, check_for_nan_in_grad=config.check_for_nan_in_grad)
-    wrapped = DistributedDataParallel(module, config, dp_group=dp_group)
+    wrapped = DistributedDataParallel(module, config, dp_group=dp_group,
+                                      **{k: v for k, v in _expert_groups().items()
+                                         if k == "expert_dp_group"})
     if cfg.model.data_parallel_random_init:
         wrapped.broadcast_params()  # PyTorch's DDP (above) broadcasts at construction
     return wrapped

@@ -26,7 +26,8 @@ from megatron.core import comm
 ROOT = Path(__file__).resolve().parents[2]
 COMM = ROOT / "megatron" / "core" / "comm.py"
 GROUP_NAMES = {"tp_group", "pp_group", "dp_group", "mp_group", "cp_group", "embedding_group",
-               "position_embedding_group", "ep_group", "tp_dp_group", "count_group", "ckpt_group"}
+               "position_embedding_group", "ep_group", "tp_dp_group", "count_group", "ckpt_group",
+               "expert_dp_group", "expert_mp_group"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast", "broadcast_object_list", "barrier",

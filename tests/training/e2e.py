@@ -143,11 +143,18 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 # Inside the ranks
 # ---------------------------------------------------------------------------------------------
 
-def _global_name(module: torch.nn.Module, name: str) -> str:
+def _global_name(module: torch.nn.Module, name: str, ep_rank: int | None = None) -> str:
     """``name`` of a pipeline stage's parameter as the one-process model calls it: layers
-    renumbered from their ``layer_number``; the last stage's tied-embedding copy is named
-    ``word_embeddings.weight`` (the one-process model has none)."""
+    renumbered from their ``layer_number``, local experts from their expert-parallel rank
+    (``ep_rank``, default this rank's: global = ep_rank * local + i); the last stage's
+    tied-embedding copy is named ``word_embeddings.weight`` (the one-process model has none)."""
     parts = name.split(".")
+    if "local_experts" in parts:
+        at = parts.index("local_experts") + 1
+        local = len(module.get_submodule(".".join(parts[:at])))
+        if ep_rank is None:
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+        parts[at] = str(ep_rank * local + int(parts[at]))
     if "layers" in parts:
         at = parts.index("layers") + 1
         encoder = module.get_submodule(".".join(parts[:at]))
@@ -165,6 +172,8 @@ def _gather_full_params(modules: torch.nn.Module | Sequence[torch.nn.Module]
         modules = [modules]
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     out = {}
     for module in modules:
         for name, param in module.named_parameters():
@@ -172,6 +181,11 @@ def _gather_full_params(modules: torch.nn.Module | Sequence[torch.nn.Module]
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 value = torch.cat(comm.all_gather_list(value.contiguous(), tp_group),
                                   dim=param.partition_dim)
+            if ep_size > 1 and not getattr(param, "allreduce", True):
+                # Every expert-parallel rank's experts, under their global indices.
+                for r, v in enumerate(comm.all_gather_list(value.contiguous(), ep_group)):
+                    out[_global_name(module, name, ep_rank=r)] = v
+                continue
             out[_global_name(module, name)] = value
     return out
 

@@ -78,6 +78,12 @@ class MegatronCheckpoint(ModelDescription):
             raise CheckpointError(f"{self.files[min(self.files)]} holds no args: the "
                                   "architecture (num_layers, hidden_size...) is unknown")
         args = as_namespace(first["args"])
+        ep = getattr(args, "expert_model_parallel_size", None) or 1
+        if ep > 1:
+            raise CheckpointError(
+                f"{self.iteration_dir} was saved with --expert-model-parallel-size {ep} "
+                "(mp_rank_XX[_YYY]_ZZZ directories): changing or merging the expert-parallel "
+                "split is not implemented yet in this converter; load it at the same EP")
         self.tp, self.pp = _grid_size(args, self.files)
         self._check_grid()
         chunks = len(model_keys(first))

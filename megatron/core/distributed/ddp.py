@@ -115,14 +115,20 @@ class DistributedDataParallel(_ModuleStateDict):
             alone, nothing to average).
         bucket_size: elements per bucket when overlapping (None: one bucket per buffer);
             without overlap each buffer is one bucket, as in Megatron-LM.
+        expert_dp_group: with expert parallelism, the expert-data-parallel group: the
+            parameters marked ``allreduce = False`` (the MoE experts) get their own buffers,
+            reduced over it (Megatron's expert buffers); None: every parameter in the dense
+            buffers.
     """
 
     def __init__(self, module: torch.nn.Module, config: DistributedDataParallelConfig, *,
                  dp_group: comm.ProcessGroup | None,
-                 bucket_size: int | None = DEFAULT_BUCKET_SIZE) -> None:
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                 expert_dp_group: comm.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
         self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group
         self.accumulate_allreduce_grads_in_fp32 = config.accumulate_allreduce_grads_in_fp32
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.use_distributed_optimizer = config.use_distributed_optimizer
@@ -133,6 +139,7 @@ class DistributedDataParallel(_ModuleStateDict):
         self._nonfinite: torch.Tensor | None = None  # any local grad non-finite this iteration
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.grad_buffers: dict[torch.dtype, GradBuffer] = {}
+        self.expert_grad_buffers: dict[torch.dtype, GradBuffer] = {}
         self.param_to_grad_buffer: dict[torch.nn.Parameter, GradBuffer] = {}
         self._hooks = []
         if self.use_contiguous_buffers:
@@ -140,17 +147,29 @@ class DistributedDataParallel(_ModuleStateDict):
 
     def _build_grad_buffers(self) -> None:
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        expert_by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in self._params:
-            by_dtype.setdefault(self._grad_dtype(param), []).append(param)
+            expert = self.expert_dp_group is not None and not getattr(param, "allreduce", True)
+            (expert_by_dtype if expert else by_dtype).setdefault(
+                self._grad_dtype(param), []).append(param)
         self.grad_buffers = {
             dtype: GradBuffer(params, dtype, self.dp_group, self.bucket_size,
                               self.use_distributed_optimizer)
             for dtype, params in by_dtype.items()}
-        self.param_to_grad_buffer = {p: buf for buf in self.grad_buffers.values()
+        self.expert_grad_buffers = {
+            dtype: GradBuffer(params, dtype, self.expert_dp_group, self.bucket_size,
+                              self.use_distributed_optimizer,
+                              average_over=comm.world_size(self.dp_group))
+            for dtype, params in expert_by_dtype.items()}
+        self.param_to_grad_buffer = {p: buf for buf in self.all_grad_buffers()
                                      for p in buf.params}
         hook = _WeakGradHook(self)
         self._hooks = [p.register_post_accumulate_grad_hook(hook)
                        for p in self.param_to_grad_buffer]
+
+    def all_grad_buffers(self) -> list[GradBuffer]:
+        """The dense buffers, then the expert buffers."""
+        return [*self.grad_buffers.values(), *self.expert_grad_buffers.values()]
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
         return torch.float32 if self.accumulate_allreduce_grads_in_fp32 else param.dtype
@@ -194,6 +213,11 @@ class DistributedDataParallel(_ModuleStateDict):
             return
         src = comm.global_rank(self.dp_group, 0)
         for param in self.module.parameters():
+            if self.expert_dp_group is not None and not getattr(param, "allreduce", True):
+                if comm.world_size(self.expert_dp_group) > 1:  # each EP rank's own experts
+                    comm.broadcast(param.data, comm.global_rank(self.expert_dp_group, 0),
+                                   self.expert_dp_group)
+                continue
             comm.broadcast(param.data, src, self.dp_group)
 
     @contextlib.contextmanager
@@ -211,13 +235,13 @@ class DistributedDataParallel(_ModuleStateDict):
             param.grad = None
             if not self.use_contiguous_buffers:
                 param.main_grad = None
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             buffer.reset()
         self._nonfinite = None
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not launched yet (asynchronously if overlapping)."""
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             for bucket in buffer.buckets:
                 if not bucket.started:
                     self._start_bucket(bucket, async_op=self.overlap_grad_reduce)
@@ -227,7 +251,7 @@ class DistributedDataParallel(_ModuleStateDict):
         if not self.use_contiguous_buffers:
             self._allreduce_param_grads()
             return
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             for bucket in buffer.buckets:
                 if not bucket.started:
                     self._start_bucket(bucket, async_op=False)
@@ -255,7 +279,7 @@ class DistributedDataParallel(_ModuleStateDict):
 
     def grad_sync_started(self) -> bool:
         """True once any bucket's reduction has been launched this iteration."""
-        return any(b.started for buf in self.grad_buffers.values() for b in buf.buckets)
+        return any(b.started for buf in self.all_grad_buffers() for b in buf.buckets)
 
 
 class TorchDistributedDataParallel(_ModuleStateDict):

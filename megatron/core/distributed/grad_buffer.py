@@ -49,11 +49,15 @@ class Bucket:
         dp_group: the data-parallel group to reduce over.
         use_distributed_optimizer: reduce-scatter (each rank keeps its shard) instead of
             all-reduce.
+        average_over: the gradient is divided by this before the sum (default: the size of
+            ``dp_group``); expert parameters, reduced over the expert-data-parallel group, are
+            divided by the dense DP size, because each already sums the tokens of its
+            expert-parallel group.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], data: torch.Tensor, offset: int,
                  dp_group: comm.ProcessGroup | None,
-                 use_distributed_optimizer: bool) -> None:
+                 use_distributed_optimizer: bool, average_over: int | None = None) -> None:
         self.params = params
         self.param_set = set(params)
         self.data = data
@@ -61,6 +65,7 @@ class Bucket:
         self.dp_group = dp_group
         self.dp_size = comm.world_size(dp_group)
         self.dp_rank = comm.rank(dp_group)
+        self.average_over = self.dp_size if average_over is None else average_over
         self.use_distributed_optimizer = use_distributed_optimizer
         self.shard_numel = data.numel() // self.dp_size
         self.reset()
@@ -82,8 +87,8 @@ class Bucket:
         self.started = True
         # Divide before summing (as Megatron does): the average is what the optimizer wants, and
         # half-precision sums are less likely to overflow.
-        if self.dp_size > 1:
-            self.data.div_(self.dp_size)
+        if self.average_over > 1:
+            self.data.div_(self.average_over)
         if self.use_distributed_optimizer:
             # A separate output: the collective's input and output must not alias on gloo.
             self._shard_out = torch.empty_like(self.shard())
@@ -121,11 +126,12 @@ class GradBuffer:
         bucket_size: elements per bucket (a bucket closes once it reaches this many);
             ``None`` for one bucket.
         use_distributed_optimizer: pad buckets to a multiple of the DP size and reduce-scatter.
+        average_over: see :class:`Bucket`.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype,
                  dp_group: comm.ProcessGroup | None, bucket_size: int | None,
-                 use_distributed_optimizer: bool) -> None:
+                 use_distributed_optimizer: bool, average_over: int | None = None) -> None:
         self.params = list(params)
         self.dtype = dtype
         self.dp_group = dp_group
@@ -145,7 +151,7 @@ class GradBuffer:
         for index, (start, end) in enumerate(bucket_bounds):
             members = [p for p, r in zip(self.params, self.param_ranges) if r.bucket == index]
             self.buckets.append(Bucket(members, self.data[start:end], start, dp_group,
-                                       use_distributed_optimizer))
+                                       use_distributed_optimizer, average_over))
         self.param_to_bucket = {p: self.buckets[r.bucket]
                                 for p, r in zip(self.params, self.param_ranges)}
 

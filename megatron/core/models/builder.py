@@ -78,6 +78,8 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
         post_process = parallel_state.is_pipeline_last_stage()
     if parallel_state.get_context_parallel_world_size() > 1:
         kwargs["cp_group"] = parallel_state.get_context_parallel_group()
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        kwargs["ep_group"] = parallel_state.get_expert_model_parallel_group()
     model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
                       num_layers=num_layers, layer_offset=layer_offset, **kwargs)
     # With virtual stages only the chunk holding the embedding (chunk 0 of stage 0) or the head

@@ -109,7 +109,8 @@ class TransformerLanguageModel(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, layer_offset: int = 0,
                  attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False,
-                 replicated_head: bool = False, cp_group: ProcessGroup | None = None) -> None:
+                 replicated_head: bool = False, cp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.cp_group = cp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -120,7 +121,8 @@ class TransformerLanguageModel(torch.nn.Module):
         self.encoder = TransformerBlock(config, tp_group, num_layers=num_layers,
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
-                                        attn_mask_type=attn_mask_type, cp_group=cp_group)
+                                        attn_mask_type=attn_mask_type, cp_group=cp_group,
+                                        ep_group=ep_group)
         # RoPE holds no parameters: every stage has one, for its own layers' queries and keys.
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":

@@ -67,7 +67,8 @@ class LanguageModule(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, num_layers: int | None = None,
                  layer_offset: int = 0, add_pooler: bool = False,
-                 cp_group: ProcessGroup | None = None) -> None:
+                 cp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -79,7 +80,7 @@ class LanguageModule(torch.nn.Module):
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
             attn_mask_type=self.attn_mask_type, add_pooler=add_pooler,
-            replicated_head=self.replicated_head, cp_group=cp_group)
+            replicated_head=self.replicated_head, cp_group=cp_group, ep_group=ep_group)
         self.word_embeddings = self._init_word_embeddings()
         self.set_parameter_defaults()
 

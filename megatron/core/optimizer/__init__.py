@@ -103,7 +103,10 @@ def _build_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | None:
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.Module], *,
                            dp_group: comm.ProcessGroup, mp_group: comm.ProcessGroup,
                            tensor_model_parallel_rank: int | None = None,
-                           timers: Timers | None = None) -> MegatronOptimizer:
+                           timers: Timers | None = None,
+                           expert_dp_group: comm.ProcessGroup | None = None,
+                           expert_mp_group: comm.ProcessGroup | None = None
+                           ) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (module docstring says which class).
 
     Args:
@@ -115,6 +118,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         tensor_model_parallel_rank: TP rank for the duplicate filter of the norm; read from
             ``parallel_state`` when None.
         timers: times the parts of each step (Megatron's level-1 optimizer timers).
+        expert_dp_group: with expert parallelism, the expert-data-parallel group.
+        expert_mp_group: with expert parallelism, the expert model-parallel group (ETP x EP x
+            PP); None: no expert parallelism, every parameter counted as a dense one.
 
     Raises:
         ValueError: an unknown optimizer.
@@ -128,7 +134,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
                   grad_scaler=_build_grad_scaler(config),
                   mp_group=mp_group,
                   tensor_model_parallel_rank=tensor_model_parallel_rank,
-                  timers=timers, barrier_with_l1_time=config.barrier_with_L1_time)
+                  timers=timers, barrier_with_l1_time=config.barrier_with_L1_time,
+                  expert_dp_group=expert_dp_group, expert_mp_group=expert_mp_group)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(groups, factory, model_chunks, dp_group, **common)
     if config.fp16 or config.bf16:

@@ -38,15 +38,26 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], groups: list[comm.ProcessGroup
     Returns:
         The global norm as a Python float.
     """
+    return get_grad_norm_fp32_parts([(grads, groups)], norm_type)
+
+
+def get_grad_norm_fp32_parts(parts: list[tuple[list[torch.Tensor],
+                                               list[comm.ProcessGroup | None]]],
+                             norm_type: float = 2.0) -> float:
+    """The norm of several sets of gradients, each counted over its own groups (dense
+    parameters over TP x PP, expert parameters over ETP x EP x PP), combined as one norm."""
     infinity = norm_type == math.inf
-    total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
-    if grads:
-        norms = torch.stack(torch._foreach_norm(
-            [g.float() if g.dtype != torch.float32 else g for g in grads], norm_type))
-        total += norms.max() if infinity else norms.pow(norm_type).sum()
-    for group in groups:
-        comm.all_reduce(total, group, "max" if infinity else "sum")
-    return float(total.item()) if infinity else float(total.item() ** (1.0 / norm_type))
+    combined = torch.zeros(1, dtype=torch.float32, device=device.get_device())
+    for grads, groups in parts:
+        total = torch.zeros(1, dtype=torch.float32, device=device.get_device())
+        if grads:
+            norms = torch.stack(torch._foreach_norm(
+                [g.float() if g.dtype != torch.float32 else g for g in grads], norm_type))
+            total += norms.max() if infinity else norms.pow(norm_type).sum()
+        for group in groups:
+            comm.all_reduce(total, group, "max" if infinity else "sum")
+        combined = torch.maximum(combined, total) if infinity else combined + total
+    return float(combined.item()) if infinity else float(combined.item() ** (1.0 / norm_type))
 
 
 def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float,

@@ -111,7 +111,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.model_chunks = model_chunks
         self.dp_group = dp_group
         self.dp_rank = comm.rank(dp_group)
-        self.pieces = [piece for chunk in model_chunks for buffer in chunk.grad_buffers.values()
+        self.pieces = [piece for chunk in model_chunks for buffer in chunk.all_grad_buffers()
                        for piece in build_shard_pieces(buffer)]
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         main_groups = [{**g, "params": []} for g in param_groups]
@@ -123,6 +123,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def reduction_groups(self) -> list[comm.ProcessGroup | None]:
         """Grads are sharded over DP too: norms and inf flags span the DP x MP world."""
         return [self.dp_group, self.mp_group]
+
+    def expert_reduction_groups(self) -> list[comm.ProcessGroup | None]:
+        """Expert grads are sharded over the expert-DP group: their norm spans it and the
+        expert model-parallel group."""
+        return [self.expert_dp_group, self.expert_mp_group]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for piece in self.pieces:
@@ -158,7 +163,7 @@ class DistributedOptimizer(MegatronOptimizer):
             by_bucket.setdefault(id(piece.bucket), []).append(piece)
         with self._timed("params-all-gather"):
             for chunk in self.model_chunks:
-                for buffer in chunk.grad_buffers.values():
+                for buffer in chunk.all_grad_buffers():
                     for bucket in buffer.buckets:
                         self._gather_bucket_params(buffer, bucket, by_bucket.get(id(bucket), []))
 

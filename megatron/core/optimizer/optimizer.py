@@ -33,7 +33,8 @@ from megatron.core.timers import Timers, timed
 StepResult = tuple[bool, float | None, int | None]
 
 # Attributes the norm filter reads; main params inherit them from their model params.
-_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
+                "allreduce")
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -99,14 +100,24 @@ class MegatronOptimizer:
         timers: times the parts of each step under Megatron-LM's level-1 names
             (``optimizer-copy-to-main-grad``, ``optimizer-unscale-and-check-inf``, ...).
         barrier_with_l1_time: ``--barrier-with-L1-time`` for those timers.
+        expert_dp_group: with expert parallelism, the expert-data-parallel group (the expert
+            gradients' reduction and, with the distributed optimizer, their sharding).
+        expert_mp_group: with expert parallelism, the expert model-parallel group (ETP x EP x
+            PP): the expert parameters (``allreduce = False``) are counted in the norm over it,
+            the others over ``mp_group``, each exactly once. None: no expert parallelism.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float,
                  log_num_zeros_in_grad: bool, grad_scaler: ConstantGradScaler | None,
                  mp_group: comm.ProcessGroup | None,
                  tensor_model_parallel_rank: int, timers: Timers | None = None,
-                 barrier_with_l1_time: bool = False) -> None:
+                 barrier_with_l1_time: bool = False,
+                 expert_dp_group: comm.ProcessGroup | None = None,
+                 expert_mp_group: comm.ProcessGroup | None = None) -> None:
         self.optimizer = optimizer
+        self.expert_dp_group = expert_dp_group
+        self.expert_mp_group = expert_mp_group
+        self.expert_parallel = expert_mp_group is not None
         self.clip_grad = clip_grad
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.grad_scaler = grad_scaler
@@ -124,6 +135,10 @@ class MegatronOptimizer:
     def reduction_groups(self) -> list[comm.ProcessGroup | None]:
         """Groups over which per-rank norms and inf flags are combined."""
         return [self.mp_group]
+
+    def expert_reduction_groups(self) -> list[comm.ProcessGroup | None]:
+        """Groups over which the expert parameters' per-rank norms are combined."""
+        return [self.expert_mp_group]
 
     def _copy_model_grads_to_main_grads(self) -> None:
         raise NotImplementedError
@@ -160,6 +175,26 @@ class MegatronOptimizer:
                 if p.grad is not None and clip_grads.param_is_not_shared(p)
                 and clip_grads.param_is_not_tensor_parallel_duplicate(p, self.tp_rank)]
 
+    def _norm_parts(self) -> list[tuple[list[torch.Tensor], list[comm.ProcessGroup | None]]]:
+        """(grads, groups their partial norm is reduced over): with expert parallelism the
+        dense and the expert gradients apart, as Megatron's chained dense and expert
+        optimizers."""
+        grads = self._grads_for_norm()
+        if not self.expert_parallel:
+            return [(grads, self.reduction_groups())]
+        expert_ids = {id(p.grad) for p in self.main_params()
+                      if p.grad is not None and not getattr(p, "allreduce", True)}
+        return [([g for g in grads if id(g) not in expert_ids], self.reduction_groups()),
+                ([g for g in grads if id(g) in expert_ids], self.expert_reduction_groups())]
+
+    def _flag_groups(self) -> list[comm.ProcessGroup | None]:
+        """Groups the inf flag is max-reduced over, one after the other, so that every rank
+        agrees (with expert parallelism the expert grids too: their grads differ by rank)."""
+        if not self.expert_parallel:
+            return self.reduction_groups()
+        return [*self.expert_reduction_groups(), self.expert_dp_group,
+                *self.reduction_groups()]
+
     def _unscale_and_check_for_nan(self) -> bool:
         """Divide the main grads by the loss scale; True if any rank saw an inf/nan."""
         grads = self._main_grads()
@@ -170,19 +205,20 @@ class MegatronOptimizer:
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, self.grad_scaler.inv_scale.to(where))
-        for group in self.reduction_groups():
+        for group in self._flag_groups():
             comm.all_reduce(found_inf, group, "max")
         return bool(found_inf.item() > 0)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Global gradient norm (before clipping); clips the main grads to ``clip_grad``."""
-        norm = clip_grads.get_grad_norm_fp32(self._grads_for_norm(), self.reduction_groups())
+        norm = clip_grads.get_grad_norm_fp32_parts(self._norm_parts())
         clip_grads.clip_grads_by_total_norm(self._main_grads(), clip_grad, norm)
         return norm
 
     def count_zeros(self) -> int:
         """Zero elements of the gradients counted by the norm, over all ranks."""
-        return clip_grads.count_zeros_fp32(self._grads_for_norm(), self.reduction_groups())
+        return sum(clip_grads.count_zeros_fp32(grads, groups)
+                   for grads, groups in self._norm_parts())
 
     @torch.no_grad()
     def step(self) -> StepResult:

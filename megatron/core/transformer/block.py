@@ -44,13 +44,15 @@ class TransformerBlock(torch.nn.Module):
                  num_layers: int | None = None, layer_offset: int = 0,
                  pre_process: bool = True, post_process: bool = True,
                  attn_mask_type: AttnMaskType = "causal",
-                 cp_group: ProcessGroup | None = None) -> None:
+                 cp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
         n = config.num_layers if num_layers is None else num_layers
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, tp_group, attn_mask_type, cp_group)
+            TransformerLayer(config, layer_offset + i + 1, tp_group, attn_mask_type, cp_group,
+                             ep_group)
             for i in range(n))
         self.final_layernorm = None
         if post_process:

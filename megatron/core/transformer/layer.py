@@ -35,7 +35,8 @@ class TransformerLayer(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal",
-                 cp_group: ProcessGroup | None = None) -> None:
+                 cp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -44,7 +45,7 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type,
                                             cp_group=cp_group)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = (MoELayer(config, layer_number, tp_group) if config.is_moe_layer(layer_number)
+        self.mlp = (MoELayer(config, layer_number, tp_group, ep_group=ep_group) if config.is_moe_layer(layer_number)
                     else MLP(config, tp_group))
 
     def forward(self, hidden_states: torch.Tensor,

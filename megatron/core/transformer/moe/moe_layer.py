@@ -77,6 +77,10 @@ class MoELayer(torch.nn.Module):
         # Registered flat, as Megatron-LM's SwitchMLP: the checkpoint keys have no 'experts.'.
         self.local_experts = experts.local_experts
         self._experts = [experts]  # outside the module tree: its parameters are local_experts'
+        for param in self.local_experts.parameters():
+            # Megatron's mark: not reduced over the dense data-parallel group but over the
+            # expert-data-parallel one (each EP rank holds other experts).
+            param.allreduce = False
         if ep == 1:
             self.dispatcher = AllGatherDispatcher(tp_group)
         elif config.moe_token_dispatcher_type == "alltoall":
