@@ -142,7 +142,7 @@ def _step(block, args, seq: int, cp_group, dtype, dev):
             out = block(None, None, None, rope)
         out.backward(torch.ones_like(out))
         if dev.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # cuda-only (guarded above)
     finally:
         comms.close()
     comm.barrier(cp_group)
