@@ -28,7 +28,9 @@ attention, no biases, untied output: ``bench/bench_llama.py``'s flags): ``llama-
 the extension for good, so it comes last. Every step is timed between two device
 synchronisations; the figures are medians of ``--steps`` after ``--warmup``. MFU is 6 N tokens/s
 over the bf16 peak given by ``--peak-tflops`` (790: an H200's measured 8192^3 bf16 matmul); N
-excludes position embeddings. ``--profile`` writes torch.profiler's top device kernels of one
+excludes position embeddings. On a CPU (the smoke tests) every side runs in fp32: without
+AVX-512 BF16 a bf16 GEMM there is a reference loop (a [2048, 50304] x [50304, 256] product takes
+minutes), and the CPU run checks shapes and plumbing, not speed. ``--profile`` writes torch.profiler's top device kernels of one
 step of each side.
 """
 
@@ -55,6 +57,9 @@ import bench_train  # noqa: E402
 import plain_gpt  # noqa: E402
 
 from megatron.core import device  # noqa: E402
+
+# bf16 on an accelerator; fp32 on a CPU, where a bf16 GEMM is a reference loop (module docstring).
+BF16 = device.accelerator_available()
 
 VOCAB = 50304
 # Sides whose first step compiles their model: the printed line gives the compile time.
@@ -100,7 +105,7 @@ def plain_side(shape: bench_train.Shape, compiled: bool) -> Side:
 
     def step():
         data = torch.randint(0, VOCAB, (shape.mb, shape.seq + 1), device=dev)
-        plain_gpt.train_step(run, opt, data[:, :-1], data[:, 1:], True)
+        plain_gpt.train_step(run, opt, data[:, :-1], data[:, 1:], BF16)
 
     return Side(step, n_params)
 
@@ -109,7 +114,7 @@ def ours_side(shape: bench_train.Shape, extra: list[str]) -> Side:
     sys.path.insert(0, ROOT)
     import profile_train
 
-    step = profile_train.ours_step(shape, True, ["--distributed-backend",
+    step = profile_train.ours_step(shape, BF16, ["--distributed-backend",
                                                  device.default_backend(),
                                                  *extra])
     if shape.name in LLAMA:
@@ -154,7 +159,7 @@ def hf_llama_side(shape: bench_train.Shape) -> Side:
 
     def step():
         data = torch.randint(0, VOCAB, (shape.mb, shape.seq), device=dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=BF16):
             loss = model(input_ids=data, labels=data).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

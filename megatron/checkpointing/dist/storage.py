@@ -157,7 +157,7 @@ def stage(tensors: Mapping[str, list[Chunk]], objects: Mapping[str, Any],
 
 def write(directory: Path, state: dict[str, Any], fully_parallel: bool = True,
           ckpt_group=None) -> dict[str, str]:
-    """Write a :func:`stage`\ d state dict (collective over ``ckpt_group``, default the world).
+    """Write a state dict made by :func:`stage` (collective over ``ckpt_group``, default the world).
 
     Returns:
         ``{file name: sha256}`` of the files this rank wrote.
