@@ -30,8 +30,8 @@ synchronisations; the figures are medians of ``--steps`` after ``--warmup``. MFU
 over the bf16 peak given by ``--peak-tflops`` (790: an H200's measured 8192^3 bf16 matmul); N
 excludes position embeddings. On a CPU (the smoke tests) every side runs in fp32: without
 AVX-512 BF16 a bf16 GEMM there is a reference loop (a [2048, 50304] x [50304, 256] product takes
-minutes), and the CPU run checks shapes and plumbing, not speed. ``--profile`` writes torch.profiler's top device kernels of one
-step of each side.
+minutes), and the CPU run checks shapes and plumbing, not speed. ``--profile`` writes
+torch.profiler's top device kernels of one step of each side.
 """
 
 from __future__ import annotations
