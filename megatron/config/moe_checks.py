@@ -135,6 +135,11 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
                          f"parallelism ({cfg.data_parallel_size} ranks) is not built yet: its "
                          "token counts would need the TP x DP group; use aux_loss or "
                          "seq_aux_loss")
+    cp = par.context_parallel_size
+    if m.moe_router_load_balancing_type == "global_aux_loss" and cp > 1:
+        raise ValueError(f"--moe-router-load-balancing-type global_aux_loss with "
+                         f"--context-parallel-size {cp} is not built yet: its token counts "
+                         "would need the TP x DP x CP group; use aux_loss or seq_aux_loss")
     if m.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP / HybridEP) is a "
                          "Megatron-LM option this framework does not implement yet; use "
@@ -142,19 +147,17 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
 
 
 def _check_expert_parallel(cfg, ep: int) -> None:
-    """What expert parallelism is built with: the expert grid at ETP 1 under data parallelism
-    (local DDP's contiguous buffers, with or without the distributed optimizer). The rest is
-    refused by name."""
+    """What expert parallelism is built with: the expert grid at ETP 1 under data, pipeline
+    (with virtual stages) and context parallelism (local DDP's contiguous buffers, with or
+    without the distributed optimizer). The rest is refused by name."""
     par, ck = cfg.parallel, cfg.checkpoint
     flag = f"--expert-model-parallel-size {ep}"
     for name, size in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
-                       ("--expert-tensor-parallel-size", par.expert_tensor_parallel_size),
-                       ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
-                       ("--context-parallel-size", par.context_parallel_size)):
+                       ("--expert-tensor-parallel-size", par.expert_tensor_parallel_size)):
         if size > 1:
             raise ValueError(f"{flag} with {name} {size} is a Megatron-LM combination this "
                              "framework does not implement yet (expert parallelism runs with "
-                             "data parallelism only)")
+                             "data, pipeline and context parallelism)")
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"

@@ -204,7 +204,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
 def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
     """This iteration's MoE auxiliary losses (Megatron's names, unscaled: each over its
     coefficient), the mean over the MoE layers and, with --moe-per-layer-logging, each layer's
-    as ``<name>_layer_<i>``; a collective over TP, PP and DP (every rank calls it)."""
+    as ``<name>_layer_<i>``; a collective over TP, PP, CP and DP (every rank calls it)."""
     m = cfg.model
     names = []
     if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type in (
@@ -219,7 +219,8 @@ def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
     if parallel_state.model_parallel_is_initialized():
         groups = dict(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       pp_group=parallel_state.get_pipeline_model_parallel_group(),
-                      dp_group=parallel_state.get_data_parallel_group())
+                      dp_group=parallel_state.get_data_parallel_group(),
+                      cp_group=parallel_state.get_context_parallel_group())
     per_layer = moe_metrics.reduce_per_layer(num_microbatches, names, m.num_layers, **groups)
     moe_metrics.clear()
     freq = m.moe_layer_freq

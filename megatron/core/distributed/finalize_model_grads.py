@@ -55,9 +55,9 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module]) -> None:
 
 def _update_router_state(model_chunks: list[torch.nn.Module]) -> None:
     """The MoE routers' per-step state (Megatron does it here too): aux-loss-free balancing
-    moves each expert's selection bias by its token count summed over TP x DP (with sequence
-    parallelism each TP rank routed its own rows), and the global balancing loss starts a new
-    global batch."""
+    moves each expert's selection bias by its token count summed over TP x DP x CP (with
+    sequence parallelism each TP rank routed its own rows, with context parallelism each CP
+    rank its own chunks), and the global balancing loss starts a new global batch."""
     routers = [m for chunk in model_chunks for m in chunk.modules()
                if getattr(m, "local_tokens_per_expert", None) is not None
                or getattr(m, "global_tokens_per_expert", None) is not None]
@@ -66,7 +66,8 @@ def _update_router_state(model_chunks: list[torch.nn.Module]) -> None:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])  # [routers, E]
         if parallel_state.model_parallel_is_initialized():
             comm.all_reduce(counts, parallel_state.get_tensor_model_parallel_group())
-            comm.all_reduce(counts, parallel_state.get_data_parallel_group())
+            comm.all_reduce(counts,
+                            parallel_state.get_data_parallel_group(with_context_parallel=True))
         with torch.no_grad():
             for router, count in zip(biased, counts):
                 router.update_expert_bias(count)

@@ -96,15 +96,18 @@ def _apply_loss(output_tensor: torch.Tensor, loss_func: Callable, num_microbatch
 
 def _set_aux_loss_scale(grad_scale_func: Callable | None, num_microbatches: int) -> None:
     """The MoE routers' auxiliary losses join the backward pass with the main loss's scale:
-    the fp16 loss scale over the number of micro-batches (Megatron's schedules set
-    ``MoEAuxLossAutoScaler``'s scale the same way)."""
+    the fp16 loss scale times the context-parallel size over the number of micro-batches
+    (Megatron's schedules set ``MoEAuxLossAutoScaler``'s scale the same way). The CP factor:
+    each CP rank's loss is its share of the sequences' loss, and the gradients are averaged
+    over DP x CP."""
+    cp = parallel_state.get_context_parallel_world_size()
     if grad_scale_func is None:
-        set_aux_loss_scale(1.0 / num_microbatches)
+        set_aux_loss_scale(cp / num_microbatches)
         return
     # The loss scaler's scale stays a device tensor: reading its value would make every step
     # wait for the device.
     one = torch.ones((), device=device.get_device())
-    set_aux_loss_scale(grad_scale_func(one) / num_microbatches)
+    set_aux_loss_scale(grad_scale_func(one) * cp / num_microbatches)
 
 
 def _backward_step(loss: torch.Tensor, grad_scale_func: Callable | None,

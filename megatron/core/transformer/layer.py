@@ -45,7 +45,8 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type,
                                             cp_group=cp_group)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = (MoELayer(config, layer_number, tp_group, ep_group=ep_group) if config.is_moe_layer(layer_number)
+        self.mlp = (MoELayer(config, layer_number, tp_group, ep_group=ep_group,
+                             cp_group=cp_group) if config.is_moe_layer(layer_number)
                     else MLP(config, tp_group))
 
     def forward(self, hidden_states: torch.Tensor,

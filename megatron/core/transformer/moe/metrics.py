@@ -15,8 +15,8 @@ from megatron.core import comm, device
 _TRACKER: dict[str, torch.Tensor] = {}  # name -> [num_layers], summed over micro-batches
 _SUMMED_OVER_TP = {"load_balancing_loss", "seq_load_balancing_loss",
                    "global_load_balancing_loss"}
-"""Each TP rank holds its share of these (its own rows' probabilities); the others are each
-rank's own estimate of the same value and are averaged."""
+"""Each TP (and CP) rank holds its share of these (its own rows' probabilities); the others are
+each rank's own estimate of the same value and are averaged."""
 
 
 def record(name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
@@ -33,10 +33,11 @@ def clear() -> None:
 
 def reduce_per_layer(num_microbatches: int, names: list[str] | None = None,
                      num_layers: int | None = None, tp_group=None, pp_group=None,
-                     dp_group=None) -> dict[str, torch.Tensor]:
+                     dp_group=None, cp_group=None) -> dict[str, torch.Tensor]:
     """The recorded losses per layer ``[num_layers]``, averaged over the micro-batches and the
-    data-parallel ranks, summed over the pipeline stages (each holds its own layers) and over
-    TP for the balancing losses (averaged over TP for the others).
+    data-parallel ranks (``dp_group`` without CP), summed over the pipeline stages (each holds
+    its own layers) and over TP x CP for the balancing losses (averaged over TP x CP for the
+    others), as Megatron reduces them over its TP x CP group.
 
     A collective over the groups given: every rank passes the same ``names`` (the losses its
     configuration records; a stage without MoE layers contributes zeros), or None to take the
@@ -49,10 +50,10 @@ def reduce_per_layer(num_microbatches: int, names: list[str] | None = None,
         if values is None:
             values = torch.zeros(num_layers, device=device.get_device())
         values = values.clone() / num_microbatches
-        for group in (pp_group, tp_group, dp_group):
+        for group in (pp_group, tp_group, cp_group, dp_group):
             if comm.world_size(group) > 1:
                 comm.all_reduce(values, group)
         if name not in _SUMMED_OVER_TP:
-            values /= comm.world_size(tp_group)
+            values /= comm.world_size(tp_group) * comm.world_size(cp_group)
         out[name] = values / comm.world_size(dp_group)
     return out

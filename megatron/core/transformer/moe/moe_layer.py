@@ -62,14 +62,17 @@ class MoELayer(torch.nn.Module):
         tp_dp_group: TP x DP (global balancing loss and expert-bias counts).
         ep_group: the expert-parallel group: this rank holds experts
             ``ep_rank * E/EP ... (ep_rank + 1) * E/EP - 1`` (expert tensor parallelism 1).
+        cp_group: the context-parallel group (the router's balancing-loss counts span TP x
+            CP); the tokens themselves need nothing of it (each is routed on its own).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None) -> None:
+                 ep_group: ProcessGroup | None = None,
+                 cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group)
+        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group, cp_group)
         ep = tp_world_size(ep_group)
         num_local = config.num_moe_experts // ep
         self.local_expert_offset = tp_rank(ep_group) * num_local

@@ -2,9 +2,11 @@
 function, optional capacity dropping, and the load-balancing and z losses attached to the
 autograd graph (:class:`~megatron.core.transformer.moe.moe_utils.AuxLossScaler`).
 
-Token counts for the balancing losses are summed over the groups Megatron sums them over: the
-TP group for ``aux_loss`` / ``seq_aux_loss`` (with sequence parallelism each TP rank routes its
-``s/p`` rows), TP x DP for ``global_aux_loss`` and the expert-bias counts.
+Token counts for the balancing losses are summed over the groups Megatron sums them over:
+TP x CP for ``aux_loss`` / ``seq_aux_loss`` (with sequence parallelism each TP rank routes its
+``s/p`` rows, with context parallelism each CP rank its two chunks of every sequence), TP x DP
+for ``global_aux_loss`` and the expert-bias counts. TP x CP is reduced as TP then CP (a sum over
+the one group is the sum over each in turn), so no TP x CP group is needed.
 Legend: s sequence, b batch, h hidden, T = s*b tokens of this rank, E experts.
 """
 
@@ -29,14 +31,16 @@ class TopKRouter(torch.nn.Module):
         layer_number: 1-based global layer index (per-layer loss logging).
         tp_group: the TP group (the balancing loss's token counts, the z-loss average).
         tp_dp_group: TP x DP (global aux loss and expert-bias counts); None: the TP group.
+        cp_group: the context-parallel group (None: CP 1): the balancing loss's token counts
+            and the z-loss average span TP x CP.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None
-                 ) -> None:
+                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
+                 cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.tp_dp_group = tp_group if tp_dp_group is None else tp_dp_group
         e, h = config.num_moe_experts, config.hidden_size
         # Initialized on the CPU as every layer's weights (the model moves to the device after).
@@ -131,8 +135,8 @@ class TopKRouter(torch.nn.Module):
         coeff = self.config.moe_z_loss_coeff
         if coeff is None:
             return logits
-        # Each TP rank's share of the average over the TP group's tokens.
-        coeff = coeff / tp_world_size(self.tp_group)
+        # Each TP x CP rank's share of the average over the TP x CP group's tokens.
+        coeff = coeff / (tp_world_size(self.tp_group) * tp_world_size(self.cp_group))
         loss = mu.z_loss(logits, coeff)
         metrics.record("z_loss", loss / coeff, self.layer_number, self.config.num_layers)
         return mu.AuxLossScaler.apply(logits, loss)
@@ -146,7 +150,7 @@ class TopKRouter(torch.nn.Module):
         if kind == "seq_aux_loss":
             # One sequence per column block: [s, b*E] sums to each sequence's own loss.
             scores, aux_map = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-            counts, total = self._counts(aux_map, self.tp_group)
+            counts, total = self._counts(aux_map, self.tp_group, self.cp_group)
             loss = mu.switch_load_balancing_loss(scores, counts, total, k, coeff,
                                                  cfg.num_moe_experts) / batch
             name = "seq_load_balancing_loss"
@@ -158,20 +162,24 @@ class TopKRouter(torch.nn.Module):
                 scores, self.global_tokens_per_expert / self.ga_steps, total, k, coeff)
             name = "global_load_balancing_loss"
         else:
-            counts, total = self._counts(aux_map, self.tp_group)
+            counts, total = self._counts(aux_map, self.tp_group, self.cp_group)
             loss = mu.switch_load_balancing_loss(scores, counts, total, k, coeff)
             name = "load_balancing_loss"
         metrics.record(name, loss / coeff, self.layer_number, cfg.num_layers)
         return mu.AuxLossScaler.apply(probs, loss)
 
     @staticmethod
-    def _counts(routing_map: torch.Tensor, count_group: ProcessGroup | None
-                ) -> tuple[torch.Tensor, int]:
-        """Tokens per column of ``routing_map`` summed over ``count_group``, and the group's
-        token count (this rank's rows times the group size)."""
-        local = routing_map.sum(dim=0).float()
-        total = routing_map.shape[0] * tp_world_size(count_group)
-        return reduce_from_tensor_model_parallel_region(local, count_group), total
+    def _counts(routing_map: torch.Tensor, count_group: ProcessGroup | None,
+                cp_group: ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
+        """Tokens per column of ``routing_map`` summed over ``count_group`` (and over
+        ``cp_group`` after it: together their product group), and the groups' token count
+        (this rank's rows times the group sizes)."""
+        counts = routing_map.sum(dim=0).float()
+        total = routing_map.shape[0]
+        for group in (count_group, cp_group):
+            counts = reduce_from_tensor_model_parallel_region(counts, group)
+            total *= tp_world_size(group)
+        return counts, total
 
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """One aux-loss-free balancing step from the step's token counts (summed over TP x

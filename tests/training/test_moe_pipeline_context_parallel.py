@@ -1,0 +1,103 @@
+"""A 4-layer, 4-expert, top-2 Llama-style MoE GPT (shared expert, aux and z losses, gradient
+clipping) through ``pretrain()`` under pipeline and context parallelism equals the one-process
+run from the same start weights (the loss every iteration to 1e-5, the gradient norm, every
+final parameter in fp32, the experts gathered over the expert-parallel group):
+
+- EP=2 x PP=2 (the expert grid's pipeline groups are the dense grid's), with the alltoall
+  dispatcher, and with virtual pipeline stages and the allgather dispatcher;
+- CP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient scaled
+  by CP as Megatron's schedules scale it) and EP=2 x CP=2.
+
+Each layout also logs the same per-layer load-balancing and z losses as the one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.config.cli import build_parser, parse_flags
+from megatron.config.validate import validate
+from tests.training import e2e
+
+ITERS = 3
+SEQ = 16
+FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(ITERS),
+         "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
+         "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--weight-decay", "0.01",
+         "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+         "--make-vocab-size-divisible-by", "16", "--use-cpu-initialization",
+         "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-backend", "gloo",
+         "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "48",
+         "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--num-experts", "4",
+         "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2", "--moe-aux-loss-coeff",
+         "1e-1", "--moe-z-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "16",
+         "--moe-per-layer-logging"]
+LOSS_TOL = 1e-5
+EP2 = ["--expert-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
+
+
+def _run(extra=(), init: bool = True) -> dict:
+    return {"argv": [*FLAGS, *extra], "params": True, "single_process_init": init}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
+    ep2_pp2, ep2_vpp, ep2_cp2 = e2e.pooled(4, [
+        _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall"]),
+        _run([*EP2, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
+              "--use-distributed-optimizer"]),
+        _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"])])
+    cp2, = e2e.pooled(2, [_run(CP2)])
+    return {"single": single, "ep2_pp2": ep2_pp2, "ep2_pp2_vpp2_distopt": ep2_vpp,
+            "cp2": cp2, "ep2_cp2": ep2_cp2}
+
+
+LAYOUTS = ["ep2_pp2", "ep2_pp2_vpp2_distopt", "cp2", "ep2_cp2"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_equals_one_process(runs, layout):
+    ref = runs["single"]
+    assert len(e2e.losses(ref)) == ITERS and not any(h["skipped"] for h in ref["history"])
+    for rank in runs[layout]:
+        if rank["history"] and "lm loss" in rank["history"][0]:  # the last pipeline stage
+            assert e2e.max_abs_diff(e2e.losses(ref), e2e.losses(rank)) <= LOSS_TOL, layout
+        norms = [h["grad norm"] for h in rank["history"]]
+        want = [h["grad norm"] for h in ref["history"]]
+        assert all(n > 0 for n in want) and e2e.max_abs_diff(want, norms) <= 1e-5, (want, norms)
+    params = {}
+    for rank in runs[layout]:  # each pipeline stage holds its own layers
+        params.update(rank["params"])
+    assert set(params) == set(ref["params"])
+    assert e2e.max_param_diff(ref["params"], params) <= 1e-5, layout
+    for rank in runs[layout]:  # replicas agree
+        assert e2e.max_param_diff({n: ref["params"][n] for n in rank["params"]},
+                                  rank["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_aux_losses_logged_as_one_process(runs, layout):
+    want = runs["single"]["history"]
+    names = [n for n in want[0] if "load_balancing_loss" in n or "z_loss" in n]
+    assert "load_balancing_loss_layer_3" in names and "z_loss_layer_0" in names
+    got = runs[layout][-1]["history"]
+    for name in names:
+        a, b = [h[name] for h in want], [h[name] for h in got]
+        assert e2e.max_abs_diff(a, b) <= 1e-5, (name, a, b)
+
+
+def _validate(extra: list[str], world: int):
+    return validate(parse_flags(build_parser(), [*FLAGS, *extra]), world_size=world)
+
+
+@pytest.mark.parametrize("extra,world", [([*EP2, *PP2], 4), ([*EP2, *CP2], 4), (CP2, 2),
+                                         ([*EP2, *PP2, *CP2], 8)])
+def test_combinations_validate(extra, world):
+    _validate(extra, world)
