@@ -98,8 +98,9 @@ def test_num_experts_zero_is_dense():
     ("--moe-layer-freq 0", 1, ["--moe-layer-freq (0)"]),
     ("--expert-model-parallel-size 3", 3, ["--num-experts (4)", "--expert-model-parallel-size"]),
     ("--expert-model-parallel-size 2", 3, ["world size (3)", "--expert-model-parallel-size"]),
-    ("--expert-model-parallel-size 2 --pipeline-model-parallel-size 2", 4,
-     ["--expert-model-parallel-size", "--pipeline-model-parallel-size 2", "not implement"]),
+    ("--moe-router-load-balancing-type global_aux_loss --context-parallel-size 2 "
+     "--attention-dropout 0", 2,
+     ["global_aux_loss", "--context-parallel-size 2", "not built"]),
     ("--tensor-model-parallel-size 2", 2, ["--sequence-parallel"]),
     ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
      ["--expert-tensor-parallel-size (1)", "not implement"]),

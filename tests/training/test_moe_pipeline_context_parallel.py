@@ -5,8 +5,8 @@ final parameter in fp32, the experts gathered over the expert-parallel group):
 
 - EP=2 x PP=2 (the expert grid's pipeline groups are the dense grid's), with the alltoall
   dispatcher, and with virtual pipeline stages and the allgather dispatcher;
-- CP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient scaled
-  by CP as Megatron's schedules scale it) and EP=2 x CP=2.
+- CP=2 x PP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient
+  scaled by CP as Megatron's schedules scale it) and EP=2 x CP=2.
 
 Each layout also logs the same per-layer load-balancing and z losses as the one process."""
 
@@ -49,17 +49,17 @@ def _run(extra=(), init: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
-    ep2_pp2, ep2_vpp, ep2_cp2 = e2e.pooled(4, [
+    ep2_pp2, ep2_vpp, cp2_pp2, ep2_cp2 = e2e.pooled(4, [
         _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall"]),
         _run([*EP2, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
               "--use-distributed-optimizer"]),
+        _run([*CP2, *PP2]),
         _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"])])
-    cp2, = e2e.pooled(2, [_run(CP2)])
     return {"single": single, "ep2_pp2": ep2_pp2, "ep2_pp2_vpp2_distopt": ep2_vpp,
-            "cp2": cp2, "ep2_cp2": ep2_cp2}
+            "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2}
 
 
-LAYOUTS = ["ep2_pp2", "ep2_pp2_vpp2_distopt", "cp2", "ep2_cp2"]
+LAYOUTS = ["ep2_pp2", "ep2_pp2_vpp2_distopt", "cp2_pp2", "ep2_cp2"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
