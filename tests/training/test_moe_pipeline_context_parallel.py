@@ -4,7 +4,8 @@ run from the same start weights (the loss every iteration to 1e-5, the gradient 
 final parameter in fp32, the experts gathered over the expert-parallel group):
 
 - EP=2 x PP=2 (the expert grid's pipeline groups are the dense grid's), with the alltoall
-  dispatcher, and with virtual pipeline stages and the allgather dispatcher;
+  dispatcher (resuming exactly from its checkpoint, one directory per PP and EP rank), and with
+  virtual pipeline stages, the allgather dispatcher and the distributed optimizer;
 - CP=2 x PP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient
   scaled by CP as Megatron's schedules scale it) and EP=2 x CP=2.
 
@@ -47,16 +48,20 @@ def _run(extra=(), init: bool = True) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
+    save = tmp_path_factory.mktemp("ep2_pp2_checkpoint")
     single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
-    ep2_pp2, ep2_vpp, cp2_pp2, ep2_cp2 = e2e.pooled(4, [
-        _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall"]),
+    ep2_pp2, resumed, ep2_vpp, cp2_pp2, ep2_cp2 = e2e.pooled(4, [
+        _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--save", str(save),
+              "--save-interval", "2"]),
+        _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--load", str(save),
+              "--ckpt-step", "2"], init=False),
         _run([*EP2, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
               "--use-distributed-optimizer"]),
         _run([*CP2, *PP2]),
         _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"])])
     return {"single": single, "ep2_pp2": ep2_pp2, "ep2_pp2_vpp2_distopt": ep2_vpp,
-            "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2}
+            "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2, "resumed": resumed, "save": save}
 
 
 LAYOUTS = ["ep2_pp2", "ep2_pp2_vpp2_distopt", "cp2_pp2", "ep2_cp2"]
@@ -91,6 +96,18 @@ def test_aux_losses_logged_as_one_process(runs, layout):
     for name in names:
         a, b = [h[name] for h in want], [h[name] for h in got]
         assert e2e.max_abs_diff(a, b) <= 1e-5, (name, a, b)
+
+
+def test_expert_and_pipeline_parallel_checkpoint_resumes_exactly(runs):
+    iteration = runs["save"] / "iter_0000002"
+    # Megatron-LM's mp_rank_TT_PPP_EEE: one directory per (PP, EP) rank.
+    assert sorted(p.name for p in iteration.iterdir() if p.is_dir()) == \
+        ["mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"]
+    for straight, resumed in zip(runs["ep2_pp2"], runs["resumed"]):
+        assert resumed["iteration"] == ITERS and len(resumed["history"]) == ITERS - 2
+        if "lm loss" in straight["history"][0]:
+            assert e2e.max_abs_diff(e2e.losses(straight)[2:], e2e.losses(resumed)) <= 1e-6
+        assert e2e.max_param_diff(straight["params"], resumed["params"]) <= 1e-6
 
 
 def _validate(extra: list[str], world: int):
