@@ -7,7 +7,9 @@ final parameter in fp32, the experts gathered over the expert-parallel group):
   dispatcher (resuming exactly from its checkpoint, one directory per PP and EP rank), and with
   virtual pipeline stages, the allgather dispatcher and the distributed optimizer;
 - CP=2 x PP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient
-  scaled by CP as Megatron's schedules scale it) and EP=2 x CP=2.
+  scaled by CP as Megatron's schedules scale it), EP=2 x CP=2, and CP=2 x DP=2 with the
+  sequence-level aux loss and aux-loss-free balancing (sigmoid scores; the expert-bias counts
+  summed over DP x CP).
 
 Each layout also logs the same per-layer load-balancing and z losses as the one process."""
 
@@ -41,6 +43,9 @@ LOSS_TOL = 1e-5
 EP2 = ["--expert-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
+BIAS_SEQ = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type",
+            "seq_aux_loss"]
 
 
 def _run(extra=(), init: bool = True) -> dict:
@@ -50,8 +55,9 @@ def _run(extra=(), init: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = tmp_path_factory.mktemp("ep2_pp2_checkpoint")
-    single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
-    ep2_pp2, resumed, ep2_vpp, cp2_pp2, ep2_cp2 = e2e.pooled(4, [
+    single, single_bias_seq = (r[0] for r in e2e.pooled(1, [
+        _run(init=False), _run(BIAS_SEQ, init=False)]))
+    ep2_pp2, resumed, ep2_vpp, cp2_pp2, ep2_cp2, cp2_dp2_bias_seq = e2e.pooled(4, [
         _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--save", str(save),
               "--save-interval", "2"]),
         _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--load", str(save),
@@ -59,17 +65,20 @@ def runs(tmp_path_factory):
         _run([*EP2, *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
               "--use-distributed-optimizer"]),
         _run([*CP2, *PP2]),
-        _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"])])
-    return {"single": single, "ep2_pp2": ep2_pp2, "ep2_pp2_vpp2_distopt": ep2_vpp,
-            "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2, "resumed": resumed, "save": save}
+        _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"]),
+        _run([*CP2, *BIAS_SEQ])])
+    return {"single": single, "single_bias_seq": single_bias_seq, "ep2_pp2": ep2_pp2,
+            "ep2_pp2_vpp2_distopt": ep2_vpp, "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2,
+            "cp2_dp2_bias_seq": cp2_dp2_bias_seq, "resumed": resumed, "save": save}
 
 
-LAYOUTS = ["ep2_pp2", "ep2_pp2_vpp2_distopt", "cp2_pp2", "ep2_cp2"]
+LAYOUTS = [("ep2_pp2", "single"), ("ep2_pp2_vpp2_distopt", "single"), ("cp2_pp2", "single"),
+           ("ep2_cp2", "single"), ("cp2_dp2_bias_seq", "single_bias_seq")]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_equals_one_process(runs, layout):
-    ref = runs["single"]
+@pytest.mark.parametrize("layout,single", LAYOUTS)
+def test_layout_equals_one_process(runs, layout, single):
+    ref = runs[single]
     assert len(e2e.losses(ref)) == ITERS and not any(h["skipped"] for h in ref["history"])
     for rank in runs[layout]:
         if rank["history"] and "lm loss" in rank["history"][0]:  # the last pipeline stage
@@ -87,15 +96,22 @@ def test_layout_equals_one_process(runs, layout):
                                   rank["params"]) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_aux_losses_logged_as_one_process(runs, layout):
-    want = runs["single"]["history"]
+@pytest.mark.parametrize("layout,single", LAYOUTS)
+def test_aux_losses_logged_as_one_process(runs, layout, single):
+    want = runs[single]["history"]
     names = [n for n in want[0] if "load_balancing_loss" in n or "z_loss" in n]
-    assert "load_balancing_loss_layer_3" in names and "z_loss_layer_0" in names
+    assert any(n.endswith("load_balancing_loss_layer_3") for n in names) and \
+        "z_loss_layer_0" in names, names
     got = runs[layout][-1]["history"]
     for name in names:
         a, b = [h[name] for h in want], [h[name] for h in got]
         assert e2e.max_abs_diff(a, b) <= 1e-5, (name, a, b)
+
+
+def test_expert_bias_changes_the_run(runs):
+    # The bias-and-sequence-loss layout compares against a run that differs from the plain one.
+    assert e2e.max_abs_diff(e2e.losses(runs["single"]), e2e.losses(runs["single_bias_seq"])) \
+        > 1e-4
 
 
 def test_expert_and_pipeline_parallel_checkpoint_resumes_exactly(runs):

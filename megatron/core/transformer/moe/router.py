@@ -5,8 +5,9 @@ autograd graph (:class:`~megatron.core.transformer.moe.moe_utils.AuxLossScaler`)
 Token counts for the balancing losses are summed over the groups Megatron sums them over:
 TP x CP for ``aux_loss`` / ``seq_aux_loss`` (with sequence parallelism each TP rank routes its
 ``s/p`` rows, with context parallelism each CP rank its two chunks of every sequence), TP x DP
-for ``global_aux_loss`` and the expert-bias counts. TP x CP is reduced as TP then CP (a sum over
-the one group is the sum over each in turn), so no TP x CP group is needed.
+for ``global_aux_loss``, TP x DP x CP for the expert-bias counts (in ``finalize_model_grads``).
+TP x CP is reduced as TP then CP (a sum over the product group is the sum over each in turn),
+so no TP x CP group is needed.
 Legend: s sequence, b batch, h hidden, T = s*b tokens of this rank, E experts.
 """
 
