@@ -133,4 +133,7 @@ def _validate(extra: list[str], world: int):
 @pytest.mark.parametrize("extra,world", [([*EP2, *PP2], 4), ([*EP2, *CP2], 4), (CP2, 2),
                                          ([*EP2, *PP2, *CP2], 8)])
 def test_combinations_validate(extra, world):
-    _validate(extra, world)
+    par = _validate(extra, world).parallel
+    sizes = (par.expert_model_parallel_size, par.pipeline_model_parallel_size,
+             par.context_parallel_size)
+    assert sizes == tuple(2 if flag in extra else 1 for flag in (EP2[0], PP2[0], CP2[0]))
