@@ -187,7 +187,8 @@ def _is_expert(key: str) -> bool:
     return expert_of(key) is not None
 
 
-def _merged_states(*parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+def _merged_states(*parts: dict[str, dict[str, torch.Tensor]]
+                   ) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for part in parts:
         for name, tensors in part.items():
