@@ -87,6 +87,7 @@ class MegatronCheckpoint(ModelDescription):
         self.expert_files = self._find_files(args)
         self.files = {(t, p): path for (t, p, e), path in self.expert_files.items() if e == 0}
         self.tp, self.pp = _grid_size(args, self.files)
+        _refuse_another_expert_tensor_split(args, self.tp, self.iteration_dir)
         self._check_grid()
         chunks = len(model_keys(first))
         self._check_virtual_stages(args, chunks)
@@ -332,6 +333,22 @@ def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> 
             f"{files[min(files)].parent.parent} holds {', '.join(extra)}, beyond the TP {tp} x "
             f"PP {pp} its args record: files of two layouts mixed, not converted")
     return tp, pp
+
+
+def _refuse_another_expert_tensor_split(args, tp: int, where: Path) -> None:
+    """The experts are merged over TP as the dense MLP is: a checkpoint whose experts were
+    split over another number of ranks (``--expert-tensor-parallel-size`` != TP) is refused.
+
+    Raises:
+        CheckpointError: naming both sizes.
+    """
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if getattr(args, "num_experts", None) and etp is not None and int(etp) != tp:
+        raise CheckpointError(
+            f"{where} was saved with --expert-tensor-parallel-size {etp} and "
+            f"--tensor-model-parallel-size {tp}: this converter re-splits experts only when "
+            "they are split over TP as the dense layers (--expert-tensor-parallel-size equal "
+            "to --tensor-model-parallel-size)")
 
 
 def _true_vocab_size(args) -> int | None:

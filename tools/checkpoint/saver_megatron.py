@@ -82,6 +82,9 @@ def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
     args.tensor_model_parallel_size = target.tensor_parallel_size
     args.pipeline_model_parallel_size = target.pipeline_parallel_size
     args.expert_model_parallel_size = target.expert_parallel_size
+    if getattr(args, "expert_tensor_parallel_size", None) is not None:
+        # The experts are re-split over the target TP as the dense layers are.
+        args.expert_tensor_parallel_size = target.tensor_parallel_size
     args.num_layers_per_virtual_pipeline_stage = target.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = _virtual_size(md.num_layers, target)
     args.world_size = target.tensor_parallel_size * target.pipeline_parallel_size * data_parallel

@@ -135,3 +135,26 @@ def _leaves(tree, prefix=""):
             yield from _leaves(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def test_another_expert_tensor_split_and_unsplittable_targets_are_refused(tmp_path, capsys):
+    """Experts split over another number of ranks than TP, and a target EP that does not
+    divide the experts, are refused by flag before anything is written."""
+    from tests.tools.checkpoint import helpers
+    from tests.tools.checkpoint.test_convert_moe import MOE
+
+    moe_args = dict(add_bias_linear=False, normalization="RMSNorm",
+                    position_embedding_type="rope", swiglu=True, num_experts=4,
+                    moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                    moe_shared_expert_gate=True)
+    model = helpers.gpt(**MOE)
+    helpers.save_single(tmp_path / "etp2", model,
+                        helpers.args_of(model, expert_tensor_parallel_size=2, **moe_args))
+    helpers.save_single(tmp_path / "src", model, helpers.args_of(model, **moe_args))
+    argv = ["--model-type", "GPT", "--save-dir", str(tmp_path / "out")]
+    assert convert.main([*argv, "--load-dir", str(tmp_path / "etp2")]) == 2
+    assert "--expert-tensor-parallel-size 2" in capsys.readouterr().err
+    assert convert.main([*argv, "--load-dir", str(tmp_path / "src"),
+                         "--target-expert-parallel-size", "3"]) == 2
+    assert "--target-expert-parallel-size 3" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
