@@ -158,3 +158,23 @@ def test_another_expert_tensor_split_and_unsplittable_targets_are_refused(tmp_pa
                          "--target-expert-parallel-size", "3"]) == 2
     assert "--target-expert-parallel-size 3" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_distributed_optimizer_state_round_trips_over_ep_bitwise(runs, tmp_path):
+    """EP=1 -> EP=2 (the [dense, expert] lists written per EP rank) -> EP=1 gives back the
+    same distrib_optim.pt buffers and weights."""
+    start = runs["root"] / "distopt_ep1"
+    _convert(start, tmp_path / "ep2", ep=2)
+    iteration = tmp_path / "ep2" / f"iter_{SAVED_AT:07d}"
+    first = torch.load(iteration / "mp_rank_00_000" / "distrib_optim.pt", weights_only=False)
+    second = torch.load(iteration / "mp_rank_00_001" / "distrib_optim.pt", weights_only=False)
+    assert first[0] is not None and second[0] is None and second[1] is not None
+    _convert(tmp_path / "ep2", tmp_path / "back", ep=1)
+    before = torch.load(start / f"iter_{SAVED_AT:07d}" / "mp_rank_00" / "distrib_optim.pt",
+                        weights_only=False)
+    after = torch.load(tmp_path / "back" / f"iter_{SAVED_AT:07d}" / "mp_rank_00" /
+                       "distrib_optim.pt", weights_only=False)
+    (dtype, buffers), = before[0].items()
+    assert set(after[0][dtype]) == set(buffers)
+    for name, tensor in buffers.items():
+        assert torch.equal(after[0][dtype][name], tensor), name
