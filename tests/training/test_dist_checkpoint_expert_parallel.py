@@ -67,3 +67,26 @@ def test_both_layouts_write_the_same_global_expert_tensors(runs):
     moments = storage.read_plain_tensors(runs["root"] / "ep2" / f"iter_{SAVED_AT:07d}",
                                          [exp_avg])[exp_avg]
     assert all(moments[:, e].abs().sum() > 0 for e in range(4))  # each EP rank's experts
+
+
+def test_the_converter_writes_an_expert_parallel_torch_dist_checkpoint_at_ep2(runs, tmp_path):
+    """convert.py --source-ckpt-format torch_dist --target-expert-parallel-size 2: EP rank 1's
+    local expert i is global expert 2 + i of the torch_dist tensor."""
+    import torch
+
+    from megatron.checkpointing.dist import storage
+    from tools.checkpoint import convert
+
+    source = runs["root"] / "ep2" / f"iter_{SAVED_AT:07d}"
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(source), "--save-dir",
+                         str(tmp_path / "legacy"), "--source-ckpt-format", "torch_dist",
+                         "--target-expert-parallel-size", "2"]) == 0
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    whole = storage.read_plain_tensors(source, [key])[key]
+    shard = torch.load(tmp_path / "legacy" / f"iter_{SAVED_AT:07d}" / "mp_rank_00_001" /
+                       "model_optim_rng.pt", weights_only=False)
+    experts = shard["model"]["language_model"]["encoder"]
+    for layer in range(2):
+        for local in range(2):
+            name = f"layers.{layer}.mlp.local_experts.{local}.dense_4h_to_h.weight"
+            assert torch.equal(experts[name], whole[layer, 2 + local]), name
