@@ -28,7 +28,8 @@ from megatron.checkpointing.layout import (BERT_LAYOUT, GPT_LAYOUT, LANGUAGE_MOD
                                            LAYOUTS, CheckpointLayout, TensorRule)
 from megatron.checkpointing.names import (DISTRIB_OPTIM_FILENAME, MANIFEST_FILENAME,
                                           MODEL_FILENAME, TRACKER_FILENAME, checkpoint_dir,
-                                          checkpoint_name, latest_checkpoint_dir, parse_tracker, shard_dir_name,
+                                          any_shard_file, checkpoint_name, expert_shard_files,
+                                          latest_checkpoint_dir, parse_tracker, shard_dir_name,
                                           shard_files, tracker_path)
 from megatron.checkpointing.safe_load import MegatronEnum, load_checkpoint_file
 from megatron.checkpointing.stages import PipelineStages, StageChunk
@@ -42,9 +43,10 @@ __all__ = [
     "BERT_LAYOUT", "CHECKPOINT_VERSION", "CHECKSUM_SUFFIX", "DISTRIB_OPTIM_FILENAME", "GPT_LAYOUT",
     "LANGUAGE_MODEL_NESTED_SECTIONS", "LANGUAGE_MODEL_RULES", "LAYOUTS", "MANIFEST_FILENAME",
     "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "CheckpointLayout", "HashingWriter",
-    "MegatronEnum", "PipelineStages", "StageChunk", "TensorRule", "checkpoint_dir",
-    "checkpoint_name", "checkpoint_version", "checksum_path", "corrupt_file_error",
-    "fix_query_key_value_ordering", "flatten_model_state", "latest_checkpoint_dir",
+    "MegatronEnum", "PipelineStages", "StageChunk", "TensorRule", "any_shard_file",
+    "checkpoint_dir", "checkpoint_name", "checkpoint_version", "checksum_path", "corrupt_file_error",
+    "expert_shard_files", "fix_query_key_value_ordering", "flatten_model_state",
+    "latest_checkpoint_dir",
     "load_checkpoint_file", "manifest_entry", "manifest_path", "model_keys", "nest_model_state",
     "parse_tracker", "publish_tracker", "qkv_from_current_order", "qkv_to_current_order",
     "remove_stale_temp_files", "save_file", "shard_dir_name", "shard_files", "tracker_path",

@@ -113,3 +113,41 @@ def shard_files(iteration_dir: Path) -> dict[tuple[int, int], Path]:
                                   "not supported")
         found[(int(match.group("tp")), int(match.group("pp") or 0))] = path
     return found
+
+
+def any_shard_file(iteration_dir: Path) -> Path | None:
+    """The first ``mp_rank_*/model_optim_rng.pt`` of an iteration directory (every shard holds
+    the args), whatever its layout; None without one."""
+    found = sorted(path for path in iteration_dir.glob(f"mp_rank_*/{MODEL_FILENAME}")
+                   if SHARD_DIR.fullmatch(path.parent.name))
+    return found[0] if found else None
+
+
+def expert_shard_files(iteration_dir: Path, pipeline_parallel: bool, expert_parallel: bool
+                       ) -> dict[tuple[int, int, int], Path]:
+    """Every ``model_optim_rng.pt`` of an iteration directory, by (TP, PP, EP rank), sorted.
+
+    ``mp_rank_00_001`` is PP rank 1 of a pipeline-parallel checkpoint and EP rank 1 of an
+    expert-parallel one with one stage: the checkpoint's args (``pipeline_parallel``,
+    ``expert_parallel``: its sizes > 1) say which.
+
+    Raises:
+        CheckpointError: a shard directory named for another layout (files of two layouts
+            mixed in one iteration directory).
+    """
+    parts = 1 + pipeline_parallel + expert_parallel
+    found = {}
+    for path in sorted(iteration_dir.glob(f"mp_rank_*/{MODEL_FILENAME}")):
+        if SHARD_DIR.fullmatch(path.parent.name) is None:
+            continue
+        ranks = [int(part) for part in path.parent.name[len("mp_rank_"):].split("_")]
+        if len(ranks) != parts:
+            raise CheckpointError(
+                f"{path.parent} does not name a shard of this checkpoint's layout (pipeline "
+                f"parallel: {pipeline_parallel}, expert parallel: {expert_parallel}, as its "
+                "args record): files of two layouts mixed in one directory")
+        tp = ranks[0]
+        pp = ranks[1] if pipeline_parallel else 0
+        ep = ranks[-1] if expert_parallel else 0
+        found[(tp, pp, ep)] = path
+    return found

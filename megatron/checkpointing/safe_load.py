@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from megatron.checkpointing.errors import CheckpointError, corrupt_file_error
+from megatron.checkpointing.names import DISTRIB_OPTIM_FILENAME
 
 
 class MegatronEnum(enum.Enum):
@@ -127,14 +128,15 @@ def safe_globals() -> list:
     return _safe_globals()
 
 
-def load_checkpoint_file(path: str | os.PathLike, mmap: bool = False) -> dict:
+def load_checkpoint_file(path: str | os.PathLike, mmap: bool = False) -> dict | list:
     """``torch.load`` with ``weights_only=True`` plus the allowlist; clear errors otherwise.
 
     ``mmap``: map the tensors' storage from the file instead of reading it (tools that stream
     a checkpoint keep only the pages they touch).
 
     Raises:
-        CheckpointError: missing, truncated/corrupt, not a dict, or holding types outside the
+        CheckpointError: missing, truncated/corrupt, not a dict (``distrib_optim.pt``: or a
+            list), or holding types outside the
             allowlist.
     """
     path = Path(path)
@@ -155,7 +157,9 @@ def load_checkpoint_file(path: str | os.PathLike, mmap: bool = False) -> dict:
                 "types; loading it could run code. Only load checkpoints you trust through other "
                 "means") from None
         raise corrupt_file_error(path, _first_line(err)) from None
-    if not isinstance(state, dict):
+    # An expert-parallel distrib_optim.pt is Megatron-LM's [dense, expert] list.
+    expert_parallel_distrib = isinstance(state, list) and path.name == DISTRIB_OPTIM_FILENAME
+    if not isinstance(state, dict) and not expert_parallel_distrib:
         raise corrupt_file_error(path, f"it holds a {type(state).__name__}, not a checkpoint's "
                                        "dict")
     return state

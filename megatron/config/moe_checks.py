@@ -150,7 +150,7 @@ def _check_expert_parallel(cfg, ep: int) -> None:
     """What expert parallelism is built with: the expert grid at ETP 1 under data, pipeline
     (with virtual stages) and context parallelism (local DDP's contiguous buffers, with or
     without the distributed optimizer). The rest is refused by name."""
-    par, ck = cfg.parallel, cfg.checkpoint
+    par = cfg.parallel
     flag = f"--expert-model-parallel-size {ep}"
     for name, size in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
                        ("--expert-tensor-parallel-size", par.expert_tensor_parallel_size)):
@@ -162,10 +162,3 @@ def _check_expert_parallel(cfg, ep: int) -> None:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"
                          "parallel group)")
-    if ck.ckpt_format != "torch" and (ck.save is not None or ck.load is not None):
-        raise ValueError(f"{flag} with --ckpt-format {ck.ckpt_format}: only the torch format's "
-                         "mp_rank_XX_ZZZ directories are built for expert-parallel runs")
-    if par.use_distributed_optimizer and (ck.save is not None or ck.load is not None):
-        raise ValueError(f"{flag} with --use-distributed-optimizer and --save / --load: the "
-                         "expert optimizer state's checkpoint (distrib_optim.pt over the "
-                         "expert-data-parallel group) is not implemented yet")

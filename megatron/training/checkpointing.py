@@ -8,6 +8,7 @@ Layout (``--ckpt-format torch``)::
     <save>/latest_checkpointed_iteration.txt        iteration number, or "release"
     <save>/iter_0000100/mp_rank_00/model_optim_rng.pt         PP == 1: mp_rank_{tp:02d}
     <save>/iter_0000100/mp_rank_01_002/model_optim_rng.pt     PP > 1: mp_rank_{tp:02d}_{pp:03d}
+    <save>/iter_0000100/mp_rank_00_001/model_optim_rng.pt     EP > 1: mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}
     <save>/iter_0000100/mp_rank_00/distrib_optim.pt           --use-distributed-optimizer
 
 Every file is written under a temporary name, synced, then renamed, and the directories holding
@@ -50,7 +51,7 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
     MODEL_FILENAME, TRACKER_FILENAME, CheckpointError, MegatronEnum, checkpoint_dir,
     checkpoint_name, checkpoint_version, corrupt_file_error, fix_query_key_value_ordering,
     load_checkpoint_file, manifest_entry, parse_tracker, publish_tracker,
-    remove_stale_temp_files, save_file, verify_checksum, write_manifest)
+    remove_stale_temp_files, save_file, shard_dir_name, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
 from megatron.checkpointing.dist import storage as dist_storage
@@ -64,7 +65,7 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 # Names and tracker, as this rank sees them ------------------------------------------------------
 def get_checkpoint_name(root: str | os.PathLike, iteration: int, release: bool = False,
                         pipeline_parallel: bool | None = None, tensor_rank: int | None = None,
-                        pipeline_rank: int | None = None) -> Path:
+                        pipeline_rank: int | None = None, expert_rank: int | None = None) -> Path:
     """Path of this rank's ``model_optim_rng.pt`` (Megatron's ``mp_rank_XX[_YYY]`` naming);
     the ranks and sizes left out come from ``parallel_state``."""
     if pipeline_parallel is None:
@@ -73,10 +74,12 @@ def get_checkpoint_name(root: str | os.PathLike, iteration: int, release: bool =
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if expert_rank is None:
+        expert_rank = parallel_state.get_expert_model_parallel_rank()
     expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     return checkpoint_name(root, iteration, release, tensor_rank=tensor_rank,
                            pipeline_rank=pipeline_rank, pipeline_parallel=pipeline_parallel,
-                           expert_rank=parallel_state.get_expert_model_parallel_rank(),
+                           expert_rank=expert_rank,
                            expert_parallel=expert_parallel)
 
 
@@ -212,9 +215,11 @@ def save_checkpoint(iteration: int, model: Sequence[torch.nn.Module], optimizer,
     digests: dict[str, str] = {}  # this rank's files: manifest entry -> sha256
     distributed_optimizer = cfg.parallel.use_distributed_optimizer and optimizer is not None
     if distributed_optimizer and not cfg.checkpoint.no_save_optim:
-        # Collective over the data-parallel group; DP rank 0 receives the gathered state.
+        # Collective over the data-parallel group; DP rank 0 receives the gathered state (with
+        # expert parallelism expert-DP rank 0 the experts' part too: Megatron-LM's
+        # [dense, expert] list in each EP rank's directory).
         state = optimizer.save_parameter_state()
-        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+        if state is not None:
             distrib = name.with_name(DISTRIB_OPTIM_FILENAME)
             digests[manifest_entry(distrib)] = save_file(state, distrib)
     # Context-parallel ranks hold the same weights: one of them writes. With expert
@@ -608,7 +613,7 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
         if ours:
             # Every rank reads the gathered state and keeps its own shard (re-sharding when the
             # data-parallel size differs from the one that saved it).
-            optimizer.load_parameter_state(_read_verified(distrib_file, cfg, unverified))
+            optimizer.load_parameter_state(_distrib_state(distrib_file, name, cfg, unverified))
     except (KeyError, ValueError, RuntimeError, TypeError) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -619,6 +624,24 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
         key = "opt_param_scheduler" if "opt_param_scheduler" in sd else "lr_scheduler"
         if key in sd:
             scheduler.load_state_dict(sd[key])
+
+
+def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path]):
+    """This rank's ``distrib_optim.pt``; with expert parallelism the ``[dense, expert]`` parts
+    the optimizer loads: the dense one from EP rank 0's file (only that one holds it)."""
+    own = _read_verified(distrib_file, cfg, unverified)
+    if parallel_state.get_expert_model_parallel_world_size() == 1 or not isinstance(own, list):
+        return own
+    first = name.parent.parent / shard_dir_name(
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size() > 1, 0, True) \
+        / DISTRIB_OPTIM_FILENAME
+    dense = own if first == distrib_file else _read_verified(first, cfg, unverified)
+    if not isinstance(dense, list) or len(dense) != 2 or len(own) != 2:
+        raise CheckpointError(f"{first} / {distrib_file}: not the [dense, expert] lists of an "
+                              "expert-parallel distributed optimizer checkpoint")
+    return [dense[0], own[1]]
 
 
 # QKV row order by checkpoint_version: the conversion itself is in megatron.checkpointing.

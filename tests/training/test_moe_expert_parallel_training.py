@@ -101,12 +101,24 @@ def test_checkpoint_has_one_directory_per_expert_rank(runs):
         assert weight  # a key the layout documents
 
 
-def test_converter_refuses_an_expert_parallel_checkpoint_by_name(runs):
-    from megatron.checkpointing.errors import CheckpointError
+def test_the_converter_reads_every_expert_of_an_expert_parallel_checkpoint(runs):
+    """Its loader merges the mp_rank_00_EEE shards of the last save: every expert under its
+    global index, equal to the run's final parameter."""
+    import torch
+
     from tools.checkpoint.loader_megatron import MegatronCheckpoint
 
-    with pytest.raises(CheckpointError, match="--expert-model-parallel-size 2"):
-        MegatronCheckpoint(runs["save"], "GPT")
+    source = MegatronCheckpoint(runs["save"], "GPT")
+    try:
+        assert source.ep == 2 and source.iteration == ITERS
+        layer = source.layer(1)
+    finally:
+        source.close()
+    params = runs["ep2_allgather"][0]["params"]
+    for expert in range(4):
+        suffix = f"layers.1.mlp.local_experts.{expert}.dense_4h_to_h.weight"
+        trained, = (v for k, v in params.items() if k.endswith(suffix))
+        assert torch.equal(layer["language_model.encoder." + suffix], trained), expert
 
 
 def e2e_flat_keys(tree, prefix=""):
@@ -133,10 +145,6 @@ def _validate(extra: list[str], world: int):
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
      "--tensor-model-parallel-size"),
     (["--DDP-impl", "torch"], 2, "--DDP-impl local"),
-    (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt", "--save-interval", "1"],
-     2, "--use-distributed-optimizer"),
-    (["--ckpt-format", "torch_dist", "--save", "/nonexistent/ckpt", "--save-interval", "1"],
-     2, "--ckpt-format torch_dist"),
     (["--num-experts", "3", "--moe-router-topk", "2"], 2, "--num-experts (3)"),
 ])
 def test_unbuilt_expert_parallel_combinations_are_refused(extra, world, named):

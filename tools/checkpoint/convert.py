@@ -1,10 +1,15 @@
-"""Convert a checkpoint: another TP / PP / virtual-stage layout, or to / from HuggingFace.
+"""Convert a checkpoint: another TP / PP / virtual-stage / expert-parallel layout, or to / from
+HuggingFace.
 
 Megatron-LM's ``tools/checkpoint/convert.py`` interface::
 
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \\
         --load-dir ckpt/tp1 --save-dir ckpt/tp2pp2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+A mixture-of-experts checkpoint's experts are re-split with ``--target-expert-parallel-size``
+(Megatron-LM's flag; default 1: every expert in each ``mp_rank_TT[_PPP]`` file); the source's
+expert-parallel size is read from its args.
 
 A loader plug-in (``loader_megatron``, ``loader_hf``) describes the model
 (:class:`~tools.checkpoint.model_description.ModelDescription`); a saver plug-in
@@ -49,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-dir", required=True, help="target directory (must be empty)")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1,
+                        help="MoE: split the routed experts over this many expert-parallel "
+                             "ranks (mp_rank_TT[_PPP]_EEE directories); default 1")
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         help="virtual pipeline stages of the target (interleaved schedule)")
     parser.add_argument("--target-vocab-size-divisible-by", type=int, default=None,
@@ -96,9 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(opts: argparse.Namespace) -> None:
-    for name in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+    for name in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_expert_parallel_size"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.target_expert_parallel_size > 1 and (opts.saver != "megatron"
+                                                 or opts.target_ckpt_format != "torch"):
+        raise ValueError("--target-expert-parallel-size > 1 needs --saver megatron with "
+                         "--target-ckpt-format torch (a HuggingFace model and a torch_dist "
+                         "checkpoint hold every expert whole)")
     if opts.saver == "hf" and (opts.target_tensor_parallel_size != 1
                                or opts.target_pipeline_parallel_size != 1):
         raise ValueError("--saver hf writes one unsplit model: leave "
@@ -179,7 +193,8 @@ def save_model(md, opts: argparse.Namespace):
         target = saver_megatron.TargetLayout(
             opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size,
             opts.target_num_layers_per_virtual_pipeline_stage,
-            opts.target_vocab_size_divisible_by, opts.target_use_distributed_optimizer)
+            opts.target_vocab_size_divisible_by, opts.target_use_distributed_optimizer,
+            opts.target_expert_parallel_size)
         return saver_megatron.save(md, opts.save_dir, target)
     from tools.checkpoint import saver_hf
     return saver_hf.save(md, opts.save_dir, keep_padded_vocab=opts.keep_padded_vocab,

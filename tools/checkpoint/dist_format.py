@@ -101,6 +101,7 @@ def torch_dist_to_legacy(source: Path, target_root: Path) -> Path:
     flat = _legacy_names(global_tensors, bool(getattr(args, "swiglu", False)), iter_dir)
     args = copy.copy(args)
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.expert_model_parallel_size = 1  # the global expert tensors: every expert whole
     args.num_layers_per_virtual_pipeline_stage = None
     args.use_distributed_optimizer = False
     sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,

@@ -1,6 +1,8 @@
 """Loader plug-in: a Megatron-LM ``--ckpt-format torch`` checkpoint (ours or Megatron-LM's) at
-any TP / PP / virtual-stage layout -> :class:`~tools.checkpoint.model_description.
-ModelDescription`.
+any TP / PP / virtual-stage / expert-parallel layout -> :class:`~tools.checkpoint.
+model_description.ModelDescription`. The ``mp_rank_TT[_PPP]_EEE`` shards of an expert-parallel
+checkpoint are merged per TP/PP position: every routed expert under its global index
+(``megatron.checkpointing.experts``), the dense tensors from EP rank 0.
 
 Reads with ``weights_only=True`` and the allowlist (``megatron.checkpointing.safe_load``),
 verifies each shard against its recorded sha256 when there is one (the iteration's
@@ -17,10 +19,12 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointError,
-                                    PipelineStages, checkpoint_version,
+                                    PipelineStages, any_shard_file, checkpoint_version,
+                                    expert_shard_files,
                                     fix_query_key_value_ordering, flatten_model_state,
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
+from megatron.checkpointing.experts import merge_expert_parallel
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from megatron.core.checkpoint_keys import (current_key, layer_of, norm_key,
                                            with_layer, without_empty_extra_states)
@@ -68,23 +72,22 @@ class MegatronCheckpoint(ModelDescription):
                  keep_optimizer: bool = False) -> None:
         load_dir = Path(load_dir)
         self.iteration_dir, iteration, release = find_iteration_dir(load_dir)
-        self.files = shard_files(self.iteration_dir)
-        if not self.files:
+        first_path = any_shard_file(self.iteration_dir)
+        if first_path is None:
             raise CheckpointError(f"{self.iteration_dir} holds no mp_rank_*/model_optim_rng.pt")
         self.verify = verify
         self._verified: set[Path] = set()
-        first = self._read(self.files[min(self.files)])
+        first = self._read(first_path)
+        self._first_path = first_path
         if "args" not in first:
-            raise CheckpointError(f"{self.files[min(self.files)]} holds no args: the "
+            raise CheckpointError(f"{first_path} holds no args: the "
                                   "architecture (num_layers, hidden_size...) is unknown")
         args = as_namespace(first["args"])
-        ep = getattr(args, "expert_model_parallel_size", None) or 1
-        if ep > 1:
-            raise CheckpointError(
-                f"{self.iteration_dir} was saved with --expert-model-parallel-size {ep} "
-                "(mp_rank_XX[_YYY]_ZZZ directories): changing or merging the expert-parallel "
-                "split is not implemented yet in this converter; load it at the same EP")
+        self.ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
+        self.expert_files = self._find_files(args)
+        self.files = {(t, p): path for (t, p, e), path in self.expert_files.items() if e == 0}
         self.tp, self.pp = _grid_size(args, self.files)
+        _refuse_another_expert_tensor_split(args, self.tp, self.iteration_dir)
         self._check_grid()
         chunks = len(model_keys(first))
         self._check_virtual_stages(args, chunks)
@@ -99,6 +102,8 @@ class MegatronCheckpoint(ModelDescription):
         self.plan = self.stages.chunks()
         self._open_stage: int | None = None
         self._flat: list[list[dict[str, torch.Tensor]]] = []  # [chunk of stage][tp] -> flat
+        # [chunk of stage][tp][ep] -> flat with local expert indices
+        self._local_flat: list[list[list[dict[str, torch.Tensor]]]] = []
         # [chunk of stage][tp] -> {state key: flat}, with keep_optimizer
         self._optimizer_flat: list[list[dict[str, dict[str, torch.Tensor]]]] = []
         if keep_optimizer:
@@ -115,14 +120,34 @@ class MegatronCheckpoint(ModelDescription):
                                         path.with_name(DISTRIB_OPTIM_FILENAME))
 
     # Files --------------------------------------------------------------------------------
+    def _find_files(self, args) -> dict[tuple[int, int, int], Path]:
+        """Every shard by (TP, PP, EP rank). Without expert parallelism the PP size may come
+        from the directory names (Megatron-LM checkpoints without it in their args)."""
+        if self.ep == 1:
+            return {(t, p, 0): path for (t, p), path in shard_files(self.iteration_dir).items()}
+        num_experts = int(getattr(args, "num_experts", None) or 0)
+        if num_experts % self.ep:
+            raise CheckpointError(f"{self.iteration_dir}: its args record --num-experts "
+                                  f"{num_experts} over --expert-model-parallel-size {self.ep}")
+        pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
+        return expert_shard_files(self.iteration_dir, pp > 1, True)
+
     def _check_grid(self) -> None:
-        missing = [shard_dir_name(t, p, self.pp > 1) for t in range(self.tp)
-                   for p in range(self.pp) if (t, p) not in self.files]
+        missing = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1) for t in range(self.tp)
+                   for p in range(self.pp) for e in range(self.ep)
+                   if (t, p, e) not in self.expert_files]
+        extra = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1)
+                 for t, p, e in self.expert_files if e >= self.ep]
+        if extra:
+            raise CheckpointError(
+                f"{self.iteration_dir} holds {', '.join(sorted(extra))}, beyond the "
+                f"--expert-model-parallel-size {self.ep} its args record: files of two layouts "
+                "mixed, not converted")
         if missing:
             raise CheckpointError(
                 f"{self.iteration_dir} lacks the shard director{'ies' if len(missing) > 1 else 'y'}"
-                f" {', '.join(missing)} (a TP {self.tp} x PP {self.pp} checkpoint needs every "
-                "mp_rank_TT[_PPP]/model_optim_rng.pt): incomplete copy or save")
+                f" {', '.join(missing)} (a TP {self.tp} x PP {self.pp} x EP {self.ep} checkpoint "
+                "needs every mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt): incomplete copy or save")
 
     def _check_virtual_stages(self, args: argparse.Namespace, chunks: int) -> None:
         """The model chunks per shard are the virtual stages the args record."""
@@ -139,7 +164,7 @@ class MegatronCheckpoint(ModelDescription):
         GPT's layout lacks (pooler, LM head, task head), and GPT's never does. Checked before
         any stage is read, so a wrong ``--model-type`` writes nothing."""
         path = self.files[(0, self.pp - 1)]
-        last = first if path == self.files[min(self.files)] else self._read(path)
+        last = first if path == self._first_path else self._read(path)
         keys = [key for name in model_keys(last) for key in flatten_model_state(last[name])]
         bert_only = sorted(set(LAYOUTS["GPT"].unknown_keys(keys))
                            - set(LAYOUTS["BERT"].unknown_keys(keys)))
@@ -163,39 +188,65 @@ class MegatronCheckpoint(ModelDescription):
         """Open ``pipeline_rank``'s shards (all TP ranks), closing the stage open before."""
         if self._open_stage == pipeline_rank:
             return
-        self._flat = []
+        self._flat, self._local_flat = [], []
         self._open_stage = None
-        shards = [self._read(self.files[(t, pipeline_rank)]) for t in range(self.tp)]
+        paths = [[self.expert_files[(t, pipeline_rank, e)] for e in range(self.ep)]
+                 for t in range(self.tp)]
+        shards = [[self._read(path) for path in per_ep] for per_ep in paths]  # [tp][ep]
         version = 0.0 if self.version is None else self.version
-        for tp_rank, sd in enumerate(shards):
-            fix_query_key_value_ordering(sd, version, int(self.args.num_attention_heads),
-                                         self.tp, str(self.files[(tp_rank, pipeline_rank)]))
+        for per_ep, per_ep_paths in zip(shards, paths):
+            for sd, path in zip(per_ep, per_ep_paths):
+                fix_query_key_value_ordering(sd, version, int(self.args.num_attention_heads),
+                                             self.tp, str(path))
         chunks = [c for c in self.plan if c.pipeline_rank == pipeline_rank]
         for chunk in chunks:
-            per_tp = []
-            for tp_rank, sd in enumerate(shards):
-                if chunk.model_key not in sd:
-                    raise CheckpointError(f"{self.files[(tp_rank, pipeline_rank)]} has no "
-                                          f"'{chunk.model_key}' entry")
-                flat = flatten_model_state(sd[chunk.model_key])
-                per_tp.append(self._known(flat, chunk, self.files[(tp_rank, pipeline_rank)]))
-            self._flat.append(per_tp)
+            local = []  # [tp][ep] -> flat, local expert indices
+            for per_ep, per_ep_paths in zip(shards, paths):
+                local.append([])
+                for sd, path in zip(per_ep, per_ep_paths):
+                    if chunk.model_key not in sd:
+                        raise CheckpointError(f"{path} has no '{chunk.model_key}' entry")
+                    flat = flatten_model_state(sd[chunk.model_key])
+                    local[-1].append(self._known(flat, chunk, path))
+            self._local_flat.append(local)
+            self._flat.append([self._merge_experts(per_ep, paths[0][0].parent)
+                               for per_ep in local])
         if self.optimizer is not None:
-            self._read_optimizer_stage(shards, pipeline_rank)
+            self._read_optimizer_stage(shards, paths)
         self._open_stage = pipeline_rank
 
-    def _read_optimizer_stage(self, shards: list[dict], pipeline_rank: int) -> None:
-        """The open stage's per-parameter optimizer state, per chunk and TP rank."""
-        per_rank = []
-        for tp_rank, sd in enumerate(shards):
-            path = self.files[(tp_rank, pipeline_rank)]
-            distrib = self._read(path.with_name(DISTRIB_OPTIM_FILENAME)) \
-                if self.optimizer.distributed else None
-            chunks = [per_tp[tp_rank] for per_tp in self._flat]
-            per_rank.append(optimizer_state.read_shard(sd, chunks, self.optimizer, distrib,
-                                                       path))
-        self._optimizer_flat = [[per_rank[t][c] for t in range(self.tp)]
-                                for c in range(len(self._flat))]
+    def _merge_experts(self, per_ep: list[dict], where) -> dict:
+        """The EP ranks' dicts of one TP/PP position -> one, experts numbered globally."""
+        return per_ep[0] if self.ep == 1 else merge_expert_parallel(per_ep, str(where))
+
+    def _read_optimizer_stage(self, shards: list[list[dict]], paths: list[list[Path]]
+                              ) -> None:
+        """The open stage's per-parameter optimizer state, per chunk and TP rank (each EP
+        rank's read against its own local weights, then merged as the weights are)."""
+        per_rank = []  # [tp][ep][chunk] -> {state key: flat}
+        for tp_rank, (per_ep, per_ep_paths) in enumerate(zip(shards, paths)):
+            per_rank.append([])
+            for ep_rank, (sd, path) in enumerate(zip(per_ep, per_ep_paths)):
+                distrib = self._read_distrib(per_ep_paths, ep_rank) \
+                    if self.optimizer.distributed else None
+                chunks = [local[tp_rank][ep_rank] for local in self._local_flat]
+                per_rank[-1].append(optimizer_state.read_shard(sd, chunks, self.optimizer,
+                                                               distrib, path))
+        self._optimizer_flat = [
+            [{name: self._merge_experts([per_rank[t][e][c][name] for e in range(self.ep)],
+                                        paths[t][0].parent)
+              for name in per_rank[t][0][c]} for t in range(self.tp)]
+            for c in range(len(self._flat))]
+
+    def _read_distrib(self, per_ep_paths: list[Path], ep_rank: int) -> dict:
+        """EP rank ``ep_rank``'s ``distrib_optim.pt`` (with expert parallelism: the dense
+        state from EP rank 0's file, the expert state from its own)."""
+        own = self._read(per_ep_paths[ep_rank].with_name(DISTRIB_OPTIM_FILENAME))
+        if self.ep == 1:
+            return own
+        dense = own if ep_rank == 0 else \
+            self._read(per_ep_paths[0].with_name(DISTRIB_OPTIM_FILENAME))
+        return optimizer_state.expert_parallel_distrib(dense, own, per_ep_paths[ep_rank])
 
     def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
         """Drop the extra keys Megatron tolerates; refuse others the layout does not know."""
@@ -264,7 +315,8 @@ class MegatronCheckpoint(ModelDescription):
                 for name in per_tp[0]}
 
     def close(self) -> None:
-        self._flat, self._optimizer_flat, self._open_stage = [], [], None
+        self._flat, self._local_flat, self._optimizer_flat = [], [], []
+        self._open_stage = None
 
 
 def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> tuple[int, int]:
@@ -281,6 +333,22 @@ def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> 
             f"{files[min(files)].parent.parent} holds {', '.join(extra)}, beyond the TP {tp} x "
             f"PP {pp} its args record: files of two layouts mixed, not converted")
     return tp, pp
+
+
+def _refuse_another_expert_tensor_split(args, tp: int, where: Path) -> None:
+    """The experts are merged over TP as the dense MLP is: a checkpoint whose experts were
+    split over another number of ranks (``--expert-tensor-parallel-size`` != TP) is refused.
+
+    Raises:
+        CheckpointError: naming both sizes.
+    """
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if getattr(args, "num_experts", None) and etp is not None and int(etp) != tp:
+        raise CheckpointError(
+            f"{where} was saved with --expert-tensor-parallel-size {etp} and "
+            f"--tensor-model-parallel-size {tp}: this converter re-splits experts only when "
+            "they are split over TP as the dense layers (--expert-tensor-parallel-size equal "
+            "to --tensor-model-parallel-size)")
 
 
 def _true_vocab_size(args) -> int | None:

@@ -10,7 +10,9 @@ The three layouts a Megatron checkpoint stores the optimizer in (``megatron.core
 * distributed (``--use-distributed-optimizer``): ``sd["optimizer"]`` keeps the param groups
   (with the step count) and the grad scaler; ``distrib_optim.pt`` beside it holds the whole DP
   world's flat buffers ``{chunk: {grad dtype: {"param", "exp_avg", "exp_avg_sq"}}}`` with the
-  parameters' ranges.
+  parameters' ranges. With expert parallelism it is Megatron-LM's ``[dense, expert]`` list:
+  the dense buffers' state in EP rank 0's file (None in the others), each EP rank's experts'
+  buffers in its own.
 
 Between loader and saver the state is described per parameter, like the weights: for each
 state key (``exp_avg``..., and :data:`MAIN` for the fp32 main params of mixed precision) a dict
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.experts import expert_of
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT
 from megatron.core.distributed.grad_buffer import compute_layout
 
@@ -166,9 +169,57 @@ def read_shard(sd: dict, chunks: Sequence[Mapping[str, torch.Tensor]], desc: Opt
         if distrib is None:
             raise CheckpointError(f"{path.with_name('distrib_optim.pt')} is missing: the "
                                   "distributed optimizer keeps its moments there")
+        if isinstance(distrib, ExpertParallelDistrib):
+            return [_merged_states(
+                _read_distributed(distrib.dense, index, flat, desc, path, _is_dense),
+                _read_distributed(distrib.expert, index, flat, desc, path, _is_expert))
+                for index, flat in enumerate(chunks)]
         return [_read_distributed(distrib, index, flat, desc, path)
                 for index, flat in enumerate(chunks)]
     return _read_plain(sd, chunks, desc, path)
+
+
+def _is_dense(key: str) -> bool:
+    return expert_of(key) is None
+
+
+def _is_expert(key: str) -> bool:
+    return expert_of(key) is not None
+
+
+def _merged_states(*parts: dict[str, dict[str, torch.Tensor]]
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for part in parts:
+        for name, tensors in part.items():
+            out.setdefault(name, {}).update(tensors)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertParallelDistrib:
+    """One EP rank's distributed optimizer state: the dense part (EP rank 0's file) and its
+    experts' part (its own file)."""
+
+    dense: dict
+    expert: dict
+
+
+def expert_parallel_distrib(dense_file: Any, own_file: Any, path: Path) -> ExpertParallelDistrib:
+    """The ``[dense, expert]`` lists of EP rank 0's and this EP rank's ``distrib_optim.pt``.
+
+    Raises:
+        CheckpointError: not such lists.
+    """
+    for value in (dense_file, own_file):
+        if not isinstance(value, list) or len(value) != 2:
+            raise CheckpointError(f"{path.with_name('distrib_optim.pt')}: an expert-parallel "
+                                  "checkpoint's distributed optimizer state is a [dense, "
+                                  f"expert] list, found {type(value).__name__}")
+    if dense_file[0] is None or own_file[1] is None:
+        raise CheckpointError(f"{path.with_name('distrib_optim.pt')}: the dense part (EP rank "
+                              "0's file) or this rank's expert part is missing")
+    return ExpertParallelDistrib(dense_file[0], own_file[1])
 
 
 def _read_plain(sd: dict, chunks, desc: OptimizerDescription, path: Path):
@@ -204,13 +255,16 @@ def _shaped(value, shape: torch.Size, key: str, name: str, path: Path) -> torch.
 
 
 def _read_distributed(distrib: dict, index: int, flat: Mapping[str, torch.Tensor],
-                      desc: OptimizerDescription, path: Path) -> dict[str, dict[str, torch.Tensor]]:
+                      desc: OptimizerDescription, path: Path,
+                      select=None) -> dict[str, dict[str, torch.Tensor]]:
+    """One chunk's state from one buffer per chunk, holding the parameters ``select`` picks
+    (all: None) in module order."""
     per_dtype = distrib.get(index)
     if not per_dtype or len(per_dtype) != 1:
         raise CheckpointError(f"{path.with_name('distrib_optim.pt')}: model chunk {index} has "
                               f"{len(per_dtype or {})} grad buffers (one expected)")
     (dtype, buffers), = per_dtype.items()
-    order = parameter_order(list(flat))
+    order = [k for k in parameter_order(list(flat)) if select is None or select(k)]
     layout = distrib.get("layout", {}).get(index, {}).get(dtype)
     numels = [flat[k].numel() for k in order]
     ranges = [tuple(r) for r in layout["param_ranges"]] if layout else \
@@ -305,20 +359,34 @@ def _options(desc: OptimizerDescription, kind: str) -> dict[str, Any]:
 
 def write_distributed(desc: OptimizerDescription, target: Target,
                       chunks: Sequence[Mapping[str, torch.Tensor]],
-                      states: Sequence[Mapping[str, Mapping[str, torch.Tensor]]]
-                      ) -> tuple[dict, dict]:
+                      states: Sequence[Mapping[str, Mapping[str, torch.Tensor]]],
+                      expert_parallel: bool = False, with_dense: bool = True
+                      ) -> tuple[dict, Any]:
     """(``sd["optimizer"]``, ``distrib_optim.pt``) of the distributed optimizer for one
     target shard: the parameters back to back in module order (unpadded, Megatron-LM 23.06's
-    world buffers), with their ranges, so that a run at any DP size re-shards them."""
+    world buffers), with their ranges, so that a run at any DP size re-shards them. With
+    ``expert_parallel`` the ``[dense, expert]`` list (the dense part only ``with_dense``: EP
+    rank 0)."""
     groups = [{**_options(desc, kind), "step": desc.num_steps}
               for kind, _ in param_groups(chunks)]
     head = {"optimizer": {"param_groups": groups}}
     if desc.grad_scaler is not None:
         head["grad_scaler"] = desc.grad_scaler
+    if not expert_parallel:
+        return head, _distrib_buffers(desc, target, chunks, states)
+    dense = _distrib_buffers(desc, target, chunks, states, _is_dense) if with_dense else None
+    return head, [dense, _distrib_buffers(desc, target, chunks, states, _is_expert)]
+
+
+def _distrib_buffers(desc: OptimizerDescription, target: Target,
+                     chunks: Sequence[Mapping[str, torch.Tensor]],
+                     states: Sequence[Mapping[str, Mapping[str, torch.Tensor]]],
+                     select=None) -> dict[Any, Any]:
+    """One buffer per chunk over the parameters ``select`` picks (all: None)."""
     distrib: dict[Any, Any] = {"layout": {}}
     names = (MAIN,) + desc.state_keys
     for index, flat in enumerate(chunks):
-        order = parameter_order(list(flat))
+        order = [k for k in parameter_order(list(flat)) if select is None or select(k)]
         ranges, _, numel = compute_layout([flat[k].numel() for k in order], None, 1)
         buffers = {name: torch.zeros(numel, dtype=torch.float32, device="cpu") for name in names}
         for key, prange in zip(order, ranges):
@@ -331,4 +399,4 @@ def write_distributed(desc: OptimizerDescription, target: Target,
         distrib["layout"][index] = {target.grad_dtype: {
             "param_ranges": [(r.start, r.end) for r in ranges], "numel": numel,
             "data_parallel_size": 1}}
-    return head, distrib
+    return distrib

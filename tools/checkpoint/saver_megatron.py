@@ -1,5 +1,7 @@
 """Saver plug-in: a :class:`~tools.checkpoint.model_description.ModelDescription` -> a
-Megatron-LM ``--ckpt-format torch`` checkpoint at any TP / PP / virtual-stage layout.
+Megatron-LM ``--ckpt-format torch`` checkpoint at any TP / PP / virtual-stage / expert-parallel
+layout (with ``--target-expert-parallel-size`` EP > 1 every ``mp_rank_TT[_PPP]_EEE`` file holds
+the dense model and its ``num_experts / EP`` experts, numbered locally).
 
 Written one target pipeline stage at a time: the stage's layers are pulled from the loader
 layer by layer, split over the target TP ranks (``megatron.checkpointing.layout``), and its
@@ -23,6 +25,7 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     CheckpointError, PipelineStages, checkpoint_name,
                                     manifest_entry, nest_model_state, publish_tracker, save_file,
                                     tracker_path, write_manifest)
+from megatron.checkpointing.experts import split_expert_parallel
 from megatron.checkpointing.names import checkpoint_dir
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from megatron.core.log import get_logger
@@ -43,6 +46,8 @@ class TargetLayout:
     """``--target-vocab-size-divisible-by``; None: the source's ``make_vocab_size_divisible_by``."""
     use_distributed_optimizer: bool | None = None
     """Write the optimizer state in the distributed optimizer's layout; None: as the source."""
+    expert_parallel_size: int = 1
+    """``--target-expert-parallel-size``: the routed experts split over this many ranks."""
 
 
 def target_vocab_size(md: ModelDescription, target: TargetLayout) -> int:
@@ -76,6 +81,10 @@ def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
     data_parallel = int(getattr(args, "data_parallel_size", 1) or 1)
     args.tensor_model_parallel_size = target.tensor_parallel_size
     args.pipeline_model_parallel_size = target.pipeline_parallel_size
+    args.expert_model_parallel_size = target.expert_parallel_size
+    if getattr(args, "expert_tensor_parallel_size", None) is not None:
+        # The experts are re-split over the target TP as the dense layers are.
+        args.expert_tensor_parallel_size = target.tensor_parallel_size
     args.num_layers_per_virtual_pipeline_stage = target.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = _virtual_size(md.num_layers, target)
     args.world_size = target.tensor_parallel_size * target.pipeline_parallel_size * data_parallel
@@ -183,6 +192,11 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
     vocab = target_vocab_size(md, target)
     args = target_args(md, target, vocab)
     heads = int(md.args.num_attention_heads)
+    experts = int(getattr(md.args, "num_experts", None) or 0)
+    if target.expert_parallel_size > 1 and (not experts or experts % target.expert_parallel_size):
+        raise ValueError(f"--target-expert-parallel-size {target.expert_parallel_size} does not "
+                         f"divide the checkpoint's {experts or 'no'} routed experts "
+                         "(--num-experts)")
     if heads % target.tensor_parallel_size:
         raise ValueError(f"--target-tensor-parallel-size {target.tensor_parallel_size} does not "
                          f"divide the {heads} attention heads")
@@ -229,38 +243,49 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
     sha256s by manifest entry."""
     digests: dict[str, str] = {}
     tp = target.tensor_parallel_size
-    shards: list[dict] = [_top_level(md, args) for _ in range(tp)]
     weights: list[list[dict]] = [[] for _ in range(tp)]  # [tp][chunk] -> flat
     states: list[list[dict]] = [[] for _ in range(tp)]
     for chunk in chunks:
         per_tp, state_per_tp = _chunk_shards(md, chunk, vocab, layout, tp)
         for tp_rank in range(tp):
-            shards[tp_rank][chunk.model_key] = nest_model_state(per_tp[tp_rank],
-                                                                layout.nested_sections)
             weights[tp_rank].append(per_tp[tp_rank])
             states[tp_rank].append(state_per_tp[tp_rank])
         del per_tp, state_per_tp
+    ep = target.expert_parallel_size
+    experts = int(getattr(md.args, "num_experts", None) or 0)
     for tp_rank in range(tp):
-        name = checkpoint_name(save_dir, md.iteration, md.release, tensor_rank=tp_rank,
-                               pipeline_rank=chunks[0].pipeline_rank,
-                               pipeline_parallel=target.pipeline_parallel_size > 1)
-        if md.optimizer is not None:
-            digests.update(_add_optimizer(shards[tp_rank], md, args, target, weights[tp_rank],
-                                          states[tp_rank], name))
-        digests[manifest_entry(name)] = save_file(shards[tp_rank], name, flag="--save-dir")
-        shards[tp_rank] = weights[tp_rank] = states[tp_rank] = None  # written: let it go
+        for ep_rank in range(ep):
+            # EP rank ep_rank's experts (local indices) beside the dense tensors.
+            own = [split_expert_parallel(flat, ep, ep_rank, experts) for flat in weights[tp_rank]]
+            own_states = [{name: split_expert_parallel(tensors, ep, ep_rank, experts)
+                           for name, tensors in state.items()} for state in states[tp_rank]]
+            shard = _top_level(md, args)
+            for chunk, flat in zip(chunks, own):
+                shard[chunk.model_key] = nest_model_state(flat, layout.nested_sections)
+            name = checkpoint_name(save_dir, md.iteration, md.release, tensor_rank=tp_rank,
+                                   pipeline_rank=chunks[0].pipeline_rank,
+                                   pipeline_parallel=target.pipeline_parallel_size > 1,
+                                   expert_rank=ep_rank, expert_parallel=ep > 1)
+            if md.optimizer is not None:
+                digests.update(_add_optimizer(shard, md, args, target, own, own_states, name,
+                                              ep_rank))
+            digests[manifest_entry(name)] = save_file(shard, name, flag="--save-dir")
+            del shard, own, own_states
+        weights[tp_rank] = states[tp_rank] = None  # written: let it go
     return digests
 
 
 def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout,
-                   weights: list[dict], states: list[dict], name: Path) -> dict[str, str]:
+                   weights: list[dict], states: list[dict], name: Path,
+                   ep_rank: int = 0) -> dict[str, str]:
     """The shard's optimizer entries (and, distributed, its ``distrib_optim.pt``: returns its
     sha256 by manifest entry)."""
     kind = optimizer_state.target_of(md.optimizer, args, target.use_distributed_optimizer)
     digests = {}
     if kind.distributed:
         shard["optimizer"], distrib = optimizer_state.write_distributed(
-            md.optimizer, kind, weights, states)
+            md.optimizer, kind, weights, states,
+            expert_parallel=target.expert_parallel_size > 1, with_dense=ep_rank == 0)
         path = name.with_name(DISTRIB_OPTIM_FILENAME)
         digests[manifest_entry(path)] = save_file(distrib, path, flag="--save-dir")
     else:

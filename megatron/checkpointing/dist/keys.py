@@ -177,6 +177,8 @@ class Placement:
     num_experts: int = 0
     expert_offset: int = 0
     """Global index of this rank's first local expert."""
+    local_experts: int | None = None
+    """The experts this rank holds (None: all of them)."""
 
 
 @dataclass
@@ -270,8 +272,10 @@ def extra_state_keys(where: Placement, local_layers: int,
         if prefix + "mlp.router.weight" not in names:
             out += [f"decoder.layers.{linear}._extra_state/{at}" for linear in DENSE_LINEARS]
             continue
+        local = where.num_experts if where.local_experts is None else where.local_experts
         out += [f"decoder.layers.{linear}._extra_state/shard_{layer}.{e}_{where.num_layers}."
-                f"{where.num_experts}" for e in range(where.num_experts)
+                f"{where.num_experts}"
+                for e in range(where.expert_offset, where.expert_offset + local)
                 for linear in EXPERT_LINEARS]
         if prefix + "mlp.shared_experts.dense_h_to_4h.weight" in names:
             out += [f"decoder.layers.{linear}._extra_state/{at}" for linear in SHARED_LINEARS]

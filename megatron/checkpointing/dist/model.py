@@ -32,8 +32,11 @@ class Layout:
     pp_size: int = 1
     vpp_size: int | None = None
     num_experts: int = 0
-    """The MoE layers' routed experts (0: a dense model); every rank holds all of them (the
-    expert tensors are split over TP as the dense MLP's)."""
+    """The MoE layers' routed experts (0: a dense model), split over TP as the dense MLP's."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    """Expert parallelism: this rank holds experts ``[ep_rank * E/EP, (ep_rank + 1) * E/EP)``
+    of the global ``[layers, experts, ...]`` tensors."""
 
     @classmethod
     def from_parallel_state(cls, num_layers: int, num_experts: int | None = None) -> Layout:
@@ -42,15 +45,18 @@ class Layout:
                    ps.get_tensor_model_parallel_world_size(),
                    ps.get_pipeline_model_parallel_rank(),
                    ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_virtual_pipeline_model_parallel_world_size(), num_experts or 0)
+                   ps.get_virtual_pipeline_model_parallel_world_size(), num_experts or 0,
+                   ps.get_expert_model_parallel_rank(),
+                   ps.get_expert_model_parallel_world_size())
 
     def placement(self, chunk_index: int) -> tuple[Placement, int]:
         """(placement of model chunk ``chunk_index``, its number of layers)."""
         local, offset = pipeline_stage_layers(self.num_layers, self.pp_size, self.pp_rank,
                                               self.vpp_size,
                                               chunk_index if self.vpp_size else None)
+        local_experts = self.num_experts // self.ep_size
         return Placement(self.num_layers, offset, self.tp_rank, self.tp_size,
-                         self.num_experts), local
+                         self.num_experts, self.ep_rank * local_experts, local_experts), local
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -53,10 +53,12 @@ def _piece_tensor(optimizer, piece, name: str) -> torch.Tensor:
 
 
 def state_tensors(model: Sequence[torch.nn.Module], optimizer, layout: Layout, swiglu: bool,
-                  dp_group, for_save: bool) -> tuple[dict[str, list[Chunk]], list]:
+                  dp_group, for_save: bool, expert_dp_group=None
+                  ) -> tuple[dict[str, list[Chunk]], list]:
     """``({optimizer key: chunks}, whole tensors)``: for a save filled from this DP group's
-    ranges (collective over ``dp_group``); for a load zeros, to read into and then hand to
-    :func:`scatter_back`.
+    ranges (collective over ``dp_group``; with expert parallelism the experts' over
+    ``expert_dp_group``, which their state is sharded over); for a load zeros, to read into and
+    then hand to :func:`scatter_back`.
 
     Raises:
         CheckpointError: the optimizer is not the distributed optimizer (a caller's error:
@@ -85,7 +87,8 @@ def state_tensors(model: Sequence[torch.nn.Module], optimizer, layout: Layout, s
                 for piece in pieces.get(id(param), ()):
                     flat[piece.param_start:piece.param_end] = _piece_tensor(optimizer, piece,
                                                                             state)
-                comm.all_reduce(whole, dp_group)
+                expert = expert_dp_group is not None and not getattr(param, "allreduce", True)
+                comm.all_reduce(whole, expert_dp_group if expert else dp_group)
             wholes.append((param, state, whole))
             for chunk in tensor_chunks(rule, m, whole, placement):
                 out.setdefault(PREFIX + state + "." + rule.mcore, []).append(chunk)

@@ -67,7 +67,8 @@ def stage(iteration: int, model: Sequence[torch.nn.Module], optimizer, scheduler
         if dist_optimizer.is_supported(optimizer):
             common["optimizer"] = optimizer.state_dict()
             opt_tensors, _ = dist_optimizer.state_tensors(
-                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=True)
+                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=True,
+                expert_dp_group=_expert_dp_group())
         else:
             common["optimizer"] = plain_optimizer.common_state(optimizer)
             opt_tensors, _ = plain_optimizer.state_tensors(model, optimizer, layout,
@@ -98,6 +99,14 @@ def _dp_group():
     return parallel_state.get_data_parallel_group()
 
 
+def _expert_dp_group():
+    """The group the experts' distributed-optimizer state is sharded over (EP > 1), else None."""
+    from megatron.core import parallel_state
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_expert_data_parallel_group()
+
+
 def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
          optimizer=None, log=None) -> tuple[dict, list[dict] | None]:
     """Read this rank's model chunks in place, and its RNG states (collective).
@@ -121,7 +130,8 @@ def load(directory: Path, model: Sequence[torch.nn.Module], cfg, load_rng: bool,
         distributed = dist_optimizer.is_supported(optimizer)
         if distributed:
             opt_tensors, wholes = dist_optimizer.state_tensors(
-                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=False)
+                model, optimizer, layout, cfg.model.swiglu, _dp_group(), for_save=False,
+                expert_dp_group=_expert_dp_group())
         else:
             opt_tensors, wholes = plain_optimizer.state_tensors(
                 model, optimizer, layout, cfg.model.swiglu, for_save=False)

@@ -28,6 +28,12 @@ goes through ``save_parameter_state`` / ``load_parameter_state`` = ``distrib_opt
 the tensors are the whole DP world's chunks gathered on DP rank 0 in buffer order. The extra
 ``"layout"`` lets a load at another DP size (or bucket layout) re-shard: each parameter is found by
 its range. A 23.06 file has no layout; the parameters are then assumed back to back (its layout).
+
+With expert parallelism the experts' buffers are sharded over the expert-data-parallel group,
+and ``distrib_optim.pt`` is a list as Megatron-LM's ``ChainedOptimizer`` writes it: ``[dense,
+expert]``, each a dict as above over the dense / the expert buffers, or None where this rank is
+not rank 0 of that part's group (DP rank 0 holds the dense part, expert-DP rank 0 of each EP
+rank its experts' part; the expert part's ``data_parallel_size`` is the expert-DP size).
 """
 
 from __future__ import annotations
@@ -239,26 +245,48 @@ class DistributedOptimizer(MegatronOptimizer):
                 state[key] = torch.zeros_like(piece.main)
         return state
 
+    @property
+    def has_expert_buffers(self) -> bool:
+        """Expert parallelism: the experts' state is sharded over the expert-DP group."""
+        return any(chunk.expert_grad_buffers for chunk in self.model_chunks)
+
     @torch.no_grad()
     def save_parameter_state(self, filename: str | os.PathLike | None = None
-                             ) -> dict[Any, Any] | None:
-        """Gather main params and optimizer moments of the whole DP world (collective).
+                             ) -> dict[Any, Any] | list[dict[Any, Any] | None] | None:
+        """Gather main params and optimizer moments of the whole DP world (collective; with
+        expert parallelism over the DP and the expert-DP groups).
 
         Args:
-            filename: where DP rank 0 writes ``distrib_optim.pt``; None to only return it.
+            filename: where this rank writes ``distrib_optim.pt`` when it holds a part of it;
+                None to only return it.
 
         Returns:
-            On DP rank 0 the ``distrib_optim.pt`` dict (module docstring); None elsewhere.
+            On DP rank 0 the ``distrib_optim.pt`` dict (module docstring); with expert
+            parallelism the ``[dense, expert]`` list on a rank holding either part; else None.
         """
+        dense = self._gather_state(lambda chunk: chunk.grad_buffers, self.dp_rank == 0)
+        if not self.has_expert_buffers:
+            state: Any = dense
+        else:
+            expert_root = comm.rank(self.expert_dp_group) == 0
+            expert = self._gather_state(lambda chunk: chunk.expert_grad_buffers, expert_root)
+            state = None if dense is None and expert is None else [dense, expert]
+        if state is not None and filename is not None:
+            torch.save(state, filename)
+        return state
+
+    def _gather_state(self, buffers_of: Callable[[Any], dict[torch.dtype, GradBuffer]],
+                      is_root: bool) -> dict[Any, Any] | None:
+        """The gathered state of the buffers ``buffers_of(chunk)`` of every chunk, on the
+        rank 0 of their group (``is_root``); None elsewhere."""
         keys = ("param",) + self._state_keys()
-        is_root = self.dp_rank == 0
         state: dict[Any, Any] = {}
         layout: dict[int, dict[torch.dtype, dict[str, Any]]] = {}
         for index, chunk in enumerate(self.model_chunks):
             state[index], layout[index] = {}, {}
-            for dtype, buffer in chunk.grad_buffers.items():
-                full = {k: torch.zeros(buffer.numel, dtype=torch.float32, device="cpu") for k in keys} \
-                    if is_root else None
+            for dtype, buffer in buffers_of(chunk).items():
+                full = {k: torch.zeros(buffer.numel, dtype=torch.float32, device="cpu")
+                        for k in keys} if is_root else None
                 for bucket in buffer.buckets:
                     self._gather_bucket_state(bucket, keys, full)
                 state[index][dtype] = full
@@ -268,8 +296,6 @@ class DistributedOptimizer(MegatronOptimizer):
         if not is_root:
             return None
         state["layout"] = layout
-        if filename is not None:
-            torch.save(state, filename)
         return state
 
     def _gather_bucket_state(self, bucket: Bucket, keys: tuple[str, ...],
@@ -295,19 +321,42 @@ class DistributedOptimizer(MegatronOptimizer):
                 full[key][bucket.offset:bucket.offset + dp * size] = gathered[:, row].reshape(-1)
 
     @torch.no_grad()
-    def load_parameter_state(self, source: str | os.PathLike | dict[Any, Any]) -> None:
-        """Load ``distrib_optim.pt`` (a path every rank can read, or the dict on every rank).
+    def load_parameter_state(self, source: str | os.PathLike | dict[Any, Any] | list) -> None:
+        """Load ``distrib_optim.pt`` (a path every rank can read, or the dict on every rank;
+        with expert parallelism the ``[dense, expert]`` list, both parts present: the dense
+        one from EP rank 0's file, the expert one from this EP rank's).
 
         Works at any DP size and bucket layout: each parameter is located by its saved range.
 
         Raises:
             ValueError: the file does not describe this model (chunks, grad dtypes, sizes).
         """
-        state = source if isinstance(source, dict) else torch.load(
+        state = source if isinstance(source, (dict, list)) else torch.load(
             source, map_location="cpu", weights_only=True, mmap=True)
+        expert_parallel = self.has_expert_buffers
+        if isinstance(state, list) != expert_parallel:
+            raise ValueError(
+                "the distributed optimizer checkpoint was saved "
+                f"{'with' if isinstance(state, list) else 'without'} expert parallelism "
+                f"(--expert-model-parallel-size > 1), this run "
+                f"{'uses' if expert_parallel else 'does not use'} it: convert it with "
+                "tools/checkpoint/convert.py --target-expert-parallel-size, or pass "
+                "--no-load-optim")
+        if not expert_parallel:
+            self._load_state(state, lambda chunk: chunk.grad_buffers)
+            return
+        if len(state) != 2 or any(part is None for part in state):
+            raise ValueError("the expert-parallel distributed optimizer checkpoint needs its "
+                             "[dense, expert] parts (the dense one is in EP rank 0's "
+                             "distrib_optim.pt)")
+        self._load_state(state[0], lambda chunk: chunk.grad_buffers)
+        self._load_state(state[1], lambda chunk: chunk.expert_grad_buffers)
+
+    def _load_state(self, state: dict[Any, Any],
+                    buffers_of: Callable[[Any], dict[torch.dtype, GradBuffer]]) -> None:
         layout = state.get("layout", {})
         for index, chunk in enumerate(self.model_chunks):
-            for dtype, buffer in chunk.grad_buffers.items():
+            for dtype, buffer in buffers_of(chunk).items():
                 saved = state.get(index, {}).get(dtype)
                 if saved is None:
                     raise ValueError(

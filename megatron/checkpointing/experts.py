@@ -1,0 +1,87 @@
+"""Routed experts over expert-parallel ranks in the ``--ckpt-format torch`` layout.
+
+With ``--expert-model-parallel-size`` EP each ``mp_rank_TT[_PPP]_EEE`` shard holds the whole
+dense model and its ``num_experts / EP`` local experts under local indices
+(``...mlp.local_experts.{i}...``, global expert ``E * num_experts / EP + i``), as Megatron-LM's
+legacy checkpoints number them. Merging the EP shards of one TP/PP position renumbers the
+experts globally; splitting keeps the dense tensors on every rank and each rank's experts
+renumbered locally. Pure functions of dicts of tensors: nothing here opens a file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from megatron.checkpointing.errors import CheckpointError
+
+_EXPERT = re.compile(r"(?P<head>.*\.local_experts\.)(?P<index>\d+)(?P<tail>\..*)")
+"""A routed expert's key (the shared experts and the router are dense)."""
+
+T = TypeVar("T")
+
+
+def expert_of(key: str) -> int | None:
+    """The expert index in ``key`` (local or global, as the key holds it); None: dense."""
+    match = _EXPERT.fullmatch(key)
+    return None if match is None else int(match.group("index"))
+
+
+def with_expert(key: str, index: int) -> str:
+    """``key`` with its expert index replaced by ``index``."""
+    match = _EXPERT.fullmatch(key)
+    assert match is not None, key
+    return f"{match.group('head')}{index}{match.group('tail')}"
+
+
+def merge_expert_parallel(per_rank: Sequence[Mapping[str, T]], where: str = "") -> dict[str, T]:
+    """One TP/PP position's flat dicts of the EP ranks (local experts) -> one dict with every
+    expert under its global index; the dense entries are EP rank 0's (every rank holds the same).
+
+    Raises:
+        CheckpointError: the ranks hold different numbers of experts or different dense keys.
+    """
+    counts = [len({expert_of(k) for k in flat if expert_of(k) is not None}) for flat in per_rank]
+    if len(set(counts)) != 1:
+        raise CheckpointError(f"{where}: the expert-parallel shards hold {counts} local experts "
+                              "(each holds the same number): a damaged or mixed-up checkpoint")
+    dense = [{k for k in flat if expert_of(k) is None} for flat in per_rank]
+    if any(keys != dense[0] for keys in dense[1:]):
+        raise CheckpointError(f"{where}: the expert-parallel shards hold different dense "
+                              "tensors: a damaged or mixed-up checkpoint")
+    local = counts[0]
+    position = {key: i for i, key in enumerate(per_rank[0])}
+    block_start: dict[str, int] = {}  # the experts' ModuleList prefix -> its first key
+    for key, i in position.items():
+        match = _EXPERT.fullmatch(key)
+        if match is not None:
+            block_start.setdefault(match.group("head"), i)
+    placed: list[tuple[tuple[int, int, int], str, T]] = []
+    for rank, flat in enumerate(per_rank):
+        for key, value in flat.items():
+            match = _EXPERT.fullmatch(key)
+            if match is None:
+                if rank == 0:
+                    placed.append(((position[key], 0, 0), key, value))
+                continue
+            index = rank * local + int(match.group("index"))
+            # Module order: the experts' list where rank 0 holds it, by global index.
+            order = (block_start[match.group("head")], index, position.get(key, 0))
+            placed.append((order, with_expert(key, index), value))
+    return {key: value for _, key, value in sorted(placed, key=lambda item: item[0])}
+
+
+def split_expert_parallel(flat: Mapping[str, T], size: int, rank: int,
+                          num_experts: int) -> dict[str, T]:
+    """EP rank ``rank``'s part of a whole flat dict: the dense entries and its
+    ``num_experts / size`` experts renumbered locally, in ``flat``'s order."""
+    local = num_experts // size
+    out: dict[str, T] = {}
+    for key, value in flat.items():
+        index = expert_of(key)
+        if index is None:
+            out[key] = value
+        elif rank * local <= index < (rank + 1) * local:
+            out[with_expert(key, index - rank * local)] = value
+    return out
