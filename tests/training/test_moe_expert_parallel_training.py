@@ -130,8 +130,6 @@ def _validate(extra: list[str], world: int):
 
 
 @pytest.mark.parametrize("extra,world,named", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
-     "--tensor-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size"),
     (["--DDP-impl", "torch"], 2, "--DDP-impl local"),
     (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt", "--save-interval", "1"],

@@ -1,7 +1,10 @@
 """Expert parallelism at the layer: an MoE layer whose 4 experts are spread over 2 ranks
 (EP=2), with the allgather and with the alltoall dispatcher, gives every rank the output and
 the input, router and gate gradients of the one-rank layer (EP=1) on that rank's tokens, and
-each expert the gradient summed over both ranks' tokens; with capacity dropping too."""
+each expert the gradient summed over both ranks' tokens; with capacity dropping too. At
+EP=2 x TP=2 (sequence parallel, 4 ranks) with each expert split over ETP=2 ranks or whole
+(ETP=1), with biases, the same holds over the ETP x EP group's tokens (each rank's ETP slice
+of the gradient)."""
 
 from __future__ import annotations
 
