@@ -4,8 +4,8 @@ over its expert tensor-parallel group (ETP=2, the default; alltoall dispatcher) 
 one rank (ETP=1; allgather dispatcher), equals the one-process run from the same start
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over ETP: counted once, kept equal).
-The checkpoints use Megatron-LM's ``mp_rank_TT_EEE`` directories (TP rank, EP rank) and the
-ETP=1 run resumes exactly."""
+The checkpoints use Megatron-LM's ``mp_rank_TT_EEE`` directories (TP rank, EP rank), the
+ETP=1 run resumes exactly, and a load at another ETP is refused by name."""
 
 from __future__ import annotations
 
@@ -93,3 +93,21 @@ def test_ep2_tp2_resumes_exactly(runs):
         assert resumed["iteration"] == ITERS and len(resumed["history"]) == ITERS - 2
         assert e2e.max_abs_diff(e2e.losses(straight)[2:], e2e.losses(resumed)) <= 1e-6
         assert e2e.max_param_diff(straight["params"], resumed["params"]) <= 1e-6
+
+
+def test_loading_at_another_expert_tensor_parallel_size_is_refused(runs):
+    import torch
+
+    from megatron.checkpointing.compat import check_compatible
+    from megatron.checkpointing.errors import CheckpointError
+    from megatron.config.cli import build_parser, parse_flags
+    from megatron.config.validate import validate
+
+    shard = runs["save"][2] / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"
+    saved = torch.load(shard, weights_only=False)["args"]
+    assert saved.expert_tensor_parallel_size == 2
+    flags = [*BIASED, *TP_EP, "--expert-tensor-parallel-size", "1"]
+    cfg = validate(parse_flags(build_parser(), flags), world_size=4)
+    with pytest.raises(CheckpointError, match="--expert-tensor-parallel-size: checkpoint 2, "
+                                              "flags 1"):
+        check_compatible(saved, cfg, shard)
