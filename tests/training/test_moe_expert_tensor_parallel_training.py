@@ -5,7 +5,8 @@ one rank (ETP=1; allgather dispatcher), equals the one-process run from the same
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over ETP: counted once, kept equal).
 The checkpoints use Megatron-LM's ``mp_rank_TT_EEE`` directories (TP rank, EP rank), the
-ETP=1 run resumes exactly, and a load at another ETP is refused by name."""
+ETP=1 run resumes exactly, and a load at another ETP is refused by name; the logged
+parameter norm counts every expert once."""
 
 from __future__ import annotations
 
@@ -32,17 +33,22 @@ def _layout(etp: int, dispatcher: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = {etp: tmp_path_factory.mktemp(f"etp{etp}_checkpoint") for etp in (1, 2)}
-    single, = (r[0] for r in e2e.pooled(1, [_run(init=False)]))
+    logs = tmp_path_factory.mktemp("etp_tensorboard")
+    single, = (r[0] for r in e2e.pooled(1, [_run(_tensorboard(logs / "single"), init=False)]))
     saving = ("--save-interval", "2", "--save")
     # One dispatcher per ETP here (the other pairings at the layer, in float64:
     # tests/core/transformer/test_moe_expert_parallel.py).
     results = e2e.pooled(4, [
         _layout(2, "alltoall", *saving, str(save[2])),
-        _layout(1, "allgather", *saving, str(save[1])),
+        _layout(1, "allgather", *saving, str(save[1]), *_tensorboard(logs / "etp1")),
         {**_layout(1, "allgather", "--load", str(save[1]), "--ckpt-step", "2"),
          "single_process_init": False}])
     names = ["etp2_alltoall", "etp1_allgather", "resumed"]
-    return {"single": single, "save": save, **dict(zip(names, results))}
+    return {"single": single, "save": save, "logs": logs, **dict(zip(names, results))}
+
+
+def _tensorboard(path) -> list[str]:
+    return ["--log-params-norm", "--tensorboard-dir", str(path)]
 
 
 @pytest.mark.parametrize("layout", ["etp2_alltoall", "etp1_allgather"])
@@ -62,6 +68,14 @@ def test_ep2_tp2_equals_one_process(runs, layout):
     # The run changed the experts and their fc2 biases (untouched weights prove nothing).
     name = "language_model.encoder.layers.1.mlp.local_experts.3.dense_4h_to_h.bias"
     assert name in ref["params"] and float(ref["params"][name].abs().max()) > 0
+
+
+def test_params_norm_counts_every_expert_once(runs):
+    # At ETP=1 the TP rank 1 holds experts of its own, their fc2 biases included.
+    want = e2e.read_scalars(runs["logs"] / "single")["params-norm"]
+    got = e2e.read_scalars(runs["logs"] / "etp1")["params-norm"]
+    assert sorted(want) == sorted(got) == list(range(1, ITERS + 1))
+    assert max(abs(want[i] - got[i]) for i in want) <= 1e-5, (want, got)
 
 
 def _rank_major(params: dict, layout: str) -> dict:
