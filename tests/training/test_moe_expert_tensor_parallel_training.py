@@ -3,10 +3,10 @@ through ``pretrain()`` on 4 ranks: EP=2 x TP=2 with sequence parallelism, each e
 over its expert tensor-parallel group (ETP=2, the default; alltoall dispatcher) or whole on
 one rank (ETP=1; allgather dispatcher), equals the one-process run from the same start
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
-(experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over ETP: counted once, kept equal).
-The checkpoints use Megatron-LM's ``mp_rank_TT_EEE`` directories (TP rank, EP rank), the
-ETP=1 run resumes exactly, and a load at another ETP is refused by name; the logged
-parameter norm counts every expert once."""
+(experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over
+ETP: counted once, kept equal). The checkpoints use Megatron-LM's ``mp_rank_TT_EEE``
+directories (TP rank, EP rank), the ETP=1 run resumes exactly, and a load at another ETP is
+refused by name; the logged parameter norm counts every expert once."""
 
 from __future__ import annotations
 
