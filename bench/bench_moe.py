@@ -12,9 +12,9 @@
 3. The bytes one rank moves in one MoE layer's forward at EP=2 with each dispatcher (gloo, 2
    processes), counted at the collectives, against the formula: allgather
    ``(EP-1) T (h*4 + E*4 + E)`` gathered + ``(EP-1) T h*4`` reduce-scattered; alltoall
-   ``E*8 (EP-1)/EP`` counts + ``(N_sent + N_received) * h*4`` (token copies this rank routes to
-   the other rank's experts, sent in the dispatch; copies it receives for its own experts, whose
-   outputs it sends back in the combine).
+   ``E*8 (EP-1)`` gathered counts + ``(N_sent + N_received) * h*4`` (token copies this rank
+   routes to the other rank's experts, sent in the dispatch; copies it receives for its own
+   experts, whose outputs it sends back in the combine).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
 
     from megatron.core import comm
     from megatron.core.transformer.config import TransformerConfig
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_layer import ExpertGroups, MoELayer
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     moved = {"bytes": 0}
@@ -155,7 +155,9 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
                             moe_token_dispatcher_type=dispatcher,
                             gradient_accumulation_fusion=False)
     torch.manual_seed(0)
-    layer = MoELayer(cfg, 1, None, ep_group=dist.group.WORLD).eval()
+    every_rank = dist.group.WORLD
+    layer = MoELayer(cfg, 1, None, expert_groups=ExpertGroups(
+        ep=every_rank, etp=None, tp_ep=every_rank)).eval()
     x = torch.randn(s["seq"], s["batch"], s["hidden"],
                     generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
@@ -170,7 +172,7 @@ def _count_bytes(rank: int, world: int, dispatcher: str, port: int, out: str) ->
     if dispatcher == "allgather":
         formula = (ep - 1) * t * (h * 4 + e * 4 + e) + (ep - 1) * t * h * 4
     else:
-        formula = e * 8 * (ep - 1) // ep + (remote + received) * h * 4
+        formula = e * 8 * (ep - 1) + (remote + received) * h * 4
     if rank == 0:
         Path(out).write_text(json.dumps({"dispatcher": dispatcher, "measured": moved["bytes"],
                                          "formula": formula, "tokens": t,

@@ -29,7 +29,7 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                       "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                       "moe_router_enable_expert_bias")
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "expert_model_parallel_size")
+                 "expert_model_parallel_size", "expert_tensor_parallel_size")
 CONVERTER = "tools/checkpoint/convert.py"
 """The tool that re-splits a checkpoint for other TP/PP sizes (named in mismatch errors)."""
 

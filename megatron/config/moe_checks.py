@@ -116,10 +116,15 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
                          f"({ep}) x --pipeline-model-parallel-size ({pp})")
     if ep > 1:
         _check_expert_parallel(cfg, ep)
-    if etp != tp:
+        if etp not in (1, tp):
+            raise ValueError(f"--expert-tensor-parallel-size ({etp}) other than 1 or "
+                             f"--tensor-model-parallel-size ({tp}) is a Megatron-LM option this "
+                             "framework does not implement yet")
+    elif etp != tp:
         raise ValueError(f"--expert-tensor-parallel-size ({etp}) different from "
-                         f"--tensor-model-parallel-size ({tp}) is a Megatron-LM option this "
-                         "framework does not implement yet")
+                         f"--tensor-model-parallel-size ({tp}) at --expert-model-parallel-size 1 "
+                         "is a Megatron-LM option this framework does not implement yet (the "
+                         "expert grid is built with expert parallelism only)")
     if tp > 1 and not par.sequence_parallel:
         raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel (each TP rank routes its own rows)")
@@ -147,17 +152,27 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
 
 
 def _check_expert_parallel(cfg, ep: int) -> None:
-    """What expert parallelism is built with: the expert grid at ETP 1 under data, pipeline
-    (with virtual stages) and context parallelism (local DDP's contiguous buffers, with or
-    without the distributed optimizer). The rest is refused by name."""
-    par = cfg.parallel
+    """What expert parallelism is built with: the expert grid (ETP 1 or TP, sequence
+    parallelism at TP > 1) under tensor, data, pipeline (with virtual stages) and context
+    parallelism (local DDP's contiguous buffers, with or without the distributed optimizer).
+    The rest is refused by name."""
+    par, ck = cfg.parallel, cfg.checkpoint
     flag = f"--expert-model-parallel-size {ep}"
-    for name, size in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
-                       ("--expert-tensor-parallel-size", par.expert_tensor_parallel_size)):
-        if size > 1:
-            raise ValueError(f"{flag} with {name} {size} is a Megatron-LM combination this "
-                             "framework does not implement yet (expert parallelism runs with "
-                             "data, pipeline and context parallelism)")
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    if tp > 1 and cp > 1:
+        raise ValueError(f"{flag} with --tensor-model-parallel-size {tp} and "
+                         f"--context-parallel-size {cp} together is a Megatron-LM combination "
+                         "this framework does not implement yet (expert parallelism runs with "
+                         "TP or CP, not both)")
+    if tp > 1 and (ck.save is not None or ck.load is not None):
+        if ck.ckpt_format != "torch":
+            raise ValueError(f"{flag} with --tensor-model-parallel-size {tp} and --ckpt-format "
+                             f"{ck.ckpt_format}: only the torch format's mp_rank_TT_EEE "
+                             "directories are built for expert x tensor parallelism")
+        if par.use_distributed_optimizer:
+            raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
+                             "--use-distributed-optimizer and --save / --load: the expert "
+                             "optimizer state's checkpoint is built at TP 1 only")
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"

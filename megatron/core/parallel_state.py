@@ -385,6 +385,29 @@ def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
     return _expert_group("expert_data")
 
 
+def get_expert_tensor_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks each expert's weights are split over (ETP). At EP 1 the dense TP group."""
+    if get_state().expert_layout is None:
+        return get_tensor_model_parallel_group()
+    return _expert_group("expert_tensor")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's index in its expert tensor-parallel group (the TP rank at EP 1; 0 before
+    initialization)."""
+    if _STATE is None or _STATE.expert_layout is None:
+        return get_tensor_model_parallel_rank()
+    return dist.get_rank(_STATE.expert_groups["expert_tensor"])
+
+
+def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup | None:
+    """ETP x EP: the ranks whose tokens one MoE layer's dispatcher exchanges. At EP 1 the
+    dense TP group."""
+    if get_state().expert_layout is None:
+        return get_tensor_model_parallel_group()
+    return _expert_group("expert_tensor_and_model")
+
+
 def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup | None:
     """ETP x EP x PP: the expert parameters' gradient norm is summed here. At EP 1 the dense
     model-parallel group (TP x PP)."""

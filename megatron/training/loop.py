@@ -439,17 +439,20 @@ def _params_norm(model: list) -> float:
     one on TP rank 0 only, and the last stage's copy of a tied word embedding (``shared``) not
     at all (stage 0 counts the embedding), as Megatron's ``calc_params_l2_norm``.
     With expert parallelism the experts (``allreduce`` False) are summed over the expert
-    model-parallel group (ETP x EP x PP) instead, since each EP rank holds other experts."""
+    model-parallel group (ETP x EP x PP) instead, since each EP rank holds other experts, and
+    a replicated one on expert TP rank 0 only."""
     dense = torch.zeros(1, dtype=torch.float64, device=device.get_device())
     expert = torch.zeros(1, dtype=torch.float64, device=device.get_device())
     expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    expert_tp_rank = parallel_state.get_expert_tensor_parallel_rank()
     for chunk in model:
         for param in chunk.parameters():
-            duplicated = not getattr(param, "tensor_model_parallel", False)
-            if (duplicated and tp_rank != 0) or getattr(param, "shared", False):
-                continue
             is_expert = expert_parallel and not getattr(param, "allreduce", True)
+            duplicated = not getattr(param, "tensor_model_parallel", False)
+            if (duplicated and (expert_tp_rank if is_expert else tp_rank) != 0) or \
+                    getattr(param, "shared", False):
+                continue
             (expert if is_expert else dense).add_(param.detach().double().norm() ** 2)
     comm.all_reduce(dense, parallel_state.get_model_parallel_group())
     if expert_parallel:

@@ -185,7 +185,8 @@ def _expert_groups() -> dict[str, object]:
     if parallel_state.get_expert_model_parallel_world_size() == 1:
         return {}
     return {"expert_dp_group": parallel_state.get_expert_data_parallel_group(),
-            "expert_mp_group": parallel_state.get_expert_tensor_model_pipeline_parallel_group()}
+            "expert_mp_group": parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+            "expert_tensor_parallel_rank": parallel_state.get_expert_tensor_parallel_rank()}
 
 
 def _wrap_for_data_parallel(cfg: MegatronConfig, module: torch.nn.Module) -> torch.nn.Module:

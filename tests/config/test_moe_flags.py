@@ -104,6 +104,10 @@ def test_num_experts_zero_is_dense():
     ("--tensor-model-parallel-size 2", 2, ["--sequence-parallel"]),
     ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
      ["--expert-tensor-parallel-size (1)", "not implement"]),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2", 8, ["--expert-tensor-parallel-size (2)", "1 or"]),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2", 4,
+     ["--sequence-parallel"]),
     ("--moe-ffn-hidden-size 33 --tensor-model-parallel-size 2 --sequence-parallel", 2,
      ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),
     ("--moe-token-dispatcher-type flex", 1, ["--moe-token-dispatcher-type flex"]),
@@ -119,6 +123,14 @@ def test_impossible_combinations_name_the_flags(extra, world, flags, capsys):
     err = capsys.readouterr().err
     for flag in flags:
         assert flag in err, (flag, err)
+
+
+@pytest.mark.parametrize("etp", ["1", "2"])
+def test_expert_parallel_with_tensor_parallel_validates(etp):
+    cfg = parse("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                f"--sequence-parallel --expert-tensor-parallel-size {etp}", world_size=4)
+    assert cfg.parallel.expert_tensor_parallel_size == int(etp)
+    assert cfg.parallel.expert_model_parallel_size == 2
 
 
 def test_expert_parallel_without_experts(capsys):

@@ -171,17 +171,19 @@ def _gather_full_params(modules: torch.nn.Module | Sequence[torch.nn.Module]
     if isinstance(modules, torch.nn.Module):
         modules = [modules]
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
     out = {}
     for module in modules:
         for name, param in module.named_parameters():
             value = param.detach().float().clone()
-            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-                value = torch.cat(comm.all_gather_list(value.contiguous(), tp_group),
+            expert = ep_size > 1 and not getattr(param, "allreduce", True)
+            group = expert_tp_group if expert else tp_group  # the experts' split: ETP
+            if comm.world_size(group) > 1 and getattr(param, "tensor_model_parallel", False):
+                value = torch.cat(comm.all_gather_list(value.contiguous(), group),
                                   dim=param.partition_dim)
-            if ep_size > 1 and not getattr(param, "allreduce", True):
+            if expert:
                 # Every expert-parallel rank's experts, under their global indices.
                 for r, v in enumerate(comm.all_gather_list(value.contiguous(), ep_group)):
                     out[_global_name(module, name, ep_rank=r)] = v
@@ -195,17 +197,26 @@ def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
     """Overwrite a stage's weights with the one-process run's initial ones: the whole model
     built from ``--seed`` as a world of one builds it (TP-invariant: this rank's TP slices)."""
     from megatron.config.core_configs import transformer_config
+    from megatron.core import comm
     from megatron.core.models.gpt import GPTModel
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.model.seed)
-        whole = GPTModel(transformer_config(cfg),
-                         parallel_state.get_tensor_model_parallel_group())
-    reference = dict(whole.named_parameters())
+    def built(tp_group) -> dict[str, torch.Tensor]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.model.seed)
+            return dict(GPTModel(transformer_config(cfg), tp_group).named_parameters())
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    reference = built(tp_group)
+    experts = reference  # the experts split over the expert TP group (ETP; TP at EP 1)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
+        if comm.world_size(expert_tp_group) != comm.world_size(tp_group):
+            experts = built(expert_tp_group if comm.world_size(expert_tp_group) > 1 else None)
     embedding = "language_model.embedding.word_embeddings.weight"
     for name, param in module.named_parameters():
         source = _global_name(module, name)
-        param.copy_(reference[embedding if source == "word_embeddings.weight" else source])
+        table = experts if not getattr(param, "allreduce", True) else reference
+        param.copy_(table[embedding if source == "word_embeddings.weight" else source])
 
 
 class _InfInjector:

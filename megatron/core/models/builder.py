@@ -13,6 +13,7 @@ from typing import TypeVar
 from megatron.core import parallel_state
 from megatron.core.models.language_module import LanguageModule, initialize_word_embeddings
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.moe.moe_layer import ExpertGroups
 
 ModelT = TypeVar("ModelT", bound=LanguageModule)
 
@@ -79,7 +80,10 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
     if parallel_state.get_context_parallel_world_size() > 1:
         kwargs["cp_group"] = parallel_state.get_context_parallel_group()
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        kwargs["ep_group"] = parallel_state.get_expert_model_parallel_group()
+        kwargs["expert_groups"] = ExpertGroups(
+            ep=parallel_state.get_expert_model_parallel_group(),
+            etp=parallel_state.get_expert_tensor_parallel_group(),
+            tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group())
     model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
                       num_layers=num_layers, layer_offset=layer_offset, **kwargs)
     # With virtual stages only the chunk holding the embedding (chunk 0 of stage 0) or the head

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.utils import (ProcessGroup, set_defaults_if_n
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.context_parallel import split_for_cp
+from megatron.core.transformer.moe.moe_layer import ExpertGroups
 from megatron.core.transformer.rotary import RotaryEmbedding
 
 
@@ -110,7 +111,7 @@ class TransformerLanguageModel(torch.nn.Module):
                  num_layers: int | None = None, layer_offset: int = 0,
                  attn_mask_type: AttnMaskType = "causal", add_pooler: bool = False,
                  replicated_head: bool = False, cp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None) -> None:
+                 expert_groups: ExpertGroups | None = None) -> None:
         super().__init__()
         self.cp_group = cp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -122,7 +123,7 @@ class TransformerLanguageModel(torch.nn.Module):
                                         layer_offset=layer_offset, pre_process=pre_process,
                                         post_process=post_process,
                                         attn_mask_type=attn_mask_type, cp_group=cp_group,
-                                        ep_group=ep_group)
+                                        expert_groups=expert_groups)
         # RoPE holds no parameters: every stage has one, for its own layers' queries and keys.
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":

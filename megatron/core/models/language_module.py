@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.utils import ProcessGroup, set_defaults_if_not_set
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
+from megatron.core.transformer.moe.moe_layer import ExpertGroups
 
 
 class LanguageModule(torch.nn.Module):
@@ -68,7 +69,7 @@ class LanguageModule(torch.nn.Module):
                  parallel_output: bool = True, num_layers: int | None = None,
                  layer_offset: int = 0, add_pooler: bool = False,
                  cp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None) -> None:
+                 expert_groups: ExpertGroups | None = None) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -80,7 +81,8 @@ class LanguageModule(torch.nn.Module):
             config, tp_group, pre_process=pre_process, post_process=post_process,
             num_layers=num_layers, layer_offset=layer_offset,
             attn_mask_type=self.attn_mask_type, add_pooler=add_pooler,
-            replicated_head=self.replicated_head, cp_group=cp_group, ep_group=ep_group)
+            replicated_head=self.replicated_head, cp_group=cp_group,
+            expert_groups=expert_groups)
         self.word_embeddings = self._init_word_embeddings()
         self.set_parameter_defaults()
 

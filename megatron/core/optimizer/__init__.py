@@ -105,8 +105,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
                            tensor_model_parallel_rank: int | None = None,
                            timers: Timers | None = None,
                            expert_dp_group: comm.ProcessGroup | None = None,
-                           expert_mp_group: comm.ProcessGroup | None = None
-                           ) -> MegatronOptimizer:
+                           expert_mp_group: comm.ProcessGroup | None = None,
+                           expert_tensor_parallel_rank: int = 0) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (module docstring says which class).
 
     Args:
@@ -121,6 +121,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
         expert_dp_group: with expert parallelism, the expert-data-parallel group.
         expert_mp_group: with expert parallelism, the expert model-parallel group (ETP x EP x
             PP); None: no expert parallelism, every parameter counted as a dense one.
+        expert_tensor_parallel_rank: with expert parallelism, this rank's expert TP rank (the
+            duplicate filter of the expert parameters).
 
     Raises:
         ValueError: an unknown optimizer.
@@ -135,7 +137,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[torch.nn.
                   mp_group=mp_group,
                   tensor_model_parallel_rank=tensor_model_parallel_rank,
                   timers=timers, barrier_with_l1_time=config.barrier_with_L1_time,
-                  expert_dp_group=expert_dp_group, expert_mp_group=expert_mp_group)
+                  expert_dp_group=expert_dp_group, expert_mp_group=expert_mp_group,
+                  expert_tensor_parallel_rank=expert_tensor_parallel_rank)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(groups, factory, model_chunks, dp_group, **common)
     if config.fp16 or config.bf16:

@@ -105,6 +105,8 @@ class MegatronOptimizer:
         expert_mp_group: with expert parallelism, the expert model-parallel group (ETP x EP x
             PP): the expert parameters (``allreduce = False``) are counted in the norm over it,
             the others over ``mp_group``, each exactly once. None: no expert parallelism.
+        expert_tensor_parallel_rank: this rank's expert TP rank: an expert parameter
+            replicated over the expert TP group (fc2's bias) counts on its rank 0 only.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clip_grad: float,
@@ -113,8 +115,10 @@ class MegatronOptimizer:
                  tensor_model_parallel_rank: int, timers: Timers | None = None,
                  barrier_with_l1_time: bool = False,
                  expert_dp_group: comm.ProcessGroup | None = None,
-                 expert_mp_group: comm.ProcessGroup | None = None) -> None:
+                 expert_mp_group: comm.ProcessGroup | None = None,
+                 expert_tensor_parallel_rank: int = 0) -> None:
         self.optimizer = optimizer
+        self.expert_tp_rank = expert_tensor_parallel_rank
         self.expert_dp_group = expert_dp_group
         self.expert_mp_group = expert_mp_group
         self.expert_parallel = expert_mp_group is not None
@@ -173,7 +177,14 @@ class MegatronOptimizer:
     def _grads_for_norm(self) -> list[torch.Tensor]:
         return [p.grad for p in self.main_params()
                 if p.grad is not None and clip_grads.param_is_not_shared(p)
-                and clip_grads.param_is_not_tensor_parallel_duplicate(p, self.tp_rank)]
+                and clip_grads.param_is_not_tensor_parallel_duplicate(p, self._tp_rank_of(p))]
+
+    def _tp_rank_of(self, param: torch.Tensor) -> int:
+        """The rank of the group ``param`` may be replicated over: with expert parallelism an
+        expert's is the expert TP group (at ETP 1 each rank's experts are its own)."""
+        if self.expert_parallel and not getattr(param, "allreduce", True):
+            return self.expert_tp_rank
+        return self.tp_rank
 
     def _norm_parts(self) -> list[tuple[list[torch.Tensor], list[comm.ProcessGroup | None]]]:
         """(grads, groups their partial norm is reduced over): with expert parallelism the

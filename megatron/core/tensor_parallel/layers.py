@@ -334,6 +334,9 @@ class ColumnParallelLinear(torch.nn.Module):
             (TP-invariant); False: draw this rank's shard on the device from the
             model-parallel RNG stream.
         perform_initialization: False leaves the weight undrawn (a checkpoint load follows).
+        explicit_expert_comm: split the weight over ``tp_group`` but communicate nothing: the
+            MoE token dispatcher moves the inputs and sums the gradients (Megatron's expert
+            layers, ``explicit_expert_comm``).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -343,11 +346,15 @@ class ColumnParallelLinear(torch.nn.Module):
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
                  sequence_parallel: bool = False, use_cpu_initialization: bool = True,
-                 perform_initialization: bool = True) -> None:
+                 perform_initialization: bool = True, explicit_expert_comm: bool = False) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False")
+        if explicit_expert_comm and (sequence_parallel or gather_output):
+            raise ValueError("ColumnParallelLinear: explicit_expert_comm communicates nothing "
+                             "(no sequence_parallel, no gather_output)")
         self.tp_group = tp_group
+        self.comm_group = None if explicit_expert_comm else tp_group
         self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
@@ -366,7 +373,7 @@ class ColumnParallelLinear(torch.nn.Module):
         """``x [..., in]`` (``[s/p, b, in]`` with sequence parallelism) -> (``[..., out/p]``
         or gathered ``[..., out]``, skipped bias)."""
         bias = None if self.skip_bias_add else self.bias
-        out = column_parallel_linear(x, self.weight, bias, self.tp_group,
+        out = column_parallel_linear(x, self.weight, bias, self.comm_group,
                                      self.gradient_accumulation_fusion,
                                      self.sequence_parallel)  # [..., out/p]
         if self.gather_output:
@@ -405,7 +412,8 @@ class RowParallelLinear(torch.nn.Module):
             all-reducing them: ``[s, b, in/p]`` -> ``[s/p, b, out]`` (sequence parallelism).
             The bias is then added on this rank's rows only, so its gradient is partial and is
             marked ``sequence_parallel`` (summed over TP ranks by ``finalize_model_grads``).
-        use_cpu_initialization, perform_initialization: as :class:`ColumnParallelLinear`'s.
+        use_cpu_initialization, perform_initialization, explicit_expert_comm: as
+            :class:`ColumnParallelLinear`'s (the partial sums are returned unreduced).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None,
@@ -415,11 +423,15 @@ class RowParallelLinear(torch.nn.Module):
                  device: torch.device | None = None,
                  gradient_accumulation_fusion: bool = False,
                  sequence_parallel: bool = False, use_cpu_initialization: bool = True,
-                 perform_initialization: bool = True) -> None:
+                 perform_initialization: bool = True, explicit_expert_comm: bool = False) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        if explicit_expert_comm and (sequence_parallel or not input_is_parallel):
+            raise ValueError("RowParallelLinear: explicit_expert_comm communicates nothing "
+                             "(input_is_parallel, no sequence_parallel)")
         self.tp_group = tp_group
+        self.comm_group = None if explicit_expert_comm else tp_group
         self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
@@ -446,7 +458,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/p, b, out]
         else:
-            out = reduce_from_tensor_model_parallel_region(out, self.tp_group, in_place=True)
+            out = reduce_from_tensor_model_parallel_region(out, self.comm_group, in_place=True)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None

@@ -23,6 +23,7 @@ from megatron.core.transformer.attention import additive_mask
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.layernorm import build_norm
+from megatron.core.transformer.moe.moe_layer import ExpertGroups
 
 
 class TransformerBlock(torch.nn.Module):
@@ -45,14 +46,14 @@ class TransformerBlock(torch.nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  attn_mask_type: AttnMaskType = "causal",
                  cp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None) -> None:
+                 expert_groups: ExpertGroups | None = None) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
         n = config.num_layers if num_layers is None else num_layers
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, layer_offset + i + 1, tp_group, attn_mask_type, cp_group,
-                             ep_group)
+                             expert_groups)
             for i in range(n))
         self.final_layernorm = None
         if post_process:

@@ -19,7 +19,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import AttnMaskType, TransformerConfig
 from megatron.core.transformer.layernorm import build_norm
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_layer import ExpertGroups, MoELayer
 
 
 class TransformerLayer(torch.nn.Module):
@@ -31,12 +31,14 @@ class TransformerLayer(torch.nn.Module):
         layer_number: 1-based global layer index.
         tp_group: the TP process group.
         attn_mask_type: ``causal`` or ``padding``.
+        cp_group: the context-parallel group.
+        expert_groups: an MoE layer's expert groups (None: expert parallelism 1).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  tp_group: ProcessGroup | None, attn_mask_type: AttnMaskType = "causal",
                  cp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None) -> None:
+                 expert_groups: ExpertGroups | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -45,7 +47,7 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, attn_mask_type,
                                             cp_group=cp_group)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = (MoELayer(config, layer_number, tp_group, ep_group=ep_group,
+        self.mlp = (MoELayer(config, layer_number, tp_group, expert_groups=expert_groups,
                              cp_group=cp_group) if config.is_moe_layer(layer_number)
                     else MLP(config, tp_group))
 

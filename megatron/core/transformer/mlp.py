@@ -22,9 +22,13 @@ class MLP(torch.nn.Module):
     Args:
         config: transformer settings (GeLU form: see ``TransformerConfig.gelu_tanh_approximation``).
         tp_group: the TP process group.
+        explicit_expert_comm: the weights split over ``tp_group`` without a collective in
+            either linear: a routed expert's, whose dispatcher moves its inputs and sums its
+            partial outputs (``[s, b, h]`` partial sums out).
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None,
+                 explicit_expert_comm: bool = False) -> None:
         super().__init__()
         self.approximate = "tanh" if config.gelu_tanh_approximation else "none"
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
@@ -45,7 +49,8 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, gather_output=False, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
+            sequence_parallel=config.sequence_parallel, explicit_expert_comm=explicit_expert_comm,
+            **tp_layers.init_options(config))
         self.dense_4h_to_h = tp_layers.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
             init_method=tp_layers.scaled_init_method_normal(config.init_method_std,
@@ -53,7 +58,8 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
+            sequence_parallel=config.sequence_parallel, explicit_expert_comm=explicit_expert_comm,
+            **tp_layers.init_options(config))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` -> (``[s, b, h]`` before the output bias, the output bias); with

@@ -11,6 +11,8 @@ Legend: s sequence, b batch, h hidden, p TP size, T = s*b tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size
@@ -19,8 +21,24 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import Experts, expert_config
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (AllGatherDispatcher,
-                                                           AllToAllDispatcher,
-                                                           ExpertParallelAllGatherDispatcher)
+                                                           AllToAllDispatcher)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+    """The routed experts' process groups (Megatron-Core's expert grid, "parallel folding";
+    None: this rank alone).
+
+    Attributes:
+        ep: the expert-parallel group: this rank holds experts ``ep_rank * E/EP ...
+            (ep_rank + 1) * E/EP - 1``.
+        etp: the expert tensor-parallel group each expert's weights are split over.
+        tp_ep: ETP x EP (ETP fastest): the ranks whose tokens the dispatcher exchanges.
+    """
+
+    ep: ProcessGroup | None
+    etp: ProcessGroup | None
+    tp_ep: ProcessGroup | None
 
 
 class SharedExpertMLP(MLP):
@@ -58,25 +76,25 @@ class MoELayer(torch.nn.Module):
     Args:
         config: transformer settings (``num_moe_experts`` and the ``moe_*`` fields).
         layer_number: 1-based global layer index.
-        tp_group: the TP group (the experts are split over it as the dense MLP).
+        tp_group: the TP group (the router's counts; the shared experts are split over it).
         tp_dp_group: TP x DP (global balancing loss and expert-bias counts).
-        ep_group: the expert-parallel group: this rank holds experts
-            ``ep_rank * E/EP ... (ep_rank + 1) * E/EP - 1`` (expert tensor parallelism 1).
+        expert_groups: the routed experts' groups; None: those of expert parallelism 1, the
+            experts split over ``tp_group`` (ETP = TP).
         cp_group: the context-parallel group (the router's balancing-loss counts span TP x
             CP); the tokens themselves need nothing of it (each is routed on its own).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
-                 ep_group: ProcessGroup | None = None,
+                 expert_groups: ExpertGroups | None = None,
                  cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group, cp_group)
-        ep = tp_world_size(ep_group)
-        num_local = config.num_moe_experts // ep
-        self.local_expert_offset = tp_rank(ep_group) * num_local
-        experts = Experts(config, num_local, tp_group if ep == 1 else None)
+        groups = expert_groups or ExpertGroups(ep=None, etp=tp_group, tp_ep=tp_group)
+        num_local = config.num_moe_experts // tp_world_size(groups.ep)
+        self.local_expert_offset = tp_rank(groups.ep) * num_local
+        experts = Experts(config, num_local, groups.etp)
         # Registered flat, as Megatron-LM's SwitchMLP: the checkpoint keys have no 'experts.'.
         self.local_experts = experts.local_experts
         self._experts = [experts]  # outside the module tree: its parameters are local_experts'
@@ -84,13 +102,13 @@ class MoELayer(torch.nn.Module):
             # Megatron's mark: not reduced over the dense data-parallel group but over the
             # expert-data-parallel one (each EP rank holds other experts).
             param.allreduce = False
-        if ep == 1:
-            self.dispatcher = AllGatherDispatcher(tp_group)
-        elif config.moe_token_dispatcher_type == "alltoall":
-            self.dispatcher = AllToAllDispatcher(ep_group, config.num_moe_experts, num_local)
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.dispatcher = AllToAllDispatcher(groups.ep, groups.etp, groups.tp_ep,
+                                                 config.num_moe_experts,
+                                                 self.local_expert_offset, num_local)
         else:
-            self.dispatcher = ExpertParallelAllGatherDispatcher(
-                ep_group, self.local_expert_offset, num_local)
+            self.dispatcher = AllGatherDispatcher(groups.tp_ep, self.local_expert_offset,
+                                                  num_local)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, tp_group)
