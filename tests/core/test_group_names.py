@@ -6,7 +6,8 @@ Source-level checks (no process group), over the library and its entry points:
   ``mp_group`` (TP x PP), ``cp_group`` (context parallelism), ``embedding_group``,
   ``position_embedding_group``, ``ep_group`` (expert parallelism), ``tp_dp_group`` (an MoE
   router's balancing statistics), ``count_group`` (the group a router's token counts are summed
-  over), ``ckpt_group`` (the ranks writing one checkpoint); plain ``group`` only
+  over), ``ckpt_group`` (the ranks writing one checkpoint), ``expert_dp_group`` / ``expert_mp_group``
+  / ``etp_group`` (expert tensor parallelism) / ``tp_ep_group`` (ETP x EP); plain ``group`` only
   in comm.py's generic functions; never ``data_parallel_group`` / ``model_parallel_group``;
 * every call of a comm function passes its group, and never a literal ``None`` (which is this
   rank alone: a caller meaning every rank passes ``comm.world_group()``);
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMM = ROOT / "megatron" / "core" / "comm.py"
 GROUP_NAMES = {"tp_group", "pp_group", "dp_group", "mp_group", "cp_group", "embedding_group",
                "position_embedding_group", "ep_group", "tp_dp_group", "count_group", "ckpt_group",
-               "expert_dp_group", "expert_mp_group"}
+               "expert_dp_group", "expert_mp_group", "etp_group", "tp_ep_group"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast", "broadcast_object_list", "barrier",

@@ -145,24 +145,24 @@ class AllToAllDispatcher:
         return unpermute(home, gates, source, num_tokens)
 
 
-def _gather_rows(x: torch.Tensor, group: ProcessGroup | None, rows: list[int]) -> torch.Tensor:
+def _gather_rows(x: torch.Tensor, etp_group: ProcessGroup | None, rows: list[int]) -> torch.Tensor:
     """All-gather of ``x [rows[me], h]`` with another row count per rank -> ``[sum(rows), h]``
     in rank order; the backward sums every rank's gradient of this rank's rows (a
     reduce-scatter). One all-to-all that sends ``x`` to every rank."""
-    if tp_world_size(group) == 1:
+    if tp_world_size(etp_group) == 1:
         return x
     copies = torch.cat([x] * len(rows))  # [n * rows[me], h]
-    return all_to_all(copies, group, rows, [x.shape[0]] * len(rows))
+    return all_to_all(copies, etp_group, rows, [x.shape[0]] * len(rows))
 
 
-def _reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None,
+def _reduce_scatter_rows(x: torch.Tensor, etp_group: ProcessGroup | None,
                          rows: list[int]) -> torch.Tensor:
     """The reverse of :func:`_gather_rows`: ``x [sum(rows), h]`` -> this rank's ``rows[me]``
     rows summed over the ranks (the backward gathers)."""
-    if tp_world_size(group) == 1:
+    if tp_world_size(etp_group) == 1:
         return x
-    n, mine = len(rows), rows[tp_rank(group)]
-    pieces = all_to_all(x, group, [mine] * n, rows)  # [n * mine, h], rank r's piece r-th
+    n, mine = len(rows), rows[tp_rank(etp_group)]
+    pieces = all_to_all(x, etp_group, [mine] * n, rows)  # [n * mine, h], rank r's piece r-th
     return pieces.view(n, mine, *x.shape[1:]).sum(0)
 
 
