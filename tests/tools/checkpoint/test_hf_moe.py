@@ -2,8 +2,8 @@
 downloaded): Mixtral, Qwen2-MoE (shared expert with its sigmoid gate, a dense layer, q/k/v
 bias, softmax before the top-k), Qwen3-MoE (q/k norms, renormalized top-k) and OLMoE (q/k norms
 over the whole projection: --qk-layernorm-full-projection) give HF's logits in ours to 1e-5 in
-fp32 and the same greedy text, through a TP=2 conversion and back (OLMoE at TP=1: its TP=2 is
-refused by name)."""
+fp32 and the same greedy text (ours also with the KV cache), through a TP=2 conversion and back
+(OLMoE at TP=1: its TP=2 is refused by name)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.config import TransformerConfig
+from megatron.text_generation.generation import generate_tokens
 from tests.tools.checkpoint import helpers
 from tools.checkpoint import convert
 
@@ -109,10 +110,13 @@ def test_import_gives_the_hf_logits_and_greedy_text(tmp_path, kind):
     prompt = ids[:1, :4]
     generated = hf.generate(prompt, max_new_tokens=6, do_sample=False,
                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    cached = generate_tokens(ours, [prompt[0].tolist()], 6, vocab_size=VOCAB,
+                             max_sequence_length=64, greedy=True, stop_on_eod=False)
     for _ in range(6):
         nxt = _logits(ours, prompt)[:, -1, :VOCAB].argmax(-1, keepdim=True)
         prompt = torch.cat([prompt, nxt], dim=1)
     assert torch.equal(prompt, generated)
+    assert cached == generated.tolist()  # our KV cache's tokens too
 
 
 def test_olmoe_at_tp2_and_its_unconverted_forms_are_refused_by_name(tmp_path, capsys):
