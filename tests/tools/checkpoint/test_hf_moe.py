@@ -171,3 +171,16 @@ def test_export_refuses_what_no_hf_class_holds():
                               moe_router_score_function="sigmoid", num_layers=2)
     with pytest.raises(ValueError, match="--moe-router-score-function"):
         check_moe_exportable(args)
+
+
+def test_imported_olmoe_restores_its_q_k_norm_span_with_use_checkpoint_args(tmp_path):
+    from megatron.config.core_configs import transformer_config
+    from tests.tools.test_llama_serving import RUN, _config
+
+    _random_hf(tmp_path / "hf", "olmoe")
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "hf"),
+                         "--save-dir", str(tmp_path / "ours"), "--loader", "hf"]) == 0
+    cfg = _config(["--load", str(tmp_path / "ours"), "--use-checkpoint-args",
+                   "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *RUN])
+    tc = transformer_config(cfg)
+    assert tc.qk_layernorm and tc.qk_layernorm_full_projection and tc.num_moe_experts == 4
