@@ -146,7 +146,11 @@ class ModelConfig:
     """Keep the QKV projection's bias with --disable-bias-linear (Qwen2-style)."""
     qk_layernorm: bool = False
     """Normalize each query and key head over its kv-channels (the --normalization norm,
-    after the QKV projection, before RoPE; OLMo-2 / Qwen3-style)."""
+    after the QKV projection, before RoPE; Qwen3-style)."""
+    qk_layernorm_full_projection: bool = False
+    """With --qk-layernorm: one norm over the whole query projection (all heads' q,
+    heads x kv-channels wide) and one over all keys (query-groups x kv-channels), as OLMoE and
+    OLMo-2 normalize, instead of one per head. Not in Megatron-LM; TP=1 only."""
 
     attention_dropout: float = 0.1
     """Dropout probability of the attention probabilities."""

@@ -109,6 +109,7 @@ def validate(flags, world_size: int, require_model: bool = True,
         _check_llama_features(cfg.model)
         _check_model_shape(cfg)
         _check_query_groups(cfg)
+        _check_qk_norm_span(cfg)
         _check_rotary_dims(cfg)
         _check_pipeline_layers(cfg)
     _check_batch(cfg)
@@ -234,6 +235,20 @@ def _check_query_groups(cfg) -> None:
     if m.num_attention_heads % g != 0:
         raise ValueError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                          f"--num-query-groups ({g}) with --group-query-attention")
+
+
+def _check_qk_norm_span(cfg) -> None:
+    """--qk-layernorm-full-projection: the norm over all heads sees every head only at TP=1."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if not m.qk_layernorm_full_projection:
+        return
+    if not m.qk_layernorm:
+        raise ValueError("--qk-layernorm-full-projection without --qk-layernorm: it says what "
+                         "the q/k norms span; add --qk-layernorm")
+    if tp > 1:
+        raise ValueError(f"--qk-layernorm-full-projection with --tensor-model-parallel-size "
+                         f"{tp}: the norm over all heads would need every TP rank's heads; "
+                         "use --tensor-model-parallel-size 1")
 
 
 def _check_rotary_dims(cfg) -> None:

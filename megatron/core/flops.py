@@ -36,8 +36,11 @@ def num_parameters(config: TransformerConfig, exclude_embeddings: bool = False) 
     bias = 1 if c.add_bias_linear else 0
     qkv_bias = 1 if c.add_bias_linear or c.add_qkv_bias else 0
     norm = h if c.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
-    # --qk-layernorm: one norm over hn each for the queries and the keys, shared by the heads.
-    qk_norms = 2 * (c.kv_channels if c.normalization == "RMSNorm" else 2 * c.kv_channels) \
+    # --qk-layernorm: one norm over hn each for the queries and the keys, shared by the heads
+    # (with --qk-layernorm-full-projection one over all of q and one over all of k).
+    qk_width = (proj + c.kv_channels * c.num_query_groups
+                if getattr(c, "qk_layernorm_full_projection", False) else 2 * c.kv_channels)
+    qk_norms = (qk_width if c.normalization == "RMSNorm" else 2 * qk_width) \
         if c.qk_layernorm else 0
     per_layer = (2 * norm + qk_norms                 # two norms (+ the q/k norms)
                  + qkv * h + qkv_bias * qkv          # query_key_value

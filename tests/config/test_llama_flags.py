@@ -102,3 +102,13 @@ def test_rope_and_none_contradict(capsys):
 def test_rotary_needs_a_pair_of_dims(capsys):
     err = _refused(capsys, "--position-embedding-type rope --rotary-percent 0.1")  # 12 * 0.1
     assert "--rotary-percent (0.1)" in err and "--kv-channels (12)" in err
+
+
+def test_qk_layernorm_full_projection_reaches_the_config_at_tp1_only(capsys):
+    tc = transformer_config(_parse("--qk-layernorm --qk-layernorm-full-projection"))
+    assert tc.qk_layernorm and tc.qk_layernorm_full_projection
+    err = _refused(capsys, "--qk-layernorm-full-projection")
+    assert "--qk-layernorm-full-projection without --qk-layernorm" in err
+    err = _refused(capsys, "--qk-layernorm --qk-layernorm-full-projection "
+                           "--tensor-model-parallel-size 2", world_size=2)
+    assert "--qk-layernorm-full-projection with --tensor-model-parallel-size 2" in err

@@ -182,6 +182,10 @@ def refuse_unconverted_architecture(md, opts: argparse.Namespace) -> None:
     if getattr(a, "group_query_attention", False) and groups and int(groups) % target_tp:
         raise ValueError(f"--target-tensor-parallel-size {target_tp} does not divide the "
                          f"checkpoint's --num-query-groups {groups}")
+    if getattr(a, "qk_layernorm_full_projection", False) and target_tp > 1:
+        raise ValueError(f"--target-tensor-parallel-size {target_tp}: the checkpoint's "
+                         "--qk-layernorm-full-projection (q/k norms over all heads) runs at "
+                         "TP=1 only")
 
 
 def save_model(md, opts: argparse.Namespace):

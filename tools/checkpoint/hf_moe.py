@@ -1,7 +1,8 @@
 """HuggingFace mixture-of-experts models <-> Megatron MoE GPTs (``--loader hf`` /
 ``--saver hf``):
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` (shared expert with its sigmoid gate) and
-``Qwen3MoeForCausalLM``; the attention, norms and embeddings map as in :mod:`hf_llama`.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` (shared expert with its sigmoid gate),
+``Qwen3MoeForCausalLM`` and ``OlmoeForCausalLM``; the attention, norms and embeddings map as in
+:mod:`hf_llama`.
 
 ==================================================  ============================================
 ours (layers.N.)                                    HF (model.layers.N.)
@@ -19,8 +20,9 @@ mlp.shared_experts.dense_4h_to_h / gate_weight      mlp.shared_expert.down_proj 
 Routing: Mixtral's softmax over the top-k logits is Megatron's default; Qwen's softmax over all
 experts then top-k is ``--moe-router-pre-softmax``, renormalized over the k (``norm_topk_prob``)
 it equals the default again. Qwen's dense layers (``mlp_only_layers``, ``decoder_sparse_step``)
-become ``--moe-layer-freq``. OLMoE normalizes q and k over the whole projection (not per head):
-refused.
+become ``--moe-layer-freq``. OLMoE normalizes q and k over the whole projection (all heads),
+not per head: ``--qk-layernorm --qk-layernorm-full-projection`` (its ``self_attn.{q,k}_norm``
+are our ``{q,k}_layernorm`` as they are, heads in the same order); its routing is Qwen's.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from tools.checkpoint.hf_llama import (FINAL_NORM, HF_LAYER, LAYER, LAYER_ORDER,
 from tools.checkpoint.model_description import OUTPUT_LAYER, WORD_EMBEDDINGS
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                     "qwen3_moe": "Qwen3MoeForCausalLM"}
-_LLAMA_KIND = {"mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+                     "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+_LLAMA_KIND = {"mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "olmoe": "qwen3"}
 
 
 def moe_layer_pattern(config: dict) -> list[int]:
@@ -51,11 +53,10 @@ def moe_layer_pattern(config: dict) -> list[int]:
 
 
 def moe_args(config: dict) -> argparse.Namespace:
-    """Megatron's args of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    """Megatron's args of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE config.json."""
     kind = config.get("model_type")
     if kind == "olmoe":
-        raise CheckpointError("model_type 'olmoe': OLMoE's q/k norms act on the whole "
-                              "projection, not per head as --qk-layernorm; not converted")
+        _check_olmoe(config)
     if kind == "mixtral" and config.get("sliding_window"):
         raise CheckpointError("mixtral with a sliding_window: Megatron attends to the whole "
                               "sequence; not converted")
@@ -77,18 +78,35 @@ def moe_args(config: dict) -> argparse.Namespace:
     shared = config.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
     args.moe_shared_expert_intermediate_size = int(shared) if shared else None
     args.moe_shared_expert_gate = bool(shared)
+    args.qk_layernorm_full_projection = kind == "olmoe"
     return args
 
 
+def _check_olmoe(config: dict) -> None:
+    """Refuse the OLMoE configs whose forward ours does not compute."""
+    for key, why in (("clip_qkv", "clamps q, k and v"),
+                     ("attention_bias", "adds biases to q/k/v and o_proj")):
+        if config.get(key):
+            raise CheckpointError(f"model_type 'olmoe' with {key} = {config[key]}: OLMoE {why}, "
+                                  "which Megatron's attention does not; not converted")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    if config.get("head_dim") and int(config["head_dim"]) * heads != hidden:
+        raise CheckpointError(f"model_type 'olmoe' with head_dim {config['head_dim']} x "
+                              f"num_attention_heads {heads} != hidden_size {hidden}: OLMoE's q "
+                              "norm spans hidden_size; not converted")
+
+
 class HuggingFaceMoE(HuggingFaceLlama):
-    """A local ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
-    directory."""
+    """A local ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` /
+    ``OlmoeForCausalLM`` directory."""
 
     def __init__(self, config: dict, tensors) -> None:
         args = moe_args(config)  # refuses what cannot convert, before anything is read
         super().__init__({**config, "model_type": _LLAMA_KIND[config["model_type"]]}, tensors)
         self.kind = config["model_type"]
         self.args = args
+        if self.kind == "olmoe":
+            _check_qk_norm_shapes(args, tensors)
         self.pattern = moe_layer_pattern(config)
 
     def _moe_prefix(self, theirs: str) -> str:
@@ -140,11 +158,27 @@ class HuggingFaceMoE(HuggingFaceLlama):
         return (*mlp_free, "mlp.router.weight", *experts, *shared)
 
 
+def _check_qk_norm_shapes(args: argparse.Namespace, tensors) -> None:
+    """OLMoE's q/k norms are as wide as all query heads / all key heads (else config.json
+    describes other weights)."""
+    widths = {"q": int(args.num_attention_heads) * int(args.kv_channels),
+              "k": (int(args.num_query_groups or args.num_attention_heads)
+                    * int(args.kv_channels))}
+    for i in range(int(args.num_layers)):
+        for n, width in widths.items():
+            key = HF_LAYER.format(i) + f"self_attn.{n}_norm.weight"
+            shape = tensors.shape(key)
+            if shape is not None and tuple(shape) != (width,):
+                raise CheckpointError(f"{key} is {list(shape)}, but config.json describes an "
+                                      f"OLMoE {n} norm over [{width}] (all heads)")
+
+
 # --- export (``--saver hf``) -------------------------------------------------------------------
 
 def check_moe_exportable(args: argparse.Namespace) -> str:
-    """The HF class an MoE GPT exports as: Qwen2-MoE with gated shared experts, Qwen3-MoE with
-    q/k norms, else Mixtral (softmax over the top-k, every layer sparse, no q/k/v bias).
+    """The HF class an MoE GPT exports as: Qwen2-MoE with gated shared experts, OLMoE with q/k
+    norms over the whole projection, Qwen3-MoE with per-head q/k norms, else Mixtral (softmax
+    over the top-k, every layer sparse, no q/k/v bias).
 
     Raises:
         ValueError: naming what none of the classes holds.
@@ -174,13 +208,31 @@ def check_moe_exportable(args: argparse.Namespace) -> str:
                 not all(_pattern(args)):
             problems.append("dense layers (--moe-layer-freq) without shared experts or q/k "
                             "norms")
+    if getattr(args, "qk_layernorm_full_projection", False):
+        problems += _olmoe_problems(args, shared)
     if problems:
         raise ValueError("--saver hf: no HuggingFace MoE class holds this model ("
                          + ", ".join(problems) + "); keep it a Megatron checkpoint")
     if shared:
         return "Qwen2MoeForCausalLM"
+    if getattr(args, "qk_layernorm_full_projection", False):
+        return "OlmoeForCausalLM"
     return "Qwen3MoeForCausalLM" if getattr(args, "qk_layernorm", False) else \
         "MixtralForCausalLM"
+
+
+def _olmoe_problems(args: argparse.Namespace, shared) -> list[str]:
+    """What ``OlmoeForCausalLM`` (every layer sparse, no shared expert, q norm over
+    hidden_size) cannot hold of a model with ``--qk-layernorm-full-projection``."""
+    problems = []
+    if shared:
+        problems.append("shared experts with --qk-layernorm-full-projection")
+    if not all(_pattern(args)):
+        problems.append("dense layers (--moe-layer-freq) with --qk-layernorm-full-projection")
+    if head_dim(args) * int(args.num_attention_heads) != int(args.hidden_size):
+        problems.append("--kv-channels x --num-attention-heads != --hidden-size with "
+                        "--qk-layernorm-full-projection")
+    return problems
 
 
 def _pattern(args: argparse.Namespace) -> list[int]:
@@ -191,12 +243,14 @@ def _pattern(args: argparse.Namespace) -> list[int]:
 
 
 def moe_config(md, vocab: int, architecture: str, special=None):
-    """The ``MixtralConfig`` / ``Qwen2MoeConfig`` / ``Qwen3MoeConfig`` of ``md``; ``special``:
+    """The ``MixtralConfig`` / ``Qwen2MoeConfig`` / ``Qwen3MoeConfig`` / ``OlmoeConfig`` of
+    ``md``; ``special``:
     its (bos, eos) token ids, as for ``llama_config``."""
     transformers = optional_module("transformers", "--saver hf")
     args = md.args
     base = {"Qwen2MoeForCausalLM": "Qwen2ForCausalLM", "Qwen3MoeForCausalLM":
-            "Qwen3ForCausalLM", "MixtralForCausalLM": "LlamaForCausalLM"}[architecture]
+            "Qwen3ForCausalLM", "OlmoeForCausalLM": "Qwen3ForCausalLM",
+            "MixtralForCausalLM": "LlamaForCausalLM"}[architecture]
     common = llama_config(md, vocab, base, special).to_dict()
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
@@ -212,6 +266,12 @@ def moe_config(md, vocab: int, architecture: str, special=None):
             architectures=[architecture], intermediate_size=moe_ffn, num_local_experts=experts,
             num_experts_per_tok=topk, router_aux_loss_coef=coeff, sliding_window=None,
             head_dim=head_dim(args), **kw)
+    if architecture == "OlmoeForCausalLM":
+        return transformers.OlmoeConfig(
+            architectures=[architecture], intermediate_size=moe_ffn, num_experts=experts,
+            num_experts_per_tok=topk, router_aux_loss_coef=coeff,
+            norm_topk_prob=not getattr(args, "moe_router_pre_softmax", False),
+            attention_bias=False, clip_qkv=None, **kw)
     pattern = _pattern(args)
     qwen = dict(intermediate_size=int(args.ffn_hidden_size), moe_intermediate_size=moe_ffn,
                 num_experts=experts, num_experts_per_tok=topk, router_aux_loss_coef=coeff,

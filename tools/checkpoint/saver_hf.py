@@ -217,6 +217,10 @@ def _gpt_architecture(md: ModelDescription, requested: str | None) -> str:
         if requested not in (None, needed):
             raise ValueError(f"--hf-architecture {requested}: this MoE GPT exports as {needed}")
         return needed
+    if getattr(md.args, "qk_layernorm_full_projection", False):
+        raise ValueError("--saver hf: --qk-layernorm-full-projection (q/k norms over all heads) "
+                         "in a dense GPT: no Llama-family class holds it; keep it a Megatron "
+                         "checkpoint")
     if is_llama_style(md.args):
         return hf_architecture(md.args, requested)
     if requested not in (None, "GPT2LMHeadModel"):

@@ -253,7 +253,13 @@ class SelfAttention(torch.nn.Module):
             params_dtype=config.params_dtype,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             sequence_parallel=config.sequence_parallel, **tp_layers.init_options(config))
-        if config.qk_layernorm:
+        if config.qk_layernorm and config.qk_layernorm_full_projection:
+            # Whole rows of this rank's q and k (TP=1: validation refuses more ranks, whose
+            # norm would need the other ranks' heads).
+            self.q_layernorm = build_norm(config, projection, partial_grads=False)
+            self.k_layernorm = build_norm(config, config.kv_channels * config.num_query_groups,
+                                          partial_grads=False)
+        elif config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = self._head_norm(), self._head_norm()
         else:
             self.q_layernorm = self.k_layernorm = None
@@ -275,6 +281,15 @@ class SelfAttention(torch.nn.Module):
         the TP all-reduce whenever TP > 1, as Megatron's ``_allreduce_layernorm_grads`` sums
         ``q_layernorm`` / ``k_layernorm`` with ``config.qk_layernorm``."""
         return build_norm(self.config, self.head_dim, partial_grads=True)
+
+    def _qk_norm(self, query: torch.Tensor, key: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[s, b, np, hn]`` queries and ``[s, b, g, hn]`` keys normalized per head, or with
+        ``qk_layernorm_full_projection`` over all heads of each (heads in HF's order)."""
+        if not self.config.qk_layernorm_full_projection:
+            return self.q_layernorm(query), self.k_layernorm(key)
+        q = self.q_layernorm(query.flatten(2)).view_as(query)
+        return q, self.k_layernorm(key.flatten(2)).view_as(key)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                 inference_params: InferenceParams | None = None,
@@ -298,7 +313,7 @@ class SelfAttention(torch.nn.Module):
             mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         query = query.reshape(s, b, g * per_group, self.head_dim)  # [s, b, np, hn]
         if self.q_layernorm is not None:
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
+            query, key = self._qk_norm(query, key)
         if rotary_pos_emb is not None:
             rotary = rotary_cos_sin(rotary_pos_emb, query.dtype)  # one pair for q and k
             query = apply_rotary_pos_emb(query, rotary, self.rotary_interleaved)

@@ -58,6 +58,9 @@ class TransformerConfig:
     qk_layernorm: bool = False
     """A ``normalization`` norm over ``kv_channels`` applied to every query and key head after
     the QKV projection and before RoPE (Megatron core's ``q_layernorm`` / ``k_layernorm``)."""
+    qk_layernorm_full_projection: bool = False
+    """With ``qk_layernorm``: the q norm spans all query heads (``np * kv_channels``) and the k
+    norm all key groups (``G * kv_channels``), OLMoE's and OLMo-2's form (TP=1)."""
     swiglu: bool = False
     """Gated MLP: fc1 is 2 x ffn_hidden_size wide, silu(gate) * up (Megatron's ``glu``)."""
     squared_relu: bool = False

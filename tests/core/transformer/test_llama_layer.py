@@ -63,7 +63,10 @@ def _layer_ref(layer, x, cfg, positions):
     qkv = qkv.view(S, B, g, np_ // g + 2, hn)  # rows [G, np/G + 2, hn]
     q = qkv[:, :, :, :-2].reshape(S, B, np_, hn)
     k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, hn]
-    if cfg.qk_layernorm:  # each head over its hn channels, before RoPE
+    if cfg.qk_layernorm and cfg.qk_layernorm_full_projection:  # all heads at once (OLMoE)
+        q = norm(q.reshape(S, B, -1), "self_attention.q_layernorm").view(S, B, np_, hn)
+        k = norm(k.reshape(S, B, -1), "self_attention.k_layernorm").view(S, B, g, hn)
+    elif cfg.qk_layernorm:  # each head over its hn channels, before RoPE
         q, k = norm(q, "self_attention.q_layernorm"), norm(k, "self_attention.k_layernorm")
     if cfg.position_embedding_type == "rope":
         rot = int(hn * cfg.rotary_percent)
@@ -100,6 +103,7 @@ def _layer_ref(layer, x, cfg, positions):
     {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute"},
     {"qk_layernorm": True},
     {"qk_layernorm": True, "normalization": "LayerNorm", "num_query_groups": NP},
+    {"qk_layernorm": True, "qk_layernorm_full_projection": True},
 ])
 @pytest.mark.parametrize("backend", ["auto", "unfused"])
 def test_layer_equals_reference(changes, backend):
@@ -171,7 +175,9 @@ def test_generation_with_the_cache_equals_recomputation():
 @pytest.mark.parametrize("changes", [{}, {"add_qkv_bias": True, "num_query_groups": 1},
                                      {"add_bias_linear": True, "normalization": "LayerNorm"},
                                      {"qk_layernorm": True},
-                                     {"qk_layernorm": True, "normalization": "LayerNorm"}])
+                                     {"qk_layernorm": True, "normalization": "LayerNorm"},
+                                     {"qk_layernorm": True, "qk_layernorm_full_projection": True,
+                                      "normalization": "LayerNorm"}])
 def test_parameter_count_and_flops(changes):
     from megatron.core.flops import num_floating_point_operations, num_parameters
 

@@ -1,8 +1,9 @@
 """--loader hf of HuggingFace MoE models (tiny random ones made here from configs; nothing
 downloaded): Mixtral, Qwen2-MoE (shared expert with its sigmoid gate, a dense layer, q/k/v
-bias, softmax before the top-k) and Qwen3-MoE (q/k norms, renormalized top-k) give HF's logits
-in ours to 1e-5 in fp32 and the same greedy text, through a TP=2 conversion and back; OLMoE is
-refused by name."""
+bias, softmax before the top-k), Qwen3-MoE (q/k norms, renormalized top-k) and OLMoE (q/k norms
+over the whole projection: --qk-layernorm-full-projection) give HF's logits in ours to 1e-5 in
+fp32 and the same greedy text (ours also with the KV cache), through a TP=2 conversion and back
+(OLMoE at TP=1: its TP=2 is refused by name)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.config import TransformerConfig
+from megatron.text_generation.generation import generate_tokens
 from tests.tools.checkpoint import helpers
 from tools.checkpoint import convert
 
@@ -34,6 +36,11 @@ def _hf(kind: str):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
             shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
             **COMMON), transformers.Qwen2MoeForCausalLM
+    if kind == "olmoe":
+        # Grouped keys too: the k norm spans num_key_value_heads x head_dim.
+        return transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2,
+                                        norm_topk_prob=False, **COMMON), \
+            transformers.OlmoeForCausalLM
     return transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=24, head_dim=8,
                                        norm_topk_prob=True, **COMMON), \
@@ -61,6 +68,7 @@ def _ours(args) -> GPTModel:
         rotary_base=args.rotary_base, normalization="RMSNorm",
         layernorm_epsilon=args.layernorm_epsilon, swiglu=True, add_bias_linear=False,
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        qk_layernorm_full_projection=getattr(args, "qk_layernorm_full_projection", False),
         untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
         num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq,
         moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -76,18 +84,23 @@ def _logits(model, ids):
         return model(ids, positions)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_import_gives_the_hf_logits_and_greedy_text(tmp_path, kind):
     hf = _random_hf(tmp_path / "hf", kind)
     flags = ["--model-type", "GPT"]
+    tp = "1" if kind == "olmoe" else "2"  # OLMoE's whole-projection q/k norms: TP=1
     assert convert.main([*flags, "--load-dir", str(tmp_path / "hf"), "--save-dir",
                          str(tmp_path / "tp2"), "--loader", "hf",
-                         "--target-tensor-parallel-size", "2"]) == 0
+                         "--target-tensor-parallel-size", tp]) == 0
     assert convert.main([*flags, "--load-dir", str(tmp_path / "tp2"), "--save-dir",
                          str(tmp_path / "tp1")]) == 0
     sd = helpers.shards(tmp_path / "tp1" / "iter_0000000")[(0, 0)]
     args = sd["args"]
     assert args.num_experts == 4 and args.moe_router_topk == 2
+    assert getattr(args, "qk_layernorm_full_projection", False) == (kind == "olmoe")
     ours = _ours(args)
     ours.load_state_dict(sd["model"])
     ids = torch.randint(0, VOCAB, (2, 11))
@@ -97,22 +110,30 @@ def test_import_gives_the_hf_logits_and_greedy_text(tmp_path, kind):
     prompt = ids[:1, :4]
     generated = hf.generate(prompt, max_new_tokens=6, do_sample=False,
                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    cached = generate_tokens(ours, [prompt[0].tolist()], 6, vocab_size=VOCAB,
+                             max_sequence_length=64, greedy=True, stop_on_eod=False)
     for _ in range(6):
         nxt = _logits(ours, prompt)[:, -1, :VOCAB].argmax(-1, keepdim=True)
         prompt = torch.cat([prompt, nxt], dim=1)
     assert torch.equal(prompt, generated)
+    assert cached == generated.tolist()  # our KV cache's tokens too
 
 
-def test_olmoe_is_refused_by_name(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "olmoe", **{
-        k: v for k, v in COMMON.items()}}))
+def test_olmoe_at_tp2_and_its_unconverted_forms_are_refused_by_name(tmp_path, capsys):
+    _random_hf(tmp_path / "hf", "olmoe")
+    code = convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "hf"),
+                         "--save-dir", str(tmp_path / "out"), "--loader", "hf",
+                         "--target-tensor-parallel-size", "2"])
+    assert code != 0 and "--qk-layernorm-full-projection" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
     code = convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "hf"),
                          "--save-dir", str(tmp_path / "out"), "--loader", "hf"])
-    assert code != 0
+    assert code != 0 and "clip_qkv" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_hf_to_ours_to_hf_is_bitwise_and_back_gives_the_same_class(tmp_path, kind):
     _random_hf(tmp_path / "hf", kind)
     flags = ["--model-type", "GPT"]
@@ -150,3 +171,16 @@ def test_export_refuses_what_no_hf_class_holds():
                               moe_router_score_function="sigmoid", num_layers=2)
     with pytest.raises(ValueError, match="--moe-router-score-function"):
         check_moe_exportable(args)
+
+
+def test_imported_olmoe_restores_its_q_k_norm_span_with_use_checkpoint_args(tmp_path):
+    from megatron.config.core_configs import transformer_config
+    from tests.tools.test_llama_serving import RUN, _config
+
+    _random_hf(tmp_path / "hf", "olmoe")
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(tmp_path / "hf"),
+                         "--save-dir", str(tmp_path / "ours"), "--loader", "hf"]) == 0
+    cfg = _config(["--load", str(tmp_path / "ours"), "--use-checkpoint-args",
+                   "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *RUN])
+    tc = transformer_config(cfg)
+    assert tc.qk_layernorm and tc.qk_layernorm_full_projection and tc.num_moe_experts == 4
