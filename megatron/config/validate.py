@@ -181,9 +181,7 @@ def _check_context_parallel(cfg) -> None:
     refused = [("--reset-attention-mask", cfg.data.reset_attention_mask,
                 "packed documents need a per-document mask across the split sequence"),
                ("--attention-dropout > 0", (m.attention_dropout or 0) > 0,
-                "the blockwise attention has no dropout; pass --attention-dropout 0"),
-               ("--compile-layers", m.compile_layers,
-                "the attention's ring exchange runs outside compiled graphs")]
+                "the blockwise attention has no dropout; pass --attention-dropout 0")]
     for flag, given, why in refused:
         if given:
             raise ValueError(f"{flag} with --context-parallel-size {cp} is not supported: {why}")
