@@ -36,6 +36,7 @@ PARAM_TOL = 2e-5
 TIED_COPY_TOL = 1e-6
 TIMEOUT_S = 420.0
 STARTUP_RETRIES = 2
+ROUND = 10  # draws per round of a run (see fuzz)
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 HEAD_COPY = "word_embeddings.weight"
 
@@ -468,12 +469,24 @@ def summarize_refusals(log: space.DrawLog) -> list[str]:
 
 
 def fuzz(configs: list[Config], fuzzer: Fuzzer, minimize: bool = True,
-         inject: dict | None = None) -> list[tuple[Config, list[str], Config | None]]:
-    """Check every configuration (references first, then by world size: each pooled world is
-    started once); the failures with their minimized configurations."""
-    fuzzer.prefetch_references(configs)
+         inject: dict | None = None, round_size: int = ROUND
+         ) -> list[tuple[Config, list[str], Config | None]]:
+    """Check every configuration, in rounds of ``round_size`` draws (references first, then by
+    world size: each pooled world is started once a round, and a long run stopped early has
+    checked every world size drawn, not only the smallest); the failures with their
+    minimized configurations."""
     failures = []
-    order = sorted(range(len(configs)), key=lambda i: space.world_size(configs[i]))
+    for first in range(0, len(configs), round_size):
+        failures += _fuzz_round(configs, range(first, min(first + round_size, len(configs))),
+                                fuzzer, minimize, inject)
+    return failures
+
+
+def _fuzz_round(configs: list[Config], indices: range, fuzzer: Fuzzer, minimize: bool,
+                inject: dict | None) -> list[tuple[Config, list[str], Config | None]]:
+    fuzzer.prefetch_references([configs[i] for i in indices])
+    failures = []
+    order = sorted(indices, key=lambda i: space.world_size(configs[i]))
     for i in order:
         cfg = configs[i]
         start = time.perf_counter()
