@@ -169,6 +169,11 @@ def baseline() -> Config:
     return {d.name: d.values[0] for d in DIMENSIONS}
 
 
+def baseline_layout() -> Config:
+    """The layout dimensions at their baselines (a resume layout to start from)."""
+    return {name: BY_NAME[name].values[0] for name in LAYOUT}
+
+
 def reference_of(cfg: Config) -> Config:
     """The one-process run the configuration must equal: every layout dimension (and compile)
     at its baseline, the same model, data and global batch."""

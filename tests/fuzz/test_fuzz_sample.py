@@ -28,6 +28,13 @@ FOUND = {
     # the tied embeddings' NotImplementedError (the check ignored the untie).
     "untied_pp2_distopt_overlap": {"untied": True, "pp": 2, "distributed_optimizer": True,
                                    "overlap_grad_reduce": True},
+    # A torch_dist save of the distributed optimizer at CP=2 gathered its state over the DP
+    # group alone, not DP x CP, the group it is sharded over: half of it was zeros, and the
+    # resumed run's second iteration diverged.
+    "cp2_distopt_torch_dist_resume": {
+        "num_layers": 2, "cp": 2, "distributed_optimizer": True, "microbatches": 2,
+        "resume_at": 1, "ckpt_format": "torch_dist",
+        "resume_layout": {**space.baseline_layout(), "dp": 2, "microbatches": 1}},
 }
 
 
@@ -85,8 +92,11 @@ def test_fixed_seed_sample_equals_one_process(sample, fuzzer):
 
 @pytest.mark.parametrize("name", list(FOUND))
 def test_found_configurations_equal_one_process(fuzzer, name):
-    cfg = {**space.baseline(), **FOUND[name], "resume_layout": None}
+    cfg = {**space.baseline(), "resume_layout": None, **FOUND[name]}
     assert space.validation_error(cfg, fuzzer.data, str(fuzzer.workdir)) is None
+    if cfg["resume_at"]:
+        assert space.validation_error(space.resume_config(cfg), fuzzer.data,
+                                      str(fuzzer.workdir), load=True) is None
     problems = fuzzer.check(cfg)
     assert not problems, runner.report_failure(cfg, problems, None, fuzzer.data)
 
