@@ -182,9 +182,7 @@ def _check_context_parallel(cfg) -> None:
     refused = [("--reset-attention-mask", cfg.data.reset_attention_mask,
                 "packed documents need a per-document mask across the split sequence"),
                ("--attention-dropout > 0", (m.attention_dropout or 0) > 0,
-                "the blockwise attention has no dropout; pass --attention-dropout 0"),
-               ("--compile-layers", m.compile_layers,
-                "the attention's ring exchange runs outside compiled graphs")]
+                "the blockwise attention has no dropout; pass --attention-dropout 0")]
     for flag, given, why in refused:
         if given:
             raise ValueError(f"{flag} with --context-parallel-size {cp} is not supported: {why}")
@@ -667,6 +665,11 @@ def check_bert_flags(cfg) -> None:
         ValueError: a flag BERT cannot honour, naming it and the fix.
     """
     refuse_context_parallel("BERT (bidirectional attention with a padding mask)")(cfg)
+    ck = cfg.checkpoint
+    if ck.ckpt_format == "torch_dist" and (ck.save is not None or ck.load is not None):
+        raise ValueError("--ckpt-format torch_dist with BERT: the torch_dist key table has no "
+                         "names for BERT's pooler, LM head and binary head; use --ckpt-format "
+                         "torch")
     if cfg.model.untie_embeddings_and_output_weights:
         raise ValueError("--untie-embeddings-and-output-weights: BERT's LM head is tied to the "
                          "word embeddings (Megatron-LM refuses it too); drop the flag")

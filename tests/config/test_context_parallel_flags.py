@@ -43,7 +43,6 @@ def test_per_layer_comm_types_and_the_allgather_spelling():
     ("--context-parallel-size 2 --cp-comm-type p2p p2p p2p", 2, "gives 3 values for --num-layers"),
     ("--context-parallel-size 2 --reset-attention-mask", 2, "--reset-attention-mask"),
     ("--context-parallel-size 2 --attention-dropout 0.1", 2, "--attention-dropout"),
-    ("--context-parallel-size 2 --compile-layers", 2, "--compile-layers"),
     ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention "
      "--num-query-groups 2", 4, "a2a splits each TP rank's 8 query heads and 2 key/value"),
 ])

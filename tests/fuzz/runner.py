@@ -36,6 +36,7 @@ PARAM_TOL = 2e-5
 TIED_COPY_TOL = 1e-6
 TIMEOUT_S = 420.0
 STARTUP_RETRIES = 2
+ROUND = 10  # draws per round of a run (see fuzz)
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 HEAD_COPY = "word_embeddings.weight"
 
@@ -139,12 +140,13 @@ def _loss_ranks(ranks: list[dict]) -> list[dict]:
 def _canonical(params: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
     """The TP-gathered parameters in the one-process layout: SwiGLU's fc1 gathers as
     [gate_0; up_0; gate_1; up_1] (Megatron's per-rank [gate_r; up_r]), one process holds
-    [gate; up]."""
+    [gate; up]; the same for every expert's and the shared expert's fc1."""
     if cfg["family"] != "llama" or cfg["tp"] == 1:
         return params
     out = dict(params)
     for name, value in params.items():
-        if name.endswith("mlp.dense_h_to_4h.weight") or name.endswith("mlp.dense_h_to_4h.bias"):
+        if ".mlp." in name and (name.endswith("dense_h_to_4h.weight")
+                                or name.endswith("dense_h_to_4h.bias")):
             halves = [chunk.chunk(2) for chunk in value.chunk(cfg["tp"])]
             out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return out
@@ -235,12 +237,16 @@ def repro_command(cfg: Config) -> str:
 
 def describe(cfg: Config) -> str:
     """The non-baseline dimensions, short."""
-    parts = [f"{name}={cfg[name]}" for name in space.differences(cfg) if name != "resume_at"]
+    parts = [f"{name}={cfg[name]}" for name in space.differences(cfg)
+             if name not in ("resume_at", "ckpt_format")]
     if cfg.get("resume_at"):
         layout = cfg["resume_layout"]
-        parts.append(f"resume@{cfg['resume_at']}->tp{layout['tp']}pp{layout['pp']}"
-                     f"dp{layout['dp']}" + (f"v{layout['layers_per_virtual_stage']}"
-                                            if layout["layers_per_virtual_stage"] else "")
+        parts.append(f"resume@{cfg['resume_at']}({cfg.get('ckpt_format', 'torch')})->"
+                     f"tp{layout['tp']}pp{layout['pp']}dp{layout['dp']}"
+                     + (f"cp{layout['cp']}" if layout.get("cp", 1) > 1 else "")
+                     + (f"ep{layout['ep']}" if layout.get("ep", 1) > 1 else "")
+                     + (f"v{layout['layers_per_virtual_stage']}"
+                        if layout["layers_per_virtual_stage"] else "")
                      + ("+distopt" if layout["distributed_optimizer"] else ""))
     return " ".join(parts) or "baseline"
 
@@ -342,9 +348,30 @@ class Fuzzer:
 
     def _check_resume(self, cfg: Config, reference: dict, save: Path, draw_dir: Path,
                       inject: dict | None) -> list[str]:
+        resumed_cfg = space.resume_config(cfg)
+        if cfg["ckpt_format"] == "torch_dist":
+            # Saved at one layout, loaded at another as it is: no conversion step.
+            load = ["--load", str(save), "--ckpt-step", str(cfg["resume_at"])]
+        else:
+            load, problems = self._converted(cfg, save, draw_dir)
+            if problems:
+                return problems
+        try:
+            resumed = self._pooled(space.world_size(resumed_cfg), [self._run_spec(
+                resumed_cfg, load, init=False, inject=inject)])[0]
+        except RuntimeError as err:
+            return [f"the resume at the {'converted ' if cfg['ckpt_format'] == 'torch' else ''}"
+                    f"layout crashed:\n{_short_crash(str(err))}"]
+        # The resumed run's own layout decides how its gathered parameters are laid out.
+        return compare(reference, resumed, resumed_cfg, first_iteration=cfg["resume_at"],
+                       what="resumed")
+
+    @staticmethod
+    def _converted(cfg: Config, save: Path, draw_dir: Path) -> tuple[list[str], list[str]]:
+        """tools/checkpoint/convert.py of the saved iteration to the resume layout: the
+        resumed run's --load flags, or the problems."""
         from tools.checkpoint import convert
 
-        resumed_cfg = space.resume_config(cfg)
         layout, target = cfg["resume_layout"], draw_dir / "converted"
         argv = ["--model-type", "BERT" if cfg["family"] == "bert" else "GPT",
                 "--load-dir", str(save / f"iter_{cfg['resume_at']:07d}"),
@@ -358,15 +385,8 @@ class Fuzzer:
                      str(layout["layers_per_virtual_stage"])]
         rc = convert.main(argv)
         if rc != 0:
-            return [f"tools/checkpoint/convert.py {shlex.join(argv)} exited {rc}"]
-        try:
-            resumed = self._pooled(space.world_size(resumed_cfg), [self._run_spec(
-                resumed_cfg, ["--load", str(target)], init=False, inject=inject)])[0]
-        except RuntimeError as err:
-            return [f"the resume at the converted layout crashed:\n{_short_crash(str(err))}"]
-        # The resumed run's own layout decides how its gathered parameters are laid out.
-        return compare(reference, resumed, resumed_cfg, first_iteration=cfg["resume_at"],
-                       what="resumed")
+            return [], [f"tools/checkpoint/convert.py {shlex.join(argv)} exited {rc}"]
+        return ["--load", str(target)], []
 
     # -----------------------------------------------------------------------------------------
     def minimize(self, cfg: Config, inject: dict | None = None) -> Config:
@@ -394,7 +414,7 @@ class Fuzzer:
         if space.validation_error(cfg, self.data, save_dir):
             return True
         return bool(cfg.get("resume_at")) and space.validation_error(
-            space.resume_config(cfg), self.data, save_dir) is not None
+            space.resume_config(cfg), self.data, save_dir, load=True) is not None
 
     @staticmethod
     def _dropped(cfg: Config, name: str) -> Config | None:
@@ -449,12 +469,24 @@ def summarize_refusals(log: space.DrawLog) -> list[str]:
 
 
 def fuzz(configs: list[Config], fuzzer: Fuzzer, minimize: bool = True,
-         inject: dict | None = None) -> list[tuple[Config, list[str], Config | None]]:
-    """Check every configuration (references first, then by world size: each pooled world is
-    started once); the failures with their minimized configurations."""
-    fuzzer.prefetch_references(configs)
+         inject: dict | None = None, round_size: int = ROUND
+         ) -> list[tuple[Config, list[str], Config | None]]:
+    """Check every configuration, in rounds of ``round_size`` draws (references first, then by
+    world size: each pooled world is started once a round, and a long run stopped early has
+    checked every world size drawn, not only the smallest); the failures with their
+    minimized configurations."""
     failures = []
-    order = sorted(range(len(configs)), key=lambda i: space.world_size(configs[i]))
+    for first in range(0, len(configs), round_size):
+        failures += _fuzz_round(configs, range(first, min(first + round_size, len(configs))),
+                                fuzzer, minimize, inject)
+    return failures
+
+
+def _fuzz_round(configs: list[Config], indices: range, fuzzer: Fuzzer, minimize: bool,
+                inject: dict | None) -> list[tuple[Config, list[str], Config | None]]:
+    fuzzer.prefetch_references([configs[i] for i in indices])
+    failures = []
+    order = sorted(indices, key=lambda i: space.world_size(configs[i]))
     for i in order:
         cfg = configs[i]
         start = time.perf_counter()

@@ -71,6 +71,24 @@ def _sized(flag: str) -> Callable[[Any, Config], list[str]]:
     return lambda value, cfg: [] if value is None else [flag, str(value)]
 
 
+MOE = ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"]
+
+
+def _moe_flags(value, cfg: Config) -> list[str]:
+    """A mixture-of-experts model of ``value`` experts (None: dense)."""
+    if not value:
+        return []
+    # Top-1 of a softmax over one score has no router gradient: softmax before the top-k then.
+    top1 = ["--moe-router-pre-softmax"] if cfg["moe_topk"] == 1 else []
+    return ["--num-experts", str(value), "--moe-router-topk", str(cfg["moe_topk"]), *MOE, *top1]
+
+
+def _sized_moe(flag: str) -> Callable[[Any, Config], list[str]]:
+    """``flag value`` in a mixture-of-experts model (the size is given when not 1, so that
+    validation sees and judges it in a dense model too)."""
+    return lambda value, cfg: [flag, str(value)] if value != 1 else []
+
+
 _RECOMPUTE = {
     "none": [],
     "selective": ["--recompute-granularity", "selective"],
@@ -96,12 +114,24 @@ DIMENSIONS: tuple[Dimension, ...] = (
               weights=(3, 1, 1), layout=False),
     Dimension("micro_batch_size", (1, 2), lambda v, c: ["--micro-batch-size", str(v)],
               layout=False),
+    # Mixture of experts (GPT and Llama-style; validation refuses the rest): every layer's MLP
+    # is experts routed top-k with the aux loss, whose gradients the parameters compare.
+    Dimension("num_experts", (None, 4), _moe_flags, weights=(3, 1), layout=False),
+    Dimension("moe_topk", (2, 1), lambda v, c: [], layout=False),  # in _moe_flags
     # Not in the reference either: compiled layers must give the eager losses.
     Dimension("compile_layers", (False, True), _switch("--compile-layers"), weights=(6, 1)),
     # The layout (baseline in the reference) ---------------------------------------------------
     Dimension("tp", (1, 2, 4), lambda v, c: ["--tensor-model-parallel-size", str(v)]),
     Dimension("pp", (1, 2, 4), lambda v, c: ["--pipeline-model-parallel-size", str(v)]),
     Dimension("dp", (1, 2, 4), lambda v, c: []),  # the world size's remaining factor
+    Dimension("cp", (1, 2, 4), lambda v, c: ["--context-parallel-size", str(v)],
+              weights=(3, 2, 1)),
+    Dimension("cp_comm_type", ("p2p", "all_gather", "a2a"),
+              lambda v, c: ["--cp-comm-type", v] if c["cp"] > 1 else []),
+    # Expert parallelism splits the experts over DP (x CP) ranks: not in world_size.
+    Dimension("ep", (1, 2, 4), _sized_moe("--expert-model-parallel-size"), weights=(3, 2, 1)),
+    Dimension("moe_dispatcher", ("allgather", "alltoall"),
+              lambda v, c: ["--moe-token-dispatcher-type", v] if c["num_experts"] else []),
     Dimension("layers_per_virtual_stage", (None, 1, 2),
               _sized("--num-layers-per-virtual-pipeline-stage"), weights=(2, 1, 1)),
     Dimension("microbatches", (1, 2, 4), lambda v, c: []),  # in --global-batch-size
@@ -113,9 +143,12 @@ DIMENSIONS: tuple[Dimension, ...] = (
               weights=(3, 2, 1, 1, 1, 1, 0.3)),
     Dimension("distribute_saved_activations", (False, True),
               _switch("--distribute-saved-activations"), weights=(6, 1)),
-    # A save at an iteration and a resume at another layout (tools/checkpoint/convert.py):
-    # None, or the iteration saved at; the resume layout is drawn by draw_resume_layout.
+    # A save at an iteration and a resume at another layout: None, or the iteration saved at;
+    # the resume layout is drawn by draw_resume_layout. The torch format goes through
+    # tools/checkpoint/convert.py to the resume layout; torch_dist loads there as saved.
     Dimension("resume_at", (None, 1, 2), lambda v, c: [], weights=(3, 1, 1), layout=False),
+    Dimension("ckpt_format", ("torch", "torch_dist"),
+              lambda v, c: ["--ckpt-format", v] if v != "torch" else [], layout=False),
 )
 BY_NAME = {d.name: d for d in DIMENSIONS}
 LAYOUT = tuple(d.name for d in DIMENSIONS if d.layout)
@@ -123,7 +156,7 @@ LAYOUT = tuple(d.name for d in DIMENSIONS if d.layout)
 
 def world_size(cfg: Config) -> int:
     """Ranks of a configuration's run: every dimension that splits the work over ranks."""
-    return cfg["tp"] * cfg["pp"] * cfg["dp"]
+    return cfg["tp"] * cfg["pp"] * cfg["dp"] * cfg.get("cp", 1)
 
 
 def global_batch_size(cfg: Config) -> int:
@@ -136,10 +169,16 @@ def baseline() -> Config:
     return {d.name: d.values[0] for d in DIMENSIONS}
 
 
+def baseline_layout() -> Config:
+    """The layout dimensions at their baselines (a resume layout to start from)."""
+    return {name: BY_NAME[name].values[0] for name in LAYOUT}
+
+
 def reference_of(cfg: Config) -> Config:
     """The one-process run the configuration must equal: every layout dimension (and compile)
     at its baseline, the same model, data and global batch."""
-    ref = {**cfg, **{name: BY_NAME[name].values[0] for name in LAYOUT}, "resume_at": None}
+    ref = {**cfg, **{name: BY_NAME[name].values[0] for name in LAYOUT}, "resume_at": None,
+           "ckpt_format": "torch"}
     ref["global_batch_size"] = global_batch_size(cfg)
     ref.pop("resume_layout", None)
     return ref
@@ -192,17 +231,21 @@ def resume_config(cfg: Config) -> Config:
 # Validation
 # ---------------------------------------------------------------------------------------------
 
-def validation_error(cfg: Config, data: dict[str, str], save_dir: str) -> str | None:
+def validation_error(cfg: Config, data: dict[str, str], save_dir: str,
+                     load: bool = False) -> str | None:
     """Why the project's validation refuses the configuration (None: accepted).
 
     The checks pretrain() runs before any process group (``validate`` with the script's
-    requirements) and, for BERT, pretrain_bert.py's own (``check_bert_flags``).
+    requirements) and, for BERT, pretrain_bert.py's own (``check_bert_flags``). With ``load``:
+    as the resumed run, which loads ``save_dir``.
     """
     from megatron.config.cli import build_parser, parse_flags
     from megatron.config.validate import check_bert_flags, validate
 
     extra = ["--save", save_dir, "--save-interval", str(cfg["resume_at"])] \
         if cfg.get("resume_at") else []
+    if load:
+        extra += ["--load", save_dir]
     argv = argv_of(cfg, data, extra)
     try:
         flags = parse_flags(build_parser(), argv)
@@ -245,6 +288,29 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
     (r"--global-batch-size \(\d+\) is not divisible by --micro-batch-size",
      "a resume layout keeps the global batch, which must split into whole micro-batches per "
      "DP rank"),
+    (r"--ckpt-format torch_dist with BERT", "not built: BERT's heads in the torch_dist key table"),
+    # Context parallelism
+    (r"BERT \(bidirectional attention with a padding mask\) runs at context-parallel size 1",
+     "not built: the blockwise attention applies no padding mask"),
+    (r"--cp-comm-type a2a splits each TP rank's \d+ query heads",
+     "Ulysses splits whole heads over CP ranks"),
+    # Mixture of experts
+    (r"--expert-model-parallel-size \d+ needs --num-experts",
+     "expert parallelism splits experts, a dense model has none"),
+    (r"world size \(\d+\) is not divisible by --expert-tensor-parallel-size",
+     "the expert grid (ETP x EP x PP) tiles the world"),
+    (r"--num-experts \(\d+\) is not divisible by --expert-model-parallel-size",
+     "each EP rank holds whole experts"),
+    (r"--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel",
+     "each TP rank routes its own sequence-parallel rows"),
+    (r"--expert-model-parallel-size \d+ with --\S+ \d+ is a Megatron-LM combination this "
+     r"framework does not implement yet", "not built: EP with TP, PP or CP"),
+    (r"--expert-model-parallel-size \d+ needs --DDP-impl local",
+     "the expert gradients have their own local-DDP buffers"),
+    (r"--expert-model-parallel-size \d+ with --ckpt-format torch_dist",
+     "not built: expert-parallel torch_dist checkpoints"),
+    (r"--expert-model-parallel-size \d+ with --use-distributed-optimizer and --save / --load",
+     "not built: the expert optimizer state's checkpoint"),
 )
 
 
@@ -260,6 +326,33 @@ def classify_refusal(message: str) -> str | None:
 # Drawing
 # ---------------------------------------------------------------------------------------------
 
+# A dimension whose value has no effect unless another is off its baseline: (it, the other).
+_IDLE_UNLESS = (("cp_comm_type", "cp"), ("moe_topk", "num_experts"),
+                ("moe_dispatcher", "num_experts"))
+
+
+def without_idle_choices(cfg: Config) -> Config:
+    """``cfg`` with the choices that change nothing (the CP exchange at CP=1, a router of a
+    dense model) at their baselines: one configuration is not drawn under several names, and
+    minimization does not spend runs on them."""
+    out = dict(cfg)
+    for name, parent in _IDLE_UNLESS:
+        if out.get(parent) == BY_NAME[parent].values[0]:
+            out[name] = BY_NAME[name].values[0]
+    return out
+
+
+def converter_limit(cfg: Config, layout: Config) -> str | None:
+    """Why the resume cannot go through tools/checkpoint/convert.py (None: it can): the tool
+    converts the torch format over TP / PP / virtual stages / the distributed optimizer and
+    refuses an expert-parallel checkpoint by name (torch_dist needs no conversion)."""
+    if cfg["ckpt_format"] != "torch":
+        return None
+    if cfg["num_experts"] and (cfg["ep"] > 1 or layout["ep"] > 1):
+        return "the legacy converter does not convert expert-parallel checkpoints"
+    return None
+
+
 @dataclasses.dataclass
 class DrawLog:
     """What drawing saw: refusals by validation message, and configurations out of budget."""
@@ -272,7 +365,9 @@ def draw_one(rng: random.Random, data: dict[str, str], save_dir: str, max_world:
              log: DrawLog, fixed: Config | None = None, tries: int = 500) -> Config:
     """A configuration validation accepts (``fixed`` values kept), redrawing refused ones."""
     for _ in range(tries):
-        cfg = {d.name: d.draw(rng) for d in DIMENSIONS}
+        cfg = without_idle_choices({d.name: d.draw(rng) for d in DIMENSIONS})
+        if cfg["resume_at"] is None:
+            cfg["ckpt_format"] = "torch"  # a run that saves nothing has no format
         cfg.update(fixed or {})
         if world_size(cfg) > max_world:
             log.over_budget += 1
@@ -297,13 +392,18 @@ def draw_resume_layout(rng: random.Random, cfg: Config, data: dict[str, str], sa
     """Another layout of the same world size for the resumed run, validated."""
     for _ in range(tries):
         layout = {name: BY_NAME[name].draw(rng) for name in LAYOUT}
-        candidate = {**cfg, **layout, "global_batch_size": global_batch_size(cfg),
-                     "resume_at": None}
+        candidate = without_idle_choices({**cfg, **layout,
+                                          "global_batch_size": global_batch_size(cfg),
+                                          "resume_at": None})
+        layout = {name: candidate[name] for name in LAYOUT}
         if world_size(candidate) != world_size(cfg):
             continue
-        if all(layout[n] == cfg[n] for n in ("tp", "pp", "dp", "layers_per_virtual_stage")):
+        if all(layout[n] == cfg[n] for n in ("tp", "pp", "dp", "cp", "ep",
+                                             "layers_per_virtual_stage")):
             continue  # the same split: not "another layout"
-        error = validation_error(candidate, data, save_dir)
+        if converter_limit(cfg, layout) is not None:
+            continue
+        error = validation_error(candidate, data, save_dir, load=True)
         if error is not None:
             log.refusals.append((candidate, error))
             continue

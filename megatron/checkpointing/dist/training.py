@@ -95,8 +95,10 @@ def read_common(directory: Path) -> dict:
 
 
 def _dp_group():
+    """The group the distributed optimizer shards its state over: DP x CP (pretrain's), so
+    that with context parallelism every CP rank's shard is in the saved state."""
     from megatron.core import parallel_state
-    return parallel_state.get_data_parallel_group()
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _expert_dp_group():

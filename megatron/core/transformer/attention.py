@@ -332,9 +332,11 @@ class SelfAttention(torch.nn.Module):
         """The core attention, its activations recomputed in backward (selective recompute)."""
         if not torch.compiler.is_compiling():
             return checkpoint(self.core_attention, False, *args)
-        if self.core_attention.draws_per_rank():
+        if self.core_attention.draws_per_rank() or self.core_attention.cp_group is not None:
             # Its dropout runs eagerly under the TP stream, whose state only our checkpoint
-            # restores for the recompute: the whole region runs eagerly (a graph break).
+            # restores for the recompute; or the context-parallel attention, itself a graph
+            # break (context_parallel_attention), which torch's traced checkpoint cannot hold:
+            # the whole region runs eagerly (a graph break).
             return checkpoint_eagerly(self.core_attention, False, *args)
         # Traced (--compile-layers): torch's checkpoint is what the compiler understands; the
         # compiled backward recomputes the region with the forward's random draws.

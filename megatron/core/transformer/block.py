@@ -6,7 +6,8 @@ a layer is one graph (tests/core/transformer/test_compile_layers.py counts graph
 at TP>1 the tensor-parallel collectives are traced as functional collectives
 (``tensor_parallel.mappings``). Only while their dropout is active, the attention core (and
 with sequence parallelism the bias-dropout-adds) run eagerly under the per-rank RNG stream
-(``tensor_parallel.random.run_in_tp_stream``), a graph break each.
+(``tensor_parallel.random.run_in_tp_stream``), a graph break each; with context parallelism
+the attention core always runs eagerly (``context_parallel_attention``), one break a layer.
 
 Legend: s sequence, b batch, h hidden.
 """

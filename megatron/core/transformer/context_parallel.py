@@ -462,6 +462,15 @@ class _LocalAttention(torch.autograd.Function):
 
 
 # Entry point ----------------------------------------------------------------------------------
+# Inside a compiled layer (--compile-layers) the attention core is a graph break: it runs
+# eagerly, and the rest of the layer (projections, RoPE, MLP, norms) compiles around it, two
+# graphs a layer. Tracing it is not an option for the ring: torch's functional collectives have
+# no point-to-point send/recv, and the ring's overlap of an exchange with a block's compute is
+# the reason it exists. The all_gather and a2a forms could be traced as functional
+# collectives, but their explicit backward Functions (recomputed gathers, reduce-scatters) and
+# comm's NCCL-rule checks would then go through AOTAutograd as opaque custom Functions; one
+# eager region per layer keeps all three forms the same code, tested against the eager run.
+@torch.compiler.disable
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                cp_group: ProcessGroup, comm_type: str = "p2p", causal: bool = True,
                                scale: float | None = None) -> torch.Tensor:
