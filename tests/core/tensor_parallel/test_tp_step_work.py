@@ -53,8 +53,11 @@ def _checks(rank, world_size):
     embedding = VocabParallelEmbedding(32, 8, tp_group=group, init_method=init,
                                        params_dtype=torch.float64)
     events: list = []
+    # An activation, not a leaf: a leaf's AccumulateGrad copies a gradient it cannot steal,
+    # and gloo's work object may still hold the all-reduced input gradient when it arrives.
+    activation = x * 1.0
     with _Recorder(events):
-        hidden, _ = column(x)
+        hidden, _ = column(activation)
         out, _ = row(hidden)
         out = out + embedding(torch.arange(8, device=dev).view(4, 2))
         out.sum().backward()
