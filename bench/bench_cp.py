@@ -130,8 +130,8 @@ def _step(block, args, seq: int, cp_group, dtype, dev):
     from megatron.core.transformer.rotary import RotaryEmbedding
 
     cp, rank = comm.world_size(cp_group), comm.rank(cp_group)
-    rope = RotaryEmbedding(args.hidden // args.heads)(seq, device=dev)  # [S, 1, 1, rot]
-    rope = split_for_cp(rope, 0, cp, rank)
+    rope = RotaryEmbedding(args.hidden // args.heads)(seq, device=dev)  # 2 x [S, 1, 1, rot]
+    rope = tuple(split_for_cp(t, 0, cp, rank) for t in rope)  # (cos, sin) of this rank's rows
     x = torch.randn(seq // cp, 1, args.hidden, dtype=dtype, device=dev, requires_grad=True)
     block.set_input_tensor(x)
     meter, comms = SavedTensorMeter(list(block.parameters())), CommMeter()
