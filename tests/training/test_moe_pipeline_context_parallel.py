@@ -20,25 +20,14 @@ import pytest
 from megatron.config.cli import build_parser, parse_flags
 from megatron.config.validate import validate
 from tests.training import e2e
+from tests.training.test_moe_expert_parallel_training import FLAGS as EP_FLAGS
 
 ITERS = 3
 SEQ = 16
-FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(ITERS),
-         "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
-         "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--weight-decay", "0.01",
-         "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
-         "--make-vocab-size-divisible-by", "16", "--use-cpu-initialization",
-         "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
-         "--distributed-backend", "gloo",
-         "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "48",
-         "--position-embedding-type", "rope", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights", "--num-experts", "4",
-         "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2", "--moe-aux-loss-coeff",
-         "1e-1", "--moe-z-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "16",
-         "--moe-per-layer-logging"]
+# The expert-parallel test's model with four layers (two per stage) and larger balancing losses.
+_CHANGED = {"--num-layers": "4", "--moe-aux-loss-coeff": "1e-1", "--moe-z-loss-coeff": "1e-2"}
+FLAGS = [_CHANGED.get(prev, flag) for prev, flag in zip([None, *EP_FLAGS], EP_FLAGS)] + \
+    ["--moe-per-layer-logging"]
 LOSS_TOL = 1e-5
 EP2 = ["--expert-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]

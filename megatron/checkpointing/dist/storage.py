@@ -454,8 +454,9 @@ def read_plain_tensors(directory: Path, keys: Iterable[str] | None = None
     stored = metadata.state_dict_metadata
     wanted = [k for k, md in stored.items() if not isinstance(md, BytesStorageMetadata)] \
         if keys is None else list(keys)
+    # cpu-by-design: whole tensors read for a tool, on the host.
     state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype,
-                            device="cpu")  # whole tensors read for a tool, on the host
+                            device="cpu")
              for k in wanted}
     try:
         dcp.load(state, storage_reader=_SafeReader(str(directory)),
