@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 import types
 from collections.abc import Sequence
@@ -54,9 +55,11 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
     remove_stale_temp_files, save_file, shard_dir_name, verify_checksum, write_manifest)
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
-from megatron.checkpointing.dist import storage as dist_storage
-from megatron.checkpointing.dist.async_save import SAVER as ASYNC_SAVER
-from megatron.checkpointing.dist import training as dist_training
+from megatron.checkpointing.dist.detect import is_torch_dist_dir
+
+# megatron.checkpointing.dist (torch.distributed.checkpoint under it) is imported where a
+# torch_dist checkpoint is read or written: a second or more at start-up that runs in the
+# legacy format need not pay.
 from megatron.core import comm, device, parallel_state
 from megatron.core.log import log_rank_0, warn_rank_0
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -254,6 +257,9 @@ def _save_torch_dist(iteration: int, model, optimizer, scheduler, cfg, args, rng
                      flops: float) -> Path:
     """``--ckpt-format torch_dist``: every rank writes its chunks; then global rank 0 writes
     the checksums and moves the tracker."""
+    from megatron.checkpointing.dist import storage as dist_storage
+    from megatron.checkpointing.dist import training as dist_training
+
     root = Path(cfg.checkpoint.save)
     if cfg.checkpoint.async_save:
         return _start_async_save(iteration, model, optimizer, scheduler, cfg, args, rng_states,
@@ -275,6 +281,10 @@ def _start_async_save(iteration: int, model, optimizer, scheduler, cfg, args, rn
                       flops: float) -> Path:
     """--async-save: wait for the save in flight, copy the state to host memory and hand it to
     the background writer; the tracker moves once every rank's write is complete."""
+    from megatron.checkpointing.dist import storage as dist_storage
+    from megatron.checkpointing.dist import training as dist_training
+    from megatron.checkpointing.dist.async_save import SAVER as ASYNC_SAVER
+
     start = time.perf_counter()
     waited = ASYNC_SAVER.wait()
     root = Path(cfg.checkpoint.save)
@@ -294,6 +304,10 @@ def _start_async_save(iteration: int, model, optimizer, scheduler, cfg, args, rn
 
 def finish_async_save() -> None:
     """Wait for the asynchronous save in flight (at the end of training), logging the wait."""
+    async_save = sys.modules.get("megatron.checkpointing.dist.async_save")
+    if async_save is None:
+        return  # never imported: nothing was saved asynchronously
+    ASYNC_SAVER = async_save.SAVER
     if ASYNC_SAVER.in_flight:
         waited = ASYNC_SAVER.wait()
         log_rank_0(f"  waited {waited:.3f} s for the asynchronous checkpoint save to complete")
@@ -385,7 +399,8 @@ def read_checkpoint_args(load_dir: str | os.PathLike,
     if tracked is None:
         return None
     iter_dir = checkpoint_dir(load_dir, *tracked)
-    if dist_storage.is_torch_dist_dir(iter_dir):
+    if is_torch_dist_dir(iter_dir):
+        from megatron.checkpointing.dist import training as dist_training
         shard, args = iter_dir, dist_training.read_common(iter_dir).get("args")
     else:
         shard = _find_any_shard(iter_dir)
@@ -421,7 +436,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     tracked = read_tracker(root)
     if ck.ckpt_step is not None:
         tracked = (ck.ckpt_step, False)
-    if tracked is None and dist_storage.is_torch_dist_dir(root) \
+    if tracked is None and is_torch_dist_dir(root) \
             and _format_of(root, ck) == "torch_dist":
         # A bare torch_dist directory, as dist_checkpointing.save(model.sharded_state_dict(),
         # dir) writes it: its weights, loaded as a release checkpoint.
@@ -485,7 +500,7 @@ def _format_of(iter_dir: Path, ck) -> str:
     Raises:
         CheckpointError: the directory holds the other format.
     """
-    found = "torch_dist" if dist_storage.is_torch_dist_dir(iter_dir) else "torch"
+    found = "torch_dist" if is_torch_dist_dir(iter_dir) else "torch"
     if found == ck.ckpt_format or ck.auto_detect_ckpt_format or not iter_dir.is_dir():
         return found if iter_dir.is_dir() else ck.ckpt_format
     raise CheckpointError(f"{iter_dir} holds a {found} checkpoint, and this run reads "
@@ -497,6 +512,8 @@ def _load_torch_dist(model, optimizer, scheduler, cfg, root: Path, iteration: in
                      release: bool, directory: Path | None = None) -> tuple[int, int, int]:
     """``load_checkpoint`` for a torch_dist iteration directory (``directory``, default the
     one of ``iteration`` under ``root``), at this run's layout."""
+    from megatron.checkpointing.dist import training as dist_training
+
     ck = cfg.checkpoint
     directory = directory or checkpoint_dir(root, iteration, release)
     common = dist_training.read_common(directory)

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron.core import comm
+from megatron.checkpointing.dist.detect import BACKEND_FILE, is_torch_dist_dir  # noqa: F401
 from megatron.checkpointing.dist.keys import Chunk
 from megatron.checkpointing.errors import CheckpointError, corrupt_file_error
 from megatron.checkpointing.files import write_manifest
@@ -49,7 +50,6 @@ from megatron.checkpointing.names import MANIFEST_FILENAME
 from megatron.checkpointing.safe_load import safe_globals
 
 METADATA_FILE = ".metadata"
-BACKEND_FILE = "metadata.json"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 COMMON_STATE = "common_state"
 LEGACY_COMMON_FILE = "common.pt"
@@ -65,15 +65,6 @@ def object_key(key: str, offset: Iterable[int] = (0,), shape: Iterable[int] = (1
 
 
 COMMON_STATE_KEY = object_key(COMMON_STATE)
-
-
-def is_torch_dist_dir(path: Path) -> bool:
-    """Whether ``path`` holds a ``torch_dist`` checkpoint (its ``metadata.json`` says so)."""
-    try:
-        return json.loads((path / BACKEND_FILE).read_text()).get("sharded_backend") == \
-            "torch_dist"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 # ShardedTensors -------------------------------------------------------------------------------

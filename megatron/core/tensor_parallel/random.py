@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from megatron.core import device
+from megatron.core.eager_regions import eager_region
 
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -109,7 +110,7 @@ def run_in_tp_stream(function, *args, tp_size: int, **kwargs):
     return _forked_eagerly(function, *args, **kwargs)
 
 
-@torch.compiler.disable
+@eager_region
 def _forked_eagerly(function, *args, **kwargs):
     with _TRACKER.fork():
         return function(*args, **kwargs)
@@ -227,4 +228,4 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
 
 # A region whose random draws use the TP stream inside a compiled layer: run eagerly, it must
 # also be recomputed eagerly by the checkpoint above (the one that restores the tracker).
-checkpoint_eagerly = torch.compiler.disable(checkpoint)
+checkpoint_eagerly = eager_region(checkpoint)

@@ -36,6 +36,7 @@ import torch
 
 from megatron.core import comm
 from megatron.core.comm import ProcessGroup
+from megatron.core.eager_regions import eager_region
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -470,7 +471,7 @@ class _LocalAttention(torch.autograd.Function):
 # collectives, but their explicit backward Functions (recomputed gathers, reduce-scatters) and
 # comm's NCCL-rule checks would then go through AOTAutograd as opaque custom Functions; one
 # eager region per layer keeps all three forms the same code, tested against the eager run.
-@torch.compiler.disable
+@eager_region
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                cp_group: ProcessGroup, comm_type: str = "p2p", causal: bool = True,
                                scale: float | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core import eager_regions
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
 from megatron.core.tensor_parallel.random import run_in_tp_stream
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_world_size
@@ -40,6 +41,8 @@ class TransformerLayer(torch.nn.Module):
                  cp_group: ProcessGroup | None = None,
                  expert_groups: ExpertGroups | None = None) -> None:
         super().__init__()
+        if config.compile_layers:
+            eager_regions.mark_all()  # before anything traces this layer
         self.config = config
         self.layer_number = layer_number
         self.tp_size = tp_world_size(tp_group)
