@@ -19,6 +19,7 @@ BPE instead, which ranks by pair exactly as OpenAI does (several times slower th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -109,54 +110,23 @@ class GPT2BPETokenizer(VocabTokenizer):
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
         super().__init__("GPT2 BPE")
         self.unique_identifiers = megatron_identifiers("_GPT2BPETokenizer", vocab_file, merge_file)
-        self._set_vocab(load_vocab_json(vocab_file))
-        if EOD_TOKEN not in self._vocab:
-            raise ValueError(f"{vocab_file}: no {EOD_TOKEN} token (is it a GPT-2 vocab.json?)")
+        tables = _tables(vocab_file, merge_file)
+        self._set_vocab(dict(tables.vocab))  # a copy: _add_token extends this one
         self.eod_id = self._vocab[EOD_TOKEN]
-        merges = load_merges(merge_file)
-        ranks, rank_to_id = self._ranks(merges, vocab_file)
-        self._encoding = tiktoken.Encoding(name=f"gpt2-bpe-{os.fspath(vocab_file)}",
-                                           pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                           special_tokens={})
-        identity = np.array_equal(rank_to_id, np.arange(len(rank_to_id)))
-        self._rank_to_id = None if identity else rank_to_id
+        self._encoding = tables.encoding
+        self._rank_to_id = tables.rank_to_id
         self._id_to_bytes: dict[int, bytes] | None = None  # built by the first detokenize
         self._exact = None  # HF tokenizers BPE, used where tiktoken's ranking would differ
-        problem = _checked_rank_consistency(vocab_file, merge_file, merges, self._vocab,
-                                            self._encoding)
-        if problem is not None:
-            warn_rank_0(f"{merge_file}: merges are not rank-consistent ({problem}); tokenizing "
-                        "with the exact pair-ranked BPE (HF tokenizers), slower than tiktoken")
-            self._exact = _exact_bpe(self._vocab, merges)
+        if tables.problem is not None:
+            warn_rank_0(f"{merge_file}: merges are not rank-consistent ({tables.problem}); "
+                        "tokenizing with the exact pair-ranked BPE (HF tokenizers), slower than "
+                        "tiktoken")
+            self._exact = _exact_bpe(self._vocab, tables.merges)
 
     @property
     def uses_tiktoken(self) -> bool:
         """False when the merges needed the exact (slower) pair-ranked BPE."""
         return self._exact is None
-
-    def _ranks(self, merges: list[tuple[str, str]], vocab_file) -> tuple[dict[bytes, int], np.ndarray]:
-        """tiktoken ranks (bytes -> rank) and the rank -> vocab id table."""
-        byte_chars = bytes_to_unicode()
-        missing = [ch for ch in byte_chars.values() if ch not in self._vocab]
-        if missing:
-            raise ValueError(f"{vocab_file}: byte tokens {missing[:5]} are missing")
-        byte_ids = [self._vocab[byte_chars[b]] for b in range(256)]
-        # Single bytes keep their vocab id as rank when those ids are exactly 0..255 (GPT-2);
-        # their ranks never decide a merge, only the 256 + i of merged tokens do.
-        byte_rank = byte_ids if sorted(byte_ids) == list(range(256)) else list(range(256))
-        ranks = {bytes([b]): byte_rank[b] for b in range(256)}
-        rank_to_id = np.empty(256 + len(merges), dtype=np.int64)
-        rank_to_id[byte_rank] = byte_ids
-        for i, (left, right) in enumerate(merges):
-            merged = left + right
-            if merged not in self._vocab:
-                raise ValueError(f"{vocab_file}: merge {i + 1} ({left} {right}) makes {merged!r}, "
-                                 "which is not in the vocabulary")
-            # A repeated merge result keeps its first (highest) priority, as OpenAI's lookup
-            # of the lowest-ranked pair would.
-            ranks.setdefault(token_to_bytes(merged), 256 + i)
-            rank_to_id[256 + i] = self._vocab[merged]
-        return ranks, rank_to_id
 
     @staticmethod
     def _token_bytes(token: str) -> bytes:
@@ -191,6 +161,70 @@ class GPT2BPETokenizer(VocabTokenizer):
     def eod(self) -> int:
         return self.eod_id
 
+def _ranks(vocab: dict[str, int], merges: list[tuple[str, str]], vocab_file
+       ) -> tuple[dict[bytes, int], np.ndarray]:
+    """tiktoken ranks (bytes -> rank) and the rank -> vocab id table."""
+    byte_chars = bytes_to_unicode()
+    missing = [ch for ch in byte_chars.values() if ch not in vocab]
+    if missing:
+        raise ValueError(f"{vocab_file}: byte tokens {missing[:5]} are missing")
+    byte_ids = [vocab[byte_chars[b]] for b in range(256)]
+    # Single bytes keep their vocab id as rank when those ids are exactly 0..255 (GPT-2);
+    # their ranks never decide a merge, only the 256 + i of merged tokens do.
+    byte_rank = byte_ids if sorted(byte_ids) == list(range(256)) else list(range(256))
+    ranks = {bytes([b]): byte_rank[b] for b in range(256)}
+    rank_to_id = np.empty(256 + len(merges), dtype=np.int64)
+    rank_to_id[byte_rank] = byte_ids
+    for i, (left, right) in enumerate(merges):
+        merged = left + right
+        if merged not in vocab:
+            raise ValueError(f"{vocab_file}: merge {i + 1} ({left} {right}) makes {merged!r}, "
+                             "which is not in the vocabulary")
+        # A repeated merge result keeps its first (highest) priority, as OpenAI's lookup
+        # of the lowest-ranked pair would.
+        ranks.setdefault(token_to_bytes(merged), 256 + i)
+        rank_to_id[256 + i] = vocab[merged]
+    return ranks, rank_to_id
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+    """What a GPT-2 tokenizer is built from, parsed and checked once per pair of files."""
+    vocab: dict[str, int]
+    merges: list[tuple[str, str]]
+    encoding: tiktoken.Encoding
+    rank_to_id: np.ndarray | None  # None: ranks are the vocab ids (GPT-2's own files)
+    problem: str | None  # why the merges are not rank-consistent; None when they are
+
+
+# (vocab file, merges file) identities -> their tables. Parsing GPT-2's files and building the
+# ranks costs seconds, and a process builds the same tokenizer several times (validation derives
+# the padded vocabulary with one, training builds its own; test worlds run many trainings).
+_TABLES: dict[tuple, _Tables] = {}
+
+
+def _tables(vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> _Tables:
+    """The tables of this pair of files, read again only when either file changed.
+
+    Raises:
+        ValueError: unreadable files, a merge whose result is not in the vocabulary, or no
+            ``<|endoftext|>`` token.
+    """
+    key = (_file_identity(vocab_file), _file_identity(merge_file))
+    if key not in _TABLES:
+        vocab = load_vocab_json(vocab_file)
+        if EOD_TOKEN not in vocab:
+            raise ValueError(f"{vocab_file}: no {EOD_TOKEN} token (is it a GPT-2 vocab.json?)")
+        merges = load_merges(merge_file)
+        ranks, rank_to_id = _ranks(vocab, merges, vocab_file)
+        encoding = tiktoken.Encoding(name=f"gpt2-bpe-{os.fspath(vocab_file)}",
+                                     pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={})
+        identity = np.array_equal(rank_to_id, np.arange(len(rank_to_id)))
+        _TABLES[key] = _Tables(vocab, merges, encoding, None if identity else rank_to_id,
+                               rank_consistency_problem(merges, vocab, encoding))
+    return _TABLES[key]
+
 
 def _pair_ranked_bpe(vocab: dict[str, int], merges: list[tuple[str, str]]):
     """HF ``tokenizers`` BPE model: OpenAI's rule (lowest-ranked listed pair first)."""
@@ -209,24 +243,9 @@ def _exact_bpe(vocab: dict[str, int], merges: list[tuple[str, str]]):
     return tokenizer
 
 
-# (vocab file, merges file) identities -> rank_consistency_problem's answer. The check is a pure
-# function of the two files and costs most of a GPT-2 tokenizer's construction; a process builds
-# the same tokenizer several times (validation derives the padded vocabulary with one, training
-# builds its own; test worlds run many trainings).
-_RANK_CONSISTENCY: dict[tuple, str | None] = {}
-
-
 def _file_identity(path: str | os.PathLike) -> tuple:
     stat = os.stat(path)
     return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
-
-
-def _checked_rank_consistency(vocab_file, merge_file, merges, vocab, encoding) -> str | None:
-    """rank_consistency_problem, remembered per unchanged pair of files."""
-    key = (_file_identity(vocab_file), _file_identity(merge_file))
-    if key not in _RANK_CONSISTENCY:
-        _RANK_CONSISTENCY[key] = rank_consistency_problem(merges, vocab, encoding)
-    return _RANK_CONSISTENCY[key]
 
 
 def rank_consistency_problem(merges: list[tuple[str, str]], vocab: dict[str, int],
