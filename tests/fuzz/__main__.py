@@ -1,6 +1,7 @@
 """Command line of the layout fuzzer (docs/guide/fuzzing.md).
 
     python -m tests.fuzz --draws 20 --seed 7            # 20 random valid configurations
+    python -m tests.fuzz --draws 200 --seed 7 --first-draw 120   # the same draws, from 120 on
     python -m tests.fuzz --config '{"family": ...}'     # replay one (as a failure prints it)
 
 Exits 1 when a configuration fails (after printing its reproducer and minimized form), 0 when
@@ -23,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draws", type=int, default=10, help="configurations to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    parser.add_argument("--first-draw", type=int, default=0,
+                        help="check the draws from this index on (the same draws are made: a "
+                             "long run continues where a stopped one ended)")
     parser.add_argument("--max-world", type=int, default=8,
                         help="largest world (gloo ranks on this machine) a draw may need")
     parser.add_argument("--config", default=None,
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     # One world at a time: the machine is shared (an idle world's ranks hold their memory).
     fuzzer = runner.Fuzzer(data, workdir / "runs", log=lambda line: print(line, flush=True),
                            one_world_at_a_time=True)
-    failures = runner.fuzz(configs, fuzzer, minimize=not opts.no_minimize)
+    failures = runner.fuzz(configs, fuzzer, minimize=not opts.no_minimize,
+                           first_draw=opts.first_draw)
     print(f"\n{len(configs)} configurations, {len(failures)} failed, {fuzzer.runs} runs "
           f"({len(fuzzer.references)} one-process references), "
           f"{time.perf_counter() - start:.0f} s")

@@ -469,14 +469,14 @@ def summarize_refusals(log: space.DrawLog) -> list[str]:
 
 
 def fuzz(configs: list[Config], fuzzer: Fuzzer, minimize: bool = True,
-         inject: dict | None = None, round_size: int = ROUND
+         inject: dict | None = None, round_size: int = ROUND, first_draw: int = 0
          ) -> list[tuple[Config, list[str], Config | None]]:
-    """Check every configuration, in rounds of ``round_size`` draws (references first, then by
-    world size: each pooled world is started once a round, and a long run stopped early has
-    checked every world size drawn, not only the smallest); the failures with their
-    minimized configurations."""
+    """Check every configuration from draw ``first_draw`` on, in rounds of ``round_size`` draws
+    (references first, then by world size: each pooled world is started once a round, and a
+    long run stopped early has checked every world size drawn, not only the smallest); the
+    failures with their minimized configurations."""
     failures = []
-    for first in range(0, len(configs), round_size):
+    for first in range(first_draw, len(configs), round_size):
         failures += _fuzz_round(configs, range(first, min(first + round_size, len(configs))),
                                 fuzzer, minimize, inject)
     return failures
