@@ -462,11 +462,31 @@ class MockGPTLowLevelDataset:
         return self[idx][offset : offset + length]
 
 
+# The last mock split's indices, by (description, split): Megatron-Core's mock corpus is ~200M
+# tokens, so a short --seq-length makes a shuffle index of millions of samples; a process that
+# trains again on the same mock data (a finetune after a pretrain, test worlds) reuses it.
+_MOCK_INDICES: dict[tuple, dict[str, np.ndarray]] = {}
+
+
 class MockGPTDataset(GPTDataset):
-    """GPTDataset over :class:`MockGPTLowLevelDataset` (``--mock-data``), never cached."""
+    """GPTDataset over :class:`MockGPTLowLevelDataset` (``--mock-data``), never cached on disk
+    (as Megatron-Core); the last indices built are kept in memory."""
 
     def _cache_dir(self) -> str | None:
         return None
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        key = (self.unique_description, self.index_split.name,
+               self.config.drop_last_partial_validation_sequence,
+               self.config.add_extra_token_to_sequence)
+        if key not in _MOCK_INDICES:
+            arrays = super()._build_indices()
+            for array in arrays.values():
+                array.setflags(write=False)  # shared by every dataset built from this key
+            if len(_MOCK_INDICES) >= 3:  # one mock run's train, valid and test splits
+                _MOCK_INDICES.clear()
+            _MOCK_INDICES[key] = arrays
+        return _MOCK_INDICES[key]
 
     @staticmethod
     def numel_low_level_dataset(low_level: Any) -> int:
