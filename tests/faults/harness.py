@@ -34,8 +34,10 @@ HANG_S = 240.0
 """Hang bound of one job: a healthy tiny run takes seconds plus start-up on a loaded machine."""
 
 # 2 layers x hidden 32 on --mock-data: no tokenizer or corpus to load, start-up is the cost.
+# 64 positions, not fewer: the mock dataset (Megatron-Core's 100000 documents of up to 4096
+# tokens) is cut into a shuffled index of ~200M / seq-length samples at every start.
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
             "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--seed", "1234",
             "--mock-data", "--vocab-size", "512", "--use-cpu-initialization",
@@ -72,11 +74,9 @@ def tiny_bert_flags(vocab_file: Path, *, train_iters: int, global_batch_size: in
                     extra: Sequence[object] = ()) -> list[str]:
     """pretrain_bert.py flags of the same tiny shape on ``--mock-data`` with a real WordPiece
     vocabulary (masking needs one; BERT's default binary head on)."""
+    # TINY_GPT's 64 positions: at 16 a micro-batch can hold no masked token, and its loss is
+    # 0/0 = NaN (as in Megatron-LM, whose loss_func divides by the mask's sum the same way).
     flags = [f for f in TINY_GPT if f not in ("--vocab-size", "512")]
-    # 64 positions: at 16 a micro-batch can hold no masked token, and its loss is 0/0 = NaN
-    # (as in Megatron-LM, whose loss_func divides by the mask's sum the same way).
-    flags[flags.index("--seq-length") + 1] = flags[flags.index("--max-position-embeddings") + 1] \
-        = "64"
     return [*flags, "--vocab-file", str(vocab_file), "--train-iters", str(train_iters),
             "--global-batch-size", str(global_batch_size), *map(str, extra)]
 

@@ -46,7 +46,7 @@ from tests.faults.harness import REPO, Job, child_env
 WATCHDOG_S = 3
 HANG_S = 240.0  # hang detection only: start-up of eight ranks on a loaded 2-core machine
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
          "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--use-cpu-initialization",
          "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
          "--distributed-backend", "gloo", "--train-iters", "50"]

@@ -28,7 +28,7 @@ from tests.training.test_bert_pretrain import bert_argv
 ITERS = 5
 HUGE_LR = ["--lr", "1e30", "--min-lr", "1e29"]
 COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-          "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
           "--global-batch-size", "2", "--train-iters", str(ITERS), "--lr-warmup-iters", "0",
           "--mock-data", "--vocab-size", "512", "--use-cpu-initialization",
           "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",

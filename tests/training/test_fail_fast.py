@@ -30,7 +30,7 @@ DRIVER = Path(__file__).with_name("fail_fast_driver.py")
 # Hang detection only: a healthy run of this size takes seconds, plus start-up on a busy machine.
 WALL_S = 240
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "1000",
          "--use-cpu-initialization", "--eval-iters", "0", "--log-interval", "1",
          "--distributed-backend", "gloo", "--num-workers", "2"]
