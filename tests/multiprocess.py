@@ -9,9 +9,12 @@
     def test_all_reduce():
         results = run_distributed(4, _check_all_reduce, 3.0)   # one result per rank
 
-Worlds are pooled: the first test asking for N ranks spawns N processes (``spawn``, never
-``fork``: fork deadlocks in long gloo sessions), which initialize gloo on 127.0.0.1 and then
-serve test functions until the session ends; spawning costs 7-10 s, a pooled call 0.05-0.3 s.
+Worlds are pooled: the first test asking for N ranks starts N processes, which initialize gloo
+on 127.0.0.1 and then serve test functions until the session ends; a pooled call costs
+0.05-0.3 s. The processes are forked by a ``forkserver`` that imported torch and megatron once
+(never ``fork`` from this process: fork deadlocks in long gloo sessions; the server runs no
+gloo and no threads), so a world starts in about a second where ``spawn``, importing torch in
+every rank, took 7-10 s. Each rank takes this process's environment as it was at the start.
 After every call each rank destroys its model-parallel groups, resets the python, numpy and torch
 RNGs (to :data:`RESET_SEED`) and the model-parallel RNG tracker, and meets the others at a barrier,
 so the next test starts clean whatever the previous one seeded. If any rank raises, or a call
@@ -54,7 +57,10 @@ def _reset_rng_state() -> None:
     get_rng_tracker().reset()
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
+            environ: dict[str, str]) -> None:
+    os.environ.clear()  # the forkserver's environment is that of its own start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -93,17 +99,30 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     torch.distributed.destroy_process_group()
 
 
+# What the forkserver imports before it forks ranks: what every rank imports anyway.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "megatron.core.parallel_state",
+            "megatron.core.comm", "megatron.training.pretrain", "pretrain_gpt",
+            "tests.multiprocess", "tests.training.e2e"]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class DistributedWorld:
-    """N spawned gloo ranks that run test functions on request."""
+    """N gloo ranks (forked by the forkserver) that run test functions on request."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, self.tasks[r], self.results))
+                                  args=(r, world_size, port, self.tasks[r], self.results,
+                                        dict(os.environ)))
                       for r in range(world_size)]
         start_one_thread_each(self.procs)
         self._collect("ready", _STARTUP_TIMEOUT_S, what="start-up")
