@@ -21,8 +21,10 @@ Attention reaches the other ranks' keys and values in one of three ways (``--cp-
   over the whole sequence on ``heads / CP`` heads, all-to-all back.
 
 With grouped-query attention only the G key/value heads travel. The blocks run on a math path
-(fp32 scores and log-sum-exp, fp64 kept for fp64 inputs) on every device; on CUDA in fp16/bf16
-the flash kernel of ``scaled_dot_product_attention`` (which returns the log-sum-exp) does.
+(fp32 scores and log-sum-exp, fp64 kept for fp64 inputs) on every device, its query rows in
+chunks of bounded size (:data:`MATH_BLOCK_BYTES`) so that no ``s x s`` block exists whole; on
+CUDA in fp16/bf16 the flash kernel of ``scaled_dot_product_attention`` (which returns the
+log-sum-exp) does.
 
 Legend: s local sequence (``S / CP``), S global sequence, b batch, np query heads, g key/value
 heads, r = np / g query heads per group, hn head size, c = s / 2 (one chunk).
