@@ -21,11 +21,20 @@ values, K' the same in the accumulation dtype (fp32), Q = (s/CP) b np hn e its q
     a2a         2 (CP - 1)/CP (2 Q + K)       (q, k, v and the output, forward and backward)
 
 measured by counting the tensors handed to megatron.core.comm's collectives (the logical
-volume; a ring all-gather sends the same). The longest sequence that fits ``--budget-gib`` of
-activations per rank (weights, gradients and optimizer state come on top) is extrapolated from
-the measured bytes kept per local token plus, for the blocks on the math path (CP > 1 off CUDA),
-the transient fp32 scores of the largest block, about 3 x 4 np (s/CP)^2 bytes (scores,
-probabilities and their gradient); the flash kernels (CP = 1's SDPA, CUDA) keep none.
+volume; a ring all-gather sends the same).
+
+Peak memory per rank is measured, not modelled: off CUDA the kernel's high-water mark of the
+process's resident memory (``VmHWM``, reset through ``/proc/self/clear_refs`` after
+``malloc_trim`` right before the step, glibc's mmap threshold fixed at 1 MiB so freed blocks go
+back to the kernel) minus the resident memory at that moment (weights, gradients, the process):
+the activations kept plus every transient of the forward and backward, the largest over the CP
+ranks; on CUDA the allocator's peak above the allocation before the step. The longest sequence
+that fits ``--budget-gib`` per rank is read off the same measurement at ``--seq / 2`` and
+``--seq``: nothing the step holds grows faster than the sequence (the flash kernels hold no
+``s x s`` scores and the math path's blocks run in query-row chunks of at most
+``context_parallel.MATH_BLOCK_BYTES``), so the peak is the line through the two points, and the
+column is where that line meets the budget (weights, gradients and optimizer state come on top;
+the next run at that length is the check).
 
 Run::
 
@@ -36,7 +45,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -51,15 +59,55 @@ from bench.launch import run_ranks  # noqa: E402
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
-def longest_sequence(kept_per_token: float, budget: float, quadratic: float, cp: int) -> int:
-    """Largest S with ``kept_per_token * S/CP + quadratic * (S/CP)^2 <= budget``, rounded down
-    to a multiple of 2 CP."""
-    if quadratic:
-        rows = (-kept_per_token + math.sqrt(kept_per_token**2 + 4 * quadratic * budget)) / (
-            2 * quadratic)
-    else:
-        rows = budget / kept_per_token
-    return int(rows * cp) // (2 * cp) * (2 * cp)
+def longest_sequence(points: list[tuple[int, float]], budget: float, cp: int) -> int:
+    """Largest S whose peak, on the line through two measured ``(S, peak bytes)`` points, is
+    within ``budget``, rounded down to a multiple of 2 CP (0 when the line never fits)."""
+    (s1, p1), (s2, p2) = points
+    slope = max((p2 - p1) / (s2 - s1), 1.0)  # per token; a flat line: timing noise, keep >0
+    longest = s2 + (budget - p2) / slope
+    return max(0, int(longest) // (2 * cp) * (2 * cp))
+
+
+class PeakMemory:
+    """Peak memory of a region above its start: on CUDA the allocator's, elsewhere the
+    process's resident high-water mark (Linux ``VmHWM``, reset at the start)."""
+
+    def __init__(self, dev) -> None:
+        import ctypes
+
+        self.dev, self.libc = dev, None
+        if dev.type != "cuda":
+            self.libc = ctypes.CDLL("libc.so.6")
+            self.libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: large blocks unmapped on free
+        self.base = 0
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+    def start(self) -> None:
+        import torch
+
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()  # cuda-only (guarded)
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        self.libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+        self.base = self._status("VmRSS")
+
+    def peak(self) -> int:
+        import torch
+
+        if self.dev.type == "cuda":
+            return torch.cuda.max_memory_allocated() - self.base
+        return self._status("VmHWM") - self.base
 
 
 def formula_bytes(comm_type: str, cp: int, s: int, b: int, np_: int, g: int, hn: int,
@@ -122,7 +170,8 @@ def _block(args, cp: int, comm_type: str, cp_group, dtype):
 
 
 def _step(block, args, seq: int, cp_group, dtype, dev):
-    """One forward + backward on this rank's rows: (bytes kept, seconds, comm bytes)."""
+    """One forward + backward on this rank's rows: (bytes kept, seconds, comm bytes, peak
+    bytes above the start)."""
     import torch
 
     from megatron.core import comm
@@ -135,7 +184,9 @@ def _step(block, args, seq: int, cp_group, dtype, dev):
     x = torch.randn(seq // cp, 1, args.hidden, dtype=dtype, device=dev, requires_grad=True)
     block.set_input_tensor(x)
     meter, comms = SavedTensorMeter(list(block.parameters())), CommMeter()
+    memory = PeakMemory(dev)
     comm.barrier(cp_group)
+    memory.start()
     start = time.perf_counter()
     try:
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -143,10 +194,12 @@ def _step(block, args, seq: int, cp_group, dtype, dev):
         out.backward(torch.ones_like(out))
         if dev.type == "cuda":
             torch.cuda.synchronize()  # cuda-only (guarded above)
+        seconds, peak = time.perf_counter() - start, memory.peak()
+        del out
     finally:
         comms.close()
     comm.barrier(cp_group)
-    return meter.total, time.perf_counter() - start, comms.total
+    return meter.total, seconds, comms.total, peak
 
 
 def _worker(rank: int, world: int, args) -> list[dict] | None:
@@ -157,25 +210,28 @@ def _worker(rank: int, world: int, args) -> list[dict] | None:
     from megatron.core.transformer import context_parallel
 
     context_parallel.FLASH_ON_CPU = args.flash_on_cpu
+    if args.math_chunk_mib is not None:
+        context_parallel.MATH_BLOCK_BYTES = int(args.math_chunk_mib * 2**20)
     device.init_distributed(backend="gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     cp_group = parallel_state.get_context_parallel_group()
     dev = device.get_device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []
-    for comm_type in (COMM_TYPES if world > 1 else ("none",)):
+    for comm_type in args.comm if world > 1 else ("none",):
         block = _block(args, world, comm_type if world > 1 else "p2p", cp_group, dtype).to(dev)
-        times, kept, sent = [], 0, 0
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(args.repeats + 1):  # the first is a warm-up
-            kept, seconds, sent = _step(block, args, args.seq, cp_group, dtype, dev)
+        _step(block, args, args.seq // 4, cp_group, dtype, dev)  # warm-up: gradients made
+        half = _step(block, args, args.seq // 2, cp_group, dtype, dev)[3]
+        times, peaks = [], []
+        for _ in range(args.repeats):
+            kept, seconds, sent, peak = _step(block, args, args.seq, cp_group, dtype, dev)
             times.append(seconds)
-        peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
-        rows.append({"comm": comm_type, "kept": kept, "seconds": statistics.median(times[1:]),
-                     "sent": sent / args.layers, "peak": peak,
+            peaks.append(peak)
+        rows.append({"comm": comm_type, "kept": kept, "seconds": statistics.median(times),
+                     "sent": sent / args.layers, "peak": max(peaks), "half_peak": half,
                      "elt": torch.tensor([], dtype=dtype).element_size()})
-    return rows if rank == 0 else None
+        del block
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,10 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--comm", nargs="+", default=list(COMM_TYPES), choices=COMM_TYPES,
+                        help="comm types to run at CP > 1")
     parser.add_argument("--budget-gib", type=float, default=64.0,
                         help="activation memory per rank for the longest-sequence column")
     parser.add_argument("--flash-on-cpu", action="store_true",
                         help="the CP blocks on torch's CPU flash kernel instead of the math path")
+    parser.add_argument("--math-chunk-mib", type=float, default=None,
+                        help="context_parallel.MATH_BLOCK_BYTES in MiB (the math path's "
+                             "query-row chunk budget)")
     parser.add_argument("--quick", action="store_true", help="s 512, 1 layer, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
@@ -202,20 +263,20 @@ def main(argv: list[str] | None = None) -> int:
           f"ffn={args.ffn}; CP blocks on the {'flash kernel' if args.flash_on_cpu else 'math path'}"
           f" off CUDA; gloo, 1 thread per rank; load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
-    print("| CP | comm type | kept MiB/rank | step s | vs CP=1 step | sent KiB/layer/rank "
-          "(measured) | formula | longest s in --budget-gib |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| CP | comm type | kept MiB/rank | peak MiB/rank | step s | vs CP=1 step | sent "
+          "KiB/layer/rank (measured) | formula | longest s in --budget-gib |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = None
     for cp in args.cp:
-        for row in run_ranks(cp, _worker, args, timeout=3600)[0]:
+        by_rank = run_ranks(cp, _worker, args, timeout=3600)
+        for i, row in enumerate(by_rank[0]):
+            peak = max(rows[i]["peak"] for rows in by_rank)  # the fullest CP rank
+            half = max(rows[i]["half_peak"] for rows in by_rank)
             base = base or row["seconds"]
             theory = formula_bytes(row["comm"], cp, s, 1, args.heads, args.groups, hn,
                                    row["elt"])
-            longest = longest_sequence(row["kept"] / (s // cp), args.budget_gib * 2**30,
-                                       12 * args.heads if cp > 1 and not row["peak"]
-                                       and not args.flash_on_cpu else 0, cp)
-            peak = f" (CUDA peak {row['peak'] / 2**20:.0f} MiB)" if row["peak"] else ""
-            print(f"| {cp} | {row['comm']} | {row['kept'] / 2**20:.1f}{peak} | "
+            longest = longest_sequence([(s // 2, half), (s, peak)], args.budget_gib * 2**30, cp)
+            print(f"| {cp} | {row['comm']} | {row['kept'] / 2**20:.1f} | {peak / 2**20:.1f} | "
                   f"{row['seconds']:.3f} | {row['seconds'] / base:.2f}x | "
                   f"{row['sent'] / 1024:.0f} | {theory / 1024:.0f} | {longest} |", flush=True)
     return 0

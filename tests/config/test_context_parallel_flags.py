@@ -4,6 +4,9 @@ model config they reach, and every combination refused before any process group 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,27 @@ def test_tools_and_bert_refuse_cp():
     with pytest.raises(ValueError, match="BERT"):
         check_bert_flags(cfg)
     refuse_context_parallel("text generation")(parse("", 1))  # CP=1: accepted
+
+
+@pytest.mark.parametrize("script, what", [
+    (["tools/generate.py"], "text generation"),
+    (["tasks/main.py", "--task", "LAMBADA", "--valid-data", "{data}"], "zero-shot evaluation"),
+])
+def test_generation_and_zero_shot_refuse_cp_by_name(tmp_path, script, what):
+    """The scripts themselves, one process without torchrun: the refusal comes from
+    validation, before any process group (none could start in a world of one)."""
+    data = tmp_path / "lambada.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    argv = [a.format(data=data) for a in script] + [
+        "--context-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--random-weights", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, *argv], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert (f"--context-parallel-size 2: {what} runs at context-parallel size 1"
+            in done.stderr), done.stderr[-2000:]
 
 
 def test_layout_follows_megatron_core_order():

@@ -21,7 +21,9 @@ SHAPE = {"iters": 5, "seq": 32, "mbs": 1, "gbs": 2}
 LOSS_TOL = 1e-5
 PARAM_TOL = 2e-5
 
-_MODELS = {"gpt": [], "llama": LLAMA}
+# Learned absolute positions restarted after every end-of-document token: the position ids are
+# split over CP like the tokens.
+_MODELS = {"gpt": [], "llama": LLAMA, "gpt_reset_position_ids": ["--reset-position-ids"]}
 # name: (model, extra flags) of the CP=2 runs
 _CP2 = {"gpt_p2p": ("gpt", ["--cp-comm-type", "p2p"]),
         "gpt_all_gather": ("gpt", ["--cp-comm-type", "all_gather"]),
@@ -30,7 +32,8 @@ _CP2 = {"gpt_p2p": ("gpt", ["--cp-comm-type", "p2p"]),
         "llama_a2a_then_allgather": ("llama", ["--cp-comm-type", "a2a", "allgather"]),
         "gpt_full_recompute": ("gpt", ["--recompute-granularity", "full",
                                        "--recompute-method", "uniform"]),
-        "llama_selective_recompute": ("llama", ["--recompute-activations"])}
+        "llama_selective_recompute": ("llama", ["--recompute-activations"]),
+        "gpt_reset_position_ids": ("gpt_reset_position_ids", [])}
 # Four ranks: CP=2 with TP=2 and sequence parallelism, with PP=2, with DP=2.
 _CP2_FOUR = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                         "--make-vocab-size-divisible-by", "64"],
@@ -141,3 +144,10 @@ def test_cp2_equals_single_process(single, cp2, name):
                                   f"  reference {ref}\n  CP=2 {e2e.losses(result)}")
         diff = e2e.max_param_diff(reference["params"], result["params"])
         assert diff <= PARAM_TOL, f"{name}, rank {rank}: final parameters differ by {diff:.3g}"
+
+
+def test_reset_position_ids_changed_the_positions(single):
+    """The sequences of the --reset-position-ids runs hold a document boundary: the reset
+    changed the loss (else its CP=2 comparison above would only repeat the plain one)."""
+    plain, reset = e2e.losses(single["gpt"]), e2e.losses(single["gpt_reset_position_ids"])
+    assert e2e.max_abs_diff(plain, reset) > 1e-4, (plain, reset)

@@ -21,8 +21,10 @@ Attention reaches the other ranks' keys and values in one of three ways (``--cp-
   over the whole sequence on ``heads / CP`` heads, all-to-all back.
 
 With grouped-query attention only the G key/value heads travel. The blocks run on a math path
-(fp32 scores and log-sum-exp, fp64 kept for fp64 inputs) on every device; on CUDA in fp16/bf16
-the flash kernel of ``scaled_dot_product_attention`` (which returns the log-sum-exp) does.
+(fp32 scores and log-sum-exp, fp64 kept for fp64 inputs) on every device, its query rows in
+chunks of bounded size (:data:`MATH_BLOCK_BYTES`) so that no ``s x s`` block exists whole; on
+CUDA in fp16/bf16 the flash kernel of ``scaled_dot_product_attention`` (which returns the
+log-sum-exp) does.
 
 Legend: s local sequence (``S / CP``), S global sequence, b batch, np query heads, g key/value
 heads, r = np / g query heads per group, hn head size, c = s / 2 (one chunk).
@@ -123,47 +125,115 @@ def _use_flash(q: torch.Tensor) -> bool:
             and q.size(-1) % 8 == 0 and q.size(-1) <= 256)
 
 
+MATH_BLOCK_BYTES = 4 * 2**20
+"""Bound on the math path's transient score tensors in host memory: a block's query rows are
+processed in chunks whose ``[b, g, r, rows, sk]`` scores take at most this many bytes (at least
+one row), so the scores, probabilities and their gradients never cover a whole ``s x s`` block.
+Softmax is per query row, so the chunks give the unchunked numbers (key/value gradients summed
+over the chunks). Small chunks cost nothing on a CPU (they stay in cache)."""
+
+MATH_BLOCK_BYTES_ACCELERATOR = 256 * 2**20
+"""The same bound on a GPU (fp32 blocks there), larger: every chunk is a kernel launch."""
+
+
+def _row_chunk(q: torch.Tensor, sk: int, acc: torch.dtype, q_chunk: int | None) -> int:
+    """Query rows per chunk: ``q_chunk`` if given, else what the byte bound allows."""
+    if q_chunk is not None:
+        return max(1, q_chunk)
+    budget = MATH_BLOCK_BYTES if q.device.type == "cpu" else MATH_BLOCK_BYTES_ACCELERATOR
+    b, g, r = q.shape[:3]
+    per_row = b * g * r * sk * (torch.finfo(acc).bits // 8)
+    return max(1, budget // max(1, per_row))
+
+
+def _row_chunks(sq: int, sk: int, rows: int, causal: bool):
+    """(query rows, key count) of each chunk; on the diagonal a chunk ending at row ``stop``
+    sees only the first ``stop`` keys (the rest are masked for all its rows)."""
+    for start in range(0, sq, rows):
+        stop = min(start + rows, sq)
+        yield slice(start, stop), (stop if causal else sk)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool, q_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: q ``[b, g, r, sq, hn]``, k, v ``[b, g, sk, hn]`` -> (out ``[b, g, r, sq, hn]``
     in the accumulation dtype, log-sum-exp ``[b, g, r, sq]`` fp32 or fp64). ``causal``: the
-    diagonal block, query i sees keys ``<= i`` (sq == sk)."""
+    diagonal block, query i sees keys ``<= i`` (sq == sk). ``q_chunk``: query rows per chunk of
+    the math path (default from :data:`MATH_BLOCK_BYTES`)."""
     if _use_flash(q):
         return _flash_forward(q, k, v, scale, causal)
     acc = _acc_dtype(q.dtype)
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", q.to(acc), k.to(acc)) * scale
-    if causal:
-        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [b, g, r, sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    sq, sk = q.size(3), k.size(2)
+    rows = _row_chunk(q, sk, acc, q_chunk)
+    if rows >= sq:
+        return _math_forward(q, k, v, scale, 0 if causal else None, acc)
+    out = torch.empty(*q.shape[:-1], v.size(-1), dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    for qrows, keys in _row_chunks(sq, sk, rows, causal):
+        out[:, :, :, qrows], lse[..., qrows] = _math_forward(
+            q[:, :, :, qrows], k[:, :, :keys], v[:, :, :keys], scale,
+            qrows.start if causal else None, acc)
+    return out, lse
+
+
+def _math_forward(q, k, v, scale: float, diag: int | None, acc: torch.dtype):
+    """Softmax attention of q ``[b, g, r, rows, hn]`` over k, v ``[b, g, keys, hn]``; ``diag``:
+    the global row of q's first row in a diagonal block (key j masked for row i when j > i)."""
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q.to(acc), k.to(acc)).mul_(scale)
+    if diag is not None:
+        scores.masked_fill_(_above_diagonal(scores, diag), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, g, r, rows]
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()  # in place: one rows x keys tensor
     return torch.einsum("bgrqk,bgkd->bgrqd", probs, v.to(acc)), lse
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   dout: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+                   dout: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+                   q_chunk: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the merged (final) ``out`` and ``lse`` of its queries:
-    (dq ``[b, g, r, sq, hn]``, dk, dv ``[b, g, sk, hn]``) in the accumulation dtype."""
+    (dq ``[b, g, r, sq, hn]``, dk, dv ``[b, g, sk, hn]``) in the accumulation dtype; the math
+    path in chunks of ``q_chunk`` query rows as :func:`block_forward`."""
     if _use_flash(q):
         return _flash_backward(q, k, v, out, dout, lse, scale, causal)
     acc = _acc_dtype(q.dtype)
+    sq, sk = q.size(3), k.size(2)
+    rows = _row_chunk(q, sk, acc, q_chunk)
+    if rows >= sq:
+        return _math_backward(q, k, v, out, dout, lse, scale, 0 if causal else None, acc)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for qrows, keys in _row_chunks(sq, sk, rows, causal):
+        dq[:, :, :, qrows], bk, bv = _math_backward(
+            q[:, :, :, qrows], k[:, :, :keys], v[:, :, :keys], out[:, :, :, qrows],
+            dout[:, :, :, qrows], lse[..., qrows], scale, qrows.start if causal else None, acc)
+        dk[:, :, :keys] += bk
+        dv[:, :, :keys] += bv
+    return dq, dk, dv
+
+
+def _math_backward(q, k, v, out, dout, lse, scale: float, diag: int | None, acc: torch.dtype):
+    """dq, dk, dv of :func:`_math_forward`'s rows given the merged out and lse."""
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
-    if causal:
-        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
-    probs = torch.exp(scores - lse.to(acc).unsqueeze(-1))  # [b, g, r, sq, sk]
-    delta = (dout * out.to(acc)).sum(-1, keepdim=True)  # [b, g, r, sq, 1]
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k).mul_(scale)
+    if diag is not None:
+        scores.masked_fill_(_above_diagonal(scores, diag), float("-inf"))
+    probs = scores.sub_(lse.to(acc).unsqueeze(-1)).exp_()  # [b, g, r, rows, keys]
+    delta = (dout * out.to(acc)).sum(-1, keepdim=True)  # [b, g, r, rows, 1]
     dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, dout)
-    dprobs = torch.einsum("bgrqd,bgkd->bgrqk", dout, v)
-    dscores = probs * (dprobs - delta) * scale
+    # dscores = probs * (dprobs - delta) * scale, in dprobs' storage.
+    dscores = torch.einsum("bgrqd,bgkd->bgrqk", dout, v).sub_(delta).mul_(probs).mul_(scale)
+    del probs, scores
     dq = torch.einsum("bgrqk,bgkd->bgrqd", dscores, k)
     dk = torch.einsum("bgrqk,bgrqd->bgkd", dscores, q)
     return dq, dk, dv
 
 
-def _above_diagonal(scores: torch.Tensor) -> torch.Tensor:
+def _above_diagonal(scores: torch.Tensor, diag: int = 0) -> torch.Tensor:
+    """True where key j > query row ``diag + i`` (the rows of a chunk starting at ``diag``)."""
     sq, sk = scores.shape[-2:]
-    return torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + diag)
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

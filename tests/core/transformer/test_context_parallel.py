@@ -25,13 +25,17 @@ def _reference(q, k, v, causal: bool):
     return ctx.reshape(q.size(0), q.size(1), -1)  # [S, b, np*hn]
 
 
-def _check_all(rank: int, world_size: int, flash: bool = False) -> dict:
+def _check_all(rank: int, world_size: int, flash: bool = False,
+               block_bytes: int | None = None) -> dict:
     """Max abs error of every case on this rank; ``flash``: the blocks on torch's flash
-    kernel (CPU build, fp32), the plumbing the CUDA kernel shares."""
+    kernel (CPU build, fp32), the plumbing the CUDA kernel shares; ``block_bytes``: the math
+    path's chunk budget (small: several query-row chunks per block)."""
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world_size)))
     cpa.FLASH_ON_CPU = flash
+    saved_bytes = cpa.MATH_BLOCK_BYTES
+    cpa.MATH_BLOCK_BYTES = block_bytes or saved_bytes
     dtype = torch.float32 if flash else torch.float64
     errors = {}
     for comm_type in cpa.CP_COMM_TYPES:
@@ -57,6 +61,7 @@ def _check_all(rank: int, world_size: int, flash: bool = False) -> dict:
                 key = f"{comm_type} {'causal' if causal else 'full'} g={groups}"
                 errors[key] = max(float(d) for d in diffs)
     cpa.FLASH_ON_CPU = False
+    cpa.MATH_BLOCK_BYTES = saved_bytes
     dist.destroy_process_group(group)
     return errors
 
@@ -74,6 +79,68 @@ def test_flash_kernel_blocks_equal_full_attention():
     for rank, errors in enumerate(run_distributed(2, _check_all, True)):
         bad = {case: err for case, err in errors.items() if not err <= 1e-5}
         assert not bad, f"flash blocks, rank {rank}: output or dq/dk/dv differ: {bad}"
+
+
+def test_row_chunked_math_path_equals_full_attention():
+    """CP=2 with a chunk budget of 3 query rows of 8 keys in fp64: every block runs in several
+    chunks (the diagonal ones on a growing key prefix), same numbers as full attention."""
+    per_row = BATCH * HEADS * (SEQ // 2) * 8  # bytes of one query row of a CP=2 block
+    for rank, errors in enumerate(run_distributed(2, _check_all, False, 3 * per_row)):
+        bad = {case: err for case, err in errors.items() if not err <= TOL}
+        assert not bad, f"chunked math path, rank {rank}: output or dq/dk/dv differ: {bad}"
+        assert len(errors) == 12
+
+
+def _block_case(groups: int, sq: int, sk: int):
+    torch.manual_seed(3)
+    q = torch.randn(2, groups, HEADS // groups, sq, HEAD_DIM, dtype=torch.float64)
+    k, v = (torch.randn(2, groups, sk, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", [HEADS, 2])
+@pytest.mark.parametrize("q_chunk", [1, 3, 8])
+def test_chunked_block_equals_unchunked_block(causal, groups, q_chunk):
+    sq = 11
+    q, k, v = _block_case(groups, sq, sq if causal else 7)
+    whole_out, whole_lse = cpa.block_forward(q, k, v, 0.3, causal, q_chunk=sq)
+    out, lse = cpa.block_forward(q, k, v, 0.3, causal, q_chunk=q_chunk)
+    assert (out - whole_out).abs().max() <= 1e-13 and (lse - whole_lse).abs().max() <= 1e-13
+    dout = torch.randn_like(whole_out)
+    whole = cpa.block_backward(q, k, v, whole_out, dout, whole_lse, 0.3, causal, q_chunk=sq)
+    chunked = cpa.block_backward(q, k, v, whole_out, dout, whole_lse, 0.3, causal,
+                                 q_chunk=q_chunk)
+    for name, a, b in zip(("dq", "dk", "dv"), chunked, whole):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-13, name
+
+
+def test_math_path_transients_stay_within_the_chunk_budget():
+    """No tensor the math path makes for a 64 x 64 causal block (forward and backward) is
+    larger than the chunk's scores: the ``s x s`` block never exists whole."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return result
+
+    s, groups = 64, 2
+    q, k, v = _block_case(groups, s, s)
+    saved = cpa.MATH_BLOCK_BYTES
+    cpa.MATH_BLOCK_BYTES = 2 * HEADS * 8 * 8 * s  # 8 query rows of scores (b = 2, fp64)
+    try:
+        with Largest():
+            out, lse = cpa.block_forward(q, k, v, 0.3, True)
+            cpa.block_backward(q, k, v, out, torch.ones_like(out), lse, 0.3, True)
+    finally:
+        cpa.MATH_BLOCK_BYTES = saved
+    assert Largest.numel == 2 * HEADS * 8 * s  # one chunk's scores; the whole block: 8x that
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
