@@ -209,7 +209,8 @@ def _convert(opts: argparse.Namespace, scratch: Path):
     opts = argparse.Namespace(**vars(opts))
     if opts.source_ckpt_format == "torch_dist":
         opts.load_dir = str(dist_format.torch_dist_to_legacy(
-            Path(opts.load_dir), scratch / "source", keep_optimizer=opts.keep_optimizer_state))
+            Path(opts.load_dir), scratch / "source", keep_optimizer=opts.keep_optimizer_state,
+            family=opts.model_type))
     target = opts.save_dir
     if opts.target_ckpt_format == "torch_dist":
         from tools.checkpoint import saver_megatron
@@ -221,7 +222,7 @@ def _convert(opts: argparse.Namespace, scratch: Path):
     finally:
         md.close()
     if opts.target_ckpt_format == "torch_dist":
-        dist_format.legacy_to_torch_dist(Path(opts.save_dir), Path(target))
+        dist_format.legacy_to_torch_dist(Path(opts.save_dir), Path(target), opts.model_type)
         out = target
     return out
 

@@ -2,6 +2,7 @@
 ``torch_dist`` directory <-> a TP1.PP1 ``--ckpt-format torch`` checkpoint, which the megatron
 loader and saver then re-split as usual.
 
+GPT and (``--model-type BERT``) BERT, whose layers Megatron-Core stacks under ``encoder.``.
 The model weights, ``args``, ``iteration``, the RNG states of the first (PP, TP) position and
 the floating-point operation count are carried (the key table of
 ``megatron.checkpointing.dist.keys``; the stacked ``decoder.layers.*`` tensors split into one
@@ -28,8 +29,9 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, CheckpointError, che
                                     checkpoint_name, load_checkpoint_file, nest_model_state,
                                     parse_tracker, publish_tracker, save_file, tracker_path)
 from megatron.checkpointing.dist import storage
-from megatron.checkpointing.dist.keys import (HEAD_COPY_KEY, Placement, extra_state_keys,
-                                              gpt_rules, model_chunks)
+from megatron.checkpointing.dist.keys import (DECODER, ENCODER, HEAD_COPY_KEY, LANGUAGE_MODEL,
+                                              KeyRule, Placement, bert_rules,
+                                              extra_state_keys, gpt_rules, model_chunks)
 from megatron.checkpointing.dist.optimizer import MAIN as DIST_MAIN
 from megatron.checkpointing.dist.optimizer import PREFIX as OPTIMIZER_PREFIX
 from megatron.checkpointing.dist.training import RNG_STATE
@@ -48,6 +50,12 @@ def _iteration_dir(root: Path) -> tuple[Path, int, bool]:
     return checkpoint_dir(root, *tracked), tracked[0], tracked[1]
 
 
+def key_rules(family: str, args) -> tuple[KeyRule, ...]:
+    """The key table of ``--model-type`` ``family`` (GPT or BERT)."""
+    swiglu = bool(getattr(args, "swiglu", False))
+    return bert_rules(swiglu) if family == "BERT" else gpt_rules(swiglu)
+
+
 @contextlib.contextmanager
 def _one_process_world():
     """A world of this process alone, for DCP's collectives (torn down after, if made here)."""
@@ -61,7 +69,7 @@ def _one_process_world():
             dist.destroy_process_group()
 
 
-def legacy_to_torch_dist(source_root: Path, target_root: Path) -> Path:
+def legacy_to_torch_dist(source_root: Path, target_root: Path, family: str = "GPT") -> Path:
     """A TP1.PP1 torch-format checkpoint -> a torch_dist one under ``target_root`` (with its
     tracker); returns the iteration directory. Its optimizer state, when it holds one, is
     written in the reshardable ``optimizer.state.*`` form.
@@ -77,14 +85,15 @@ def legacy_to_torch_dist(source_root: Path, target_root: Path) -> Path:
     flat.pop(HEAD_COPY_KEY, None)  # one stage: the embedding itself is the head's weight
     placement = Placement(num_layers=args.num_layers,
                           num_experts=getattr(args, "num_experts", None) or 0)
-    rules = gpt_rules(bool(getattr(args, "swiglu", False)))
+    rules = key_rules(family, args)
     tensors = model_chunks(flat, rules, placement)
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": sd.get("iteration", iteration)}
     if FLOPS in sd:
         common[FLOPS] = sd[FLOPS]
     objects: dict = {storage.COMMON_STATE_KEY: common}
-    objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers, flat)))
+    objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers, flat,
+                                                  ENCODER if family == "BERT" else DECODER)))
     if sd.get("rng_state"):
         # The position (PP 0, TP 0) of a TP1.PP1 layout: loaded at that layout only.
         objects[storage.object_key(RNG_STATE, (0, 0), (1, 1))] = sd["rng_state"]
@@ -129,7 +138,8 @@ def _publish(root: Path, iteration: int, release: bool, iteration_dir: Path) -> 
         publish_tracker(root, iteration, iteration_dir)
 
 
-def torch_dist_to_legacy(source: Path, target_root: Path, keep_optimizer: bool = False) -> Path:
+def torch_dist_to_legacy(source: Path, target_root: Path, keep_optimizer: bool = False,
+                         family: str = "GPT") -> Path:
     """A torch_dist checkpoint (a --save root or an iteration directory) -> a TP1.PP1
     torch-format checkpoint under ``target_root``; returns ``target_root``. ``keep_optimizer``:
     with its optimizer state, in the source's optimizer layout (plain or distributed).
@@ -146,8 +156,8 @@ def torch_dist_to_legacy(source: Path, target_root: Path, keep_optimizer: bool =
                               "converted without them")
     iteration = int(common.get("iteration", iteration))
     global_tensors = storage.read_plain_tensors(iter_dir)
-    swiglu = bool(getattr(args, "swiglu", False))
-    flat = _legacy_names(global_tensors, swiglu, iter_dir)
+    rules = key_rules(family, args)
+    flat = _legacy_names(global_tensors, rules, iter_dir)
     args = copy.copy(args)
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.expert_model_parallel_size = 1  # the global expert tensors: every expert whole
@@ -164,7 +174,8 @@ def torch_dist_to_legacy(source: Path, target_root: Path, keep_optimizer: bool =
         sd["rng_state"] = rng
     name = checkpoint_name(target_root, iteration, release)
     if keep_optimizer:
-        distrib = _add_legacy_optimizer(sd, args, common, flat, global_tensors, iter_dir)
+        distrib = _add_legacy_optimizer(sd, args, common, flat, global_tensors, rules,
+                                        iter_dir)
         if distrib is not None:
             save_file(distrib, name.with_name(DISTRIB_OPTIM_FILENAME))
     save_file(sd, name)
@@ -182,7 +193,8 @@ def _first_rng_state(iter_dir: Path) -> list | None:
 
 
 def _add_legacy_optimizer(sd: dict, args, common: dict, flat: dict[str, torch.Tensor],
-                          global_tensors: dict[str, torch.Tensor], where: Path) -> dict | None:
+                          global_tensors: dict[str, torch.Tensor], rules: tuple[KeyRule, ...],
+                          where: Path) -> dict | None:
     """The torch_dist optimizer state into the TP1.PP1 shard ``sd`` (``optimizer``,
     ``opt_param_scheduler``); returns its ``distrib_optim.pt`` with the distributed optimizer.
 
@@ -206,12 +218,11 @@ def _add_legacy_optimizer(sd: dict, args, common: dict, flat: dict[str, torch.Te
             name, mcore = key[len(OPTIMIZER_PREFIX):].split(".", 1)
             name = optimizer_state.MAIN if name == DIST_MAIN else name
             by_name.setdefault(name, {})[mcore] = tensor
-    swiglu = bool(getattr(args, "swiglu", False))
     needed = desc.tensor_keys if desc.num_steps else \
         (optimizer_state.MAIN,) if desc.mixed_precision else ()
     states = {}
     for name in needed:
-        per_key = _legacy_names(by_name.get(name, {}), swiglu, where)
+        per_key = _legacy_names(by_name.get(name, {}), rules, where)
         lacking = [k for k in flat if k not in per_key]
         if lacking:
             raise CheckpointError(f"--keep-optimizer-state: {where} holds no optimizer "
@@ -229,11 +240,11 @@ def _add_legacy_optimizer(sd: dict, args, common: dict, flat: dict[str, torch.Te
     return None
 
 
-def _legacy_names(global_tensors: dict[str, torch.Tensor], swiglu: bool,
+def _legacy_names(global_tensors: dict[str, torch.Tensor], rules: tuple[KeyRule, ...],
                   where: Path) -> dict[str, torch.Tensor]:
     """Megatron-Core's global tensors -> our TP1 names (stacked layers split)."""
     by_mcore = {}
-    for rule in gpt_rules(swiglu):
+    for rule in rules:
         if rule.ours != HEAD_COPY_KEY:
             by_mcore.setdefault(rule.mcore, rule)
     flat: dict[str, torch.Tensor] = {}
@@ -258,18 +269,18 @@ def _legacy_names(global_tensors: dict[str, torch.Tensor], swiglu: bool,
     if unknown:
         raise CheckpointError(f"{where} holds tensors the torch_dist converter cannot name: "
                               f"{', '.join(sorted(unknown))}")
-    return _checkpoint_order(flat, swiglu)
+    return _checkpoint_order(flat, rules)
 
 
-def _checkpoint_order(flat: dict[str, torch.Tensor], swiglu: bool) -> dict[str, torch.Tensor]:
+def _checkpoint_order(flat: dict[str, torch.Tensor], rules: tuple[KeyRule, ...]
+                      ) -> dict[str, torch.Tensor]:
     """The order Megatron-LM's modules hold (and its checkpoints list) the tensors: the
     embedding, then layer by layer in the table's order, then the head."""
-    rules = gpt_rules(swiglu)
     layers = 1 + max((int(k.split(".layers.")[1].split(".")[0]) for k in flat
                       if ".layers." in k), default=-1)
-    order = [r.ours for r in rules if not r.stacked]
-    head = order[len([r for r in rules if r.mcore.startswith("embedding.")]):]
-    order = order[:len(order) - len(head)]
+    unstacked = [r.ours for r in rules if not r.stacked]
+    order = [k for k in unstacked if k.startswith(LANGUAGE_MODEL + "embedding.")]
+    head = [k for k in unstacked if k not in order]
     experts = 1 + max((int(k.split(".local_experts.")[1].split(".")[0]) for k in flat
                        if ".local_experts." in k), default=-1)
     order += [name for i in range(layers) for r in rules if r.stacked

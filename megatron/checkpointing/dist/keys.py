@@ -185,11 +185,11 @@ BERT_HEAD_RULES = (
             None),
     KeyRule(LANGUAGE_MODEL + "pooler.dense.weight", "pooler.dense.weight", None),
     KeyRule(LANGUAGE_MODEL + "pooler.dense.bias", "pooler.dense.bias", None),
+    KeyRule("lm_head.bias", "output_layer.bias", 0),
     KeyRule("lm_head.dense.weight", "lm_head.dense.weight", None),
     KeyRule("lm_head.dense.bias", "lm_head.dense.bias", None),
     KeyRule("lm_head.layernorm.weight", "lm_head.layer_norm.weight", None),
     KeyRule("lm_head.layernorm.bias", "lm_head.layer_norm.bias", None),
-    KeyRule("lm_head.bias", "output_layer.bias", 0),
     KeyRule("binary_head.weight", "binary_head.weight", None),
     KeyRule("binary_head.bias", "binary_head.bias", None),
     KeyRule(HEAD_COPY_MODULE + ".weight", "embedding.word_embeddings.weight", 0),
@@ -200,7 +200,7 @@ DECODER, ENCODER = "decoder", "encoder"
 
 def bert_rules(swiglu: bool) -> tuple[KeyRule, ...]:
     """BERT's table: GPT's embedding and dense layer rows with the layers under ``encoder.``,
-    and BERT's heads."""
+    and BERT's heads (in the model's parameter order, which the converter writes)."""
     def in_encoder(rules: Iterable[KeyRule]) -> tuple[KeyRule, ...]:
         return tuple(replace(r, mcore=ENCODER + r.mcore[len(DECODER):]) for r in rules)
     return EMBEDDING_RULES + in_encoder(ATTENTION_RULES + dense_mlp_rules(swiglu)) + \

@@ -168,3 +168,27 @@ def _assert_equal(a, b, where: str = "") -> None:
             _assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
+
+
+def test_bert_to_torch_dist_and_back_is_bitwise(tmp_path):
+    """--model-type BERT: Megatron-Core's BertModel keys (layers under encoder., the pooler,
+    the LM head with its bias as output_layer.bias, the binary head), and back bitwise."""
+    model = helpers.bert(num_layers=2)
+    helpers.save_single(tmp_path / "torch", model, helpers.args_of(model, num_tokentypes=2))
+    argv = ["--model-type", "BERT"]
+    assert convert.main([*argv, "--load-dir", str(tmp_path / "torch"), "--save-dir",
+                         str(tmp_path / "dist"), "--target-ckpt-format", "torch_dist"]) == 0
+    md = storage.read_metadata(checkpoint_dir(tmp_path / "dist", 7)).state_dict_metadata
+    shapes = {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size")}
+    hidden = helpers.HIDDEN
+    assert shapes["encoder.layers.self_attention.linear_qkv.weight"] == (2, 3 * hidden, hidden)
+    assert shapes["output_layer.bias"] == (264,)
+    assert {"pooler.dense.weight", "lm_head.layer_norm.weight", "binary_head.bias",
+            "encoder.final_layernorm.weight"} <= set(shapes)
+    assert "encoder.layers.mlp.linear_fc2._extra_state/shard_1_2" in md
+    assert not any(k.startswith("decoder.") for k in md)
+    assert convert.main([*argv, "--load-dir", str(tmp_path / "dist"), "--save-dir",
+                         str(tmp_path / "back"), "--source-ckpt-format", "torch_dist"]) == 0
+    original = helpers.flat_model(helpers.shards(checkpoint_dir(tmp_path / "torch", 7))[0, 0])
+    back = helpers.flat_model(helpers.shards(checkpoint_dir(tmp_path / "back", 7))[0, 0])
+    helpers.assert_same_tensors(original, back)
