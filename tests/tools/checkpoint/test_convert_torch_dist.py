@@ -74,10 +74,10 @@ def test_use_checkpoint_args_reads_a_torch_dist_checkpoint(tmp_path):
     assert args.hidden_size == model.config.hidden_size
 
 
-def _with_optimizer(root, *, distributed: bool, bf16: bool):
+def _with_optimizer(root, *, distributed: bool, bf16: bool, family: str = "GPT"):
     """A TP1.PP1 checkpoint with Adam's state (random moments, fp32 main params of bf16
     weights), a scheduler and RNG states, written by the optimizer_state module."""
-    model = helpers.gpt(num_layers=2)
+    model = helpers.gpt(num_layers=2) if family == "GPT" else helpers.bert(num_layers=2)
     args = helpers.args_of(model, use_distributed_optimizer=distributed, bf16=bf16,
                            params_dtype=torch.bfloat16 if bf16 else torch.float32)
     flat = flatten_model_state(model.state_dict_for_save_checkpoint())
@@ -118,26 +118,35 @@ def _everything(iteration_dir):
             load_checkpoint_file(distrib) if distrib.is_file() else None)
 
 
-@pytest.mark.parametrize("distributed, bf16", [(False, False), (True, False), (False, True)])
-def test_optimizer_state_round_trip_through_torch_dist_is_bitwise(tmp_path, distributed, bf16):
+@pytest.mark.parametrize("distributed, bf16, family", [
+    (False, False, "GPT"), (True, False, "GPT"), (False, True, "GPT"), (False, False, "BERT")])
+def test_optimizer_state_round_trip_through_torch_dist_is_bitwise(tmp_path, distributed, bf16,
+                                                                  family):
     """torch -> torch_dist -> torch with --keep-optimizer-state: the moments, main params,
     step, param groups, grad scaler, scheduler, RNG states and flop count come back bit for
     bit, in the source's optimizer layout; the torch_dist side holds Megatron-Core's
-    optimizer.state.* keys at the parameters' global shapes."""
-    _with_optimizer(tmp_path / "torch", distributed=distributed, bf16=bf16)
-    _run("--load-dir", tmp_path / "torch", "--save-dir", tmp_path / "dist",
-         "--target-ckpt-format", "torch_dist", "--keep-optimizer-state")
+    optimizer.state.* keys at the parameters' global shapes (BERT: its heads' too)."""
+    _with_optimizer(tmp_path / "torch", distributed=distributed, bf16=bf16, family=family)
+
+    def run(*argv):
+        assert convert.main(["--model-type", family, *map(str, argv)]) == 0
+
+    run("--load-dir", tmp_path / "torch", "--save-dir", tmp_path / "dist",
+        "--target-ckpt-format", "torch_dist", "--keep-optimizer-state")
     iter_dir = checkpoint_dir(tmp_path / "dist", 3)
     md = storage.read_metadata(iter_dir).state_dict_metadata
-    assert tuple(md["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"]
+    stack = "decoder" if family == "GPT" else "encoder"
+    assert tuple(md[f"optimizer.state.exp_avg.{stack}.layers.self_attention.linear_qkv.weight"]
                  .size) == (2, 3 * helpers.HIDDEN, helpers.HIDDEN)
+    if family == "BERT":
+        assert tuple(md["optimizer.state.exp_avg_sq.output_layer.bias"].size) == (264,)
     assert ("optimizer.state.fp32_param.embedding.word_embeddings.weight" in md) == \
         (distributed or bf16)
     common = storage.read_common_state(iter_dir)
     assert common["optimizer"]["optimizer"]["param_groups"][0]["step"] == 3
     assert common["opt_param_scheduler"]["num_steps"] == 24
-    _run("--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "back",
-         "--source-ckpt-format", "torch_dist", "--keep-optimizer-state")
+    run("--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "back",
+        "--source-ckpt-format", "torch_dist", "--keep-optimizer-state")
     original, back = (_everything(checkpoint_dir(tmp_path / name, 3))
                       for name in ("torch", "back"))
     _assert_equal(back, original)
