@@ -29,9 +29,10 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, CheckpointError, che
                                     checkpoint_name, load_checkpoint_file, nest_model_state,
                                     parse_tracker, publish_tracker, save_file, tracker_path)
 from megatron.checkpointing.dist import storage
-from megatron.checkpointing.dist.keys import (DECODER, ENCODER, HEAD_COPY_KEY, LANGUAGE_MODEL,
-                                              KeyRule, Placement, bert_rules,
-                                              extra_state_keys, gpt_rules, model_chunks)
+from megatron.checkpointing.dist.keys import (BERT_OUTPUT_EXTRA_STATE, DECODER, ENCODER,
+                                              HEAD_COPY_KEY, LANGUAGE_MODEL, KeyRule,
+                                              Placement, bert_rules, extra_state_keys,
+                                              gpt_rules, model_chunks)
 from megatron.checkpointing.dist.optimizer import MAIN as DIST_MAIN
 from megatron.checkpointing.dist.optimizer import PREFIX as OPTIMIZER_PREFIX
 from megatron.checkpointing.dist.training import RNG_STATE
@@ -94,6 +95,8 @@ def legacy_to_torch_dist(source_root: Path, target_root: Path, family: str = "GP
     objects: dict = {storage.COMMON_STATE_KEY: common}
     objects.update(dict.fromkeys(extra_state_keys(placement, args.num_layers, flat,
                                                   ENCODER if family == "BERT" else DECODER)))
+    if family == "BERT":
+        objects[BERT_OUTPUT_EXTRA_STATE] = None
     if sd.get("rng_state"):
         # The position (PP 0, TP 0) of a TP1.PP1 layout: loaded at that layout only.
         objects[storage.object_key(RNG_STATE, (0, 0), (1, 1))] = sd["rng_state"]

@@ -311,6 +311,11 @@ def extra_state_keys(where: Placement, local_layers: int,
     return out if stack == DECODER else [stack + k[len(DECODER):] for k in out]
 
 
+BERT_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
+"""BertModel's output layer saves its ``_extra_state`` object even when tied to the embedding
+(GPTModel drops it); Megatron-Core's load of a BERT asks for it."""
+
+
 def _extra_state_keys(where: Placement, local_layers: int, names: set[str]) -> list[str]:
     out = []
     for i in range(local_layers):

@@ -15,9 +15,10 @@ import torch
 
 from megatron.core import comm
 from megatron.checkpointing.dist import storage
-from megatron.checkpointing.dist.keys import (DECODER, ENCODER, HEAD_COPY_KEY, Chunk, KeyRule,
-                                              Placement, bert_rules, extra_state_keys,
-                                              gpt_rules, model_chunks)
+from megatron.checkpointing.dist.keys import (BERT_OUTPUT_EXTRA_STATE, DECODER, ENCODER,
+                                              HEAD_COPY_KEY, Chunk, KeyRule, Placement,
+                                              bert_rules, extra_state_keys, gpt_rules,
+                                              model_chunks)
 from megatron.checkpointing.errors import CheckpointError
 from megatron.core.models.builder import pipeline_stage_layers
 
@@ -128,11 +129,14 @@ def duplicate_chunks(model: Sequence[torch.nn.Module], layout: Layout, swiglu: b
 def model_objects(model: Sequence[torch.nn.Module], layout: Layout) -> dict[str, None]:
     """Megatron-Core's ``_extra_state`` objects of this rank's layers (all ``None`` here)."""
     out: dict[str, None] = {}
-    stack = ENCODER if _is_bert(model) else DECODER
+    bert = _is_bert(model)
     for index, chunk in enumerate(model):
         placement, local = layout.placement(index)
-        out.update(dict.fromkeys(extra_state_keys(placement, local,
-                                                  _unwrap(chunk).state_dict().keys(), stack)))
+        names = _unwrap(chunk).state_dict().keys()
+        out.update(dict.fromkeys(extra_state_keys(placement, local, names,
+                                                  ENCODER if bert else DECODER)))
+        if bert and "lm_head.bias" in names:
+            out[BERT_OUTPUT_EXTRA_STATE] = None
     return out
 
 
