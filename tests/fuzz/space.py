@@ -288,7 +288,6 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
     (r"--global-batch-size \(\d+\) is not divisible by --micro-batch-size",
      "a resume layout keeps the global batch, which must split into whole micro-batches per "
      "DP rank"),
-    (r"--ckpt-format torch_dist with BERT", "not built: BERT's heads in the torch_dist key table"),
     # Context parallelism
     (r"BERT \(bidirectional attention with a padding mask\) runs at context-parallel size 1",
      "not built: the blockwise attention applies no padding mask"),

@@ -80,7 +80,6 @@ def test_default_tokenizer_is_megatrons():
 @pytest.mark.parametrize("extra, message", [
     (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights"),
     (["--reset-position-ids"], "--reset-position-ids is a GPT dataset flag"),
-    (["--ckpt-format", "torch_dist", "--save", "ckpt"], "--ckpt-format torch_dist with BERT"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"],
      "--tokenizer-type GPT2BPETokenizer: BERT needs a WordPiece vocabulary"),
 ])

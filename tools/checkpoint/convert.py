@@ -21,6 +21,8 @@ then Adam's moments (and the fp32 main params of fp16/bf16 runs) are re-split wi
 parameters, the step count, grad scaler and LR scheduler carried, and the result resumes with
 ``--load`` as the source would have; ``--[no-]target-use-distributed-optimizer`` switches between
 the plain and the distributed optimizer's layout (any data-parallel size loads the latter).
+With ``--source-ckpt-format`` / ``--target-ckpt-format torch_dist`` the state goes through
+Megatron-Core's reshardable ``optimizer.state.*`` tensors (``tools.checkpoint.dist_format``).
 """
 
 from __future__ import annotations
@@ -129,10 +131,6 @@ def _validate(opts: argparse.Namespace) -> None:
                   if fmt == "torch_dist"]
     if dist_sides and "hf" in (opts.loader, opts.saver):
         raise ValueError(f"{dist_sides[0]} torch_dist needs --loader megatron --saver megatron")
-    if dist_sides and opts.keep_optimizer_state:
-        raise ValueError(f"{dist_sides[0]} torch_dist: --keep-optimizer-state is not supported "
-                         "(the torch_dist optimizer state is resharded on load by training "
-                         "itself: resume from the torch_dist checkpoint at the new layout)")
     if opts.target_ckpt_format == "torch_dist" and (
             opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1
             or opts.target_num_layers_per_virtual_pipeline_stage is not None):
@@ -210,8 +208,9 @@ def _convert(opts: argparse.Namespace, scratch: Path):
     from tools.checkpoint import dist_format
     opts = argparse.Namespace(**vars(opts))
     if opts.source_ckpt_format == "torch_dist":
-        opts.load_dir = str(dist_format.torch_dist_to_legacy(Path(opts.load_dir),
-                                                             scratch / "source"))
+        opts.load_dir = str(dist_format.torch_dist_to_legacy(
+            Path(opts.load_dir), scratch / "source", keep_optimizer=opts.keep_optimizer_state,
+            family=opts.model_type))
     target = opts.save_dir
     if opts.target_ckpt_format == "torch_dist":
         from tools.checkpoint import saver_megatron
@@ -223,7 +222,7 @@ def _convert(opts: argparse.Namespace, scratch: Path):
     finally:
         md.close()
     if opts.target_ckpt_format == "torch_dist":
-        dist_format.legacy_to_torch_dist(Path(opts.save_dir), Path(target))
+        dist_format.legacy_to_torch_dist(Path(opts.save_dir), Path(target), opts.model_type)
         out = target
     return out
 

@@ -367,15 +367,24 @@ def write_distributed(desc: OptimizerDescription, target: Target,
     world buffers), with their ranges, so that a run at any DP size re-shards them. With
     ``expert_parallel`` the ``[dense, expert]`` list (the dense part only ``with_dense``: EP
     rank 0)."""
-    groups = [{**_options(desc, kind), "step": desc.num_steps}
-              for kind, _ in param_groups(chunks)]
-    head = {"optimizer": {"param_groups": groups}}
-    if desc.grad_scaler is not None:
-        head["grad_scaler"] = desc.grad_scaler
+    head = common_head(desc, chunks)
     if not expert_parallel:
         return head, _distrib_buffers(desc, target, chunks, states)
     dense = _distrib_buffers(desc, target, chunks, states, _is_dense) if with_dense else None
     return head, [dense, _distrib_buffers(desc, target, chunks, states, _is_expert)]
+
+
+def common_head(desc: OptimizerDescription, chunks: Sequence[Mapping[str, torch.Tensor]]
+                ) -> dict:
+    """The optimizer's state apart from its per-parameter tensors, as the distributed optimizer's
+    ``state_dict()`` holds it (and a ``torch_dist`` checkpoint's common state, for either
+    optimizer): ``{"optimizer": {"param_groups": [options + "step"]}, "grad_scaler"}``."""
+    groups = [{**_options(desc, kind), "step": desc.num_steps}
+              for kind, _ in param_groups(chunks)]
+    head: dict = {"optimizer": {"param_groups": groups}}
+    if desc.grad_scaler is not None:
+        head["grad_scaler"] = desc.grad_scaler
+    return head
 
 
 def _distrib_buffers(desc: OptimizerDescription, target: Target,

@@ -34,13 +34,27 @@ so that the global tensor is ``[gate; up]`` whatever the TP size: :attr:`KeyRule
 
 MoE rows (``mlp.router``, ``mlp.local_experts.<i>``, ``mlp.shared_experts``) follow the layout
 the MoE layers save under; expert ``i`` of EP rank ``e`` is global expert ``e * E/EP + i``.
+
+BERT (:func:`bert_rules`, Megatron-Core's ``BertModel``): the same embedding and layer rows,
+with the stacked layers under ``encoder.`` instead of ``decoder.``, and its heads:
+
+=====================================================  ===========================================
+ours                                                   Megatron-Core ``torch_dist``
+=====================================================  ===========================================
+language_model.encoder.final_layernorm.*               encoder.final_layernorm.*
+language_model.pooler.dense.*                          pooler.dense.*
+lm_head.dense.*                                        lm_head.dense.*
+lm_head.layernorm.*                                    lm_head.layer_norm.*
+lm_head.bias (TP rows of the vocabulary)               output_layer.bias
+binary_head.*                                          binary_head.*
+=====================================================  ===========================================
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -164,6 +178,35 @@ def gpt_rules(swiglu: bool) -> tuple[KeyRule, ...]:
         HEAD_RULES
 
 
+BERT_HEAD_RULES = (
+    KeyRule(LANGUAGE_MODEL + "encoder.final_layernorm.weight", "encoder.final_layernorm.weight",
+            None),
+    KeyRule(LANGUAGE_MODEL + "encoder.final_layernorm.bias", "encoder.final_layernorm.bias",
+            None),
+    KeyRule(LANGUAGE_MODEL + "pooler.dense.weight", "pooler.dense.weight", None),
+    KeyRule(LANGUAGE_MODEL + "pooler.dense.bias", "pooler.dense.bias", None),
+    KeyRule("lm_head.bias", "output_layer.bias", 0),
+    KeyRule("lm_head.dense.weight", "lm_head.dense.weight", None),
+    KeyRule("lm_head.dense.bias", "lm_head.dense.bias", None),
+    KeyRule("lm_head.layernorm.weight", "lm_head.layer_norm.weight", None),
+    KeyRule("lm_head.layernorm.bias", "lm_head.layer_norm.bias", None),
+    KeyRule("binary_head.weight", "binary_head.weight", None),
+    KeyRule("binary_head.bias", "binary_head.bias", None),
+    KeyRule(HEAD_COPY_MODULE + ".weight", "embedding.word_embeddings.weight", 0),
+)
+DECODER, ENCODER = "decoder", "encoder"
+"""Megatron-Core's name of the layer stack: GPTModel's ``decoder``, BertModel's ``encoder``."""
+
+
+def bert_rules(swiglu: bool) -> tuple[KeyRule, ...]:
+    """BERT's table: GPT's embedding and dense layer rows with the layers under ``encoder.``,
+    and BERT's heads (in the model's parameter order, which the converter writes)."""
+    def in_encoder(rules: Iterable[KeyRule]) -> tuple[KeyRule, ...]:
+        return tuple(replace(r, mcore=ENCODER + r.mcore[len(DECODER):]) for r in rules)
+    return EMBEDDING_RULES + in_encoder(ATTENTION_RULES + dense_mlp_rules(swiglu)) + \
+        BERT_HEAD_RULES
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where one model chunk's tensors sit in the global ones."""
@@ -258,12 +301,22 @@ def model_chunks(state: Mapping[str, torch.Tensor], rules: Iterable[KeyRule],
 
 
 def extra_state_keys(where: Placement, local_layers: int,
-                     names: Iterable[str] = ()) -> list[str]:
+                     names: Iterable[str] = (), stack: str = DECODER) -> list[str]:
     """The ``_extra_state`` objects of this chunk's layers, as Megatron-Core names their
     ``ShardedObject`` shards (``<linear>._extra_state/shard_<layer>_<num_layers>``; an
     expert's ``shard_<layer>.<expert>_<num_layers>.<num_experts>``). ``names``: the chunk's
-    own state-dict names, which tell MoE layers (a router, shared experts) from dense ones."""
-    names = set(names)
+    own state-dict names, which tell MoE layers (a router, shared experts) from dense ones;
+    ``stack``: the layer stack's name (BERT's ``encoder``)."""
+    out = _extra_state_keys(where, local_layers, set(names))
+    return out if stack == DECODER else [stack + k[len(DECODER):] for k in out]
+
+
+BERT_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
+"""BertModel's output layer saves its ``_extra_state`` object even when tied to the embedding
+(GPTModel drops it); Megatron-Core's load of a BERT asks for it."""
+
+
+def _extra_state_keys(where: Placement, local_layers: int, names: set[str]) -> list[str]:
     out = []
     for i in range(local_layers):
         layer, prefix = where.layer_offset + i, LAYER.format(layer=i)

@@ -15,8 +15,10 @@ import torch
 
 from megatron.core import comm
 from megatron.checkpointing.dist import storage
-from megatron.checkpointing.dist.keys import (HEAD_COPY_KEY, Chunk, Placement, extra_state_keys,
-                                              gpt_rules, model_chunks)
+from megatron.checkpointing.dist.keys import (BERT_OUTPUT_EXTRA_STATE, DECODER, ENCODER,
+                                              HEAD_COPY_KEY, Chunk, KeyRule, Placement,
+                                              bert_rules, extra_state_keys, gpt_rules,
+                                              model_chunks)
 from megatron.checkpointing.errors import CheckpointError
 from megatron.core.models.builder import pipeline_stage_layers
 
@@ -65,6 +67,17 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _is_bert(model: Sequence[torch.nn.Module]) -> bool:
+    from megatron.core.models.bert import BertBody
+    return any(isinstance(_unwrap(chunk), BertBody) for chunk in model)
+
+
+def key_rules(model: Sequence[torch.nn.Module], swiglu: bool) -> tuple[KeyRule, ...]:
+    """The key table of ``model``'s family: BERT's (layers under ``encoder.``, its heads) for
+    BERT models (every stage, the heads' or not), else GPT's."""
+    return bert_rules(swiglu) if _is_bert(model) else gpt_rules(swiglu)
+
+
 def model_tensors(model: Sequence[torch.nn.Module], layout: Layout, swiglu: bool,
                   for_save: bool) -> dict[str, list[Chunk]]:
     """``{Megatron-Core key: this rank's chunks}`` of every model chunk in ``model``.
@@ -72,7 +85,7 @@ def model_tensors(model: Sequence[torch.nn.Module], layout: Layout, swiglu: bool
     ``for_save``: leave out the last stage's copy of the tied embedding (a replica of stage 0's,
     which Megatron-Core does not store); a load reads it from stage 0's key.
     """
-    rules = gpt_rules(swiglu)
+    rules = key_rules(model, swiglu)
     out: dict[str, list[Chunk]] = {}
     for index, chunk in enumerate(model):
         state = _unwrap(chunk).state_dict()
@@ -100,7 +113,7 @@ def duplicate_chunks(model: Sequence[torch.nn.Module], layout: Layout, swiglu: b
                      ) -> list[tuple[Chunk, Chunk]]:
     """Chunks a load must copy after reading (a rank holding one offset twice: the tied head
     copy on a stage that also holds the embedding, which only virtual stages make)."""
-    rules = gpt_rules(swiglu)
+    rules = key_rules(model, swiglu)
     pairs = []
     first: dict[tuple[str, tuple[int, ...]], Chunk] = {}
     for index, chunk in enumerate(model):
@@ -116,10 +129,14 @@ def duplicate_chunks(model: Sequence[torch.nn.Module], layout: Layout, swiglu: b
 def model_objects(model: Sequence[torch.nn.Module], layout: Layout) -> dict[str, None]:
     """Megatron-Core's ``_extra_state`` objects of this rank's layers (all ``None`` here)."""
     out: dict[str, None] = {}
+    bert = _is_bert(model)
     for index, chunk in enumerate(model):
         placement, local = layout.placement(index)
-        out.update(dict.fromkeys(extra_state_keys(placement, local,
-                                                  _unwrap(chunk).state_dict().keys())))
+        names = _unwrap(chunk).state_dict().keys()
+        out.update(dict.fromkeys(extra_state_keys(placement, local, names,
+                                                  ENCODER if bert else DECODER)))
+        if bert and "lm_head.bias" in names:
+            out[BERT_OUTPUT_EXTRA_STATE] = None
     return out
 
 

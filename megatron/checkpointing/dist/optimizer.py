@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron.checkpointing.dist.keys import HEAD_COPY_KEY, Chunk, gpt_rules, match, tensor_chunks
-from megatron.checkpointing.dist.model import Layout, _unwrap
+from megatron.checkpointing.dist.keys import HEAD_COPY_KEY, Chunk, match, tensor_chunks
+from megatron.checkpointing.dist.model import Layout, _unwrap, key_rules
 from megatron.checkpointing.errors import CheckpointError
 from megatron.core import comm
 
@@ -67,7 +67,7 @@ def state_tensors(model: Sequence[torch.nn.Module], optimizer, layout: Layout, s
     if not is_supported(optimizer):
         raise CheckpointError("this is the distributed optimizer's torch_dist state; the other "
                               "optimizers' is megatron.checkpointing.dist.plain_optimizer's")
-    rules = gpt_rules(swiglu)
+    rules = key_rules(model, swiglu)
     pieces = _pieces_of(optimizer)
     names = _state_names(optimizer)
     out: dict[str, list[Chunk]] = {}

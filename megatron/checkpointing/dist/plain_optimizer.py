@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron.checkpointing.dist.keys import HEAD_COPY_KEY, Chunk, gpt_rules, match, tensor_chunks
-from megatron.checkpointing.dist.model import Layout, _unwrap
+from megatron.checkpointing.dist.keys import HEAD_COPY_KEY, Chunk, match, tensor_chunks
+from megatron.checkpointing.dist.model import Layout, _unwrap, key_rules
 from megatron.checkpointing.dist.optimizer import MAIN, PREFIX, _first_per_offset
 from megatron.checkpointing.errors import CheckpointError
 
@@ -70,7 +70,7 @@ def state_tensors(model: Sequence[torch.nn.Module], optimizer, layout: Layout, s
     """``({optimizer key: chunks}, [(main param, state name, tensor)])``: for a save views of
     the optimizer's state (zeros where a parameter has none yet), for a load fresh zeros to
     read into and hand to :func:`restore`."""
-    rules = gpt_rules(swiglu)
+    rules = key_rules(model, swiglu)
     mains = _mains(optimizer)
     names = _state_names(optimizer)
     out: dict[str, list[Chunk]] = {}

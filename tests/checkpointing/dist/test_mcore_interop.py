@@ -78,3 +78,39 @@ def test_real_megatron_core_loads_what_we_write(ours):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.skipif(not MCORE_PYTHON.is_file(),
+                    reason=f"real Megatron-Core is not installed here ({MCORE_PYTHON}; build it "
+                           "with ../shared/data/mcore/regen.sh or set MCORE_PYTHON)")
+def test_real_megatron_core_loads_our_bert(tmp_path):
+    """A BERT checkpoint written by tools/checkpoint/convert.py loads into Megatron-Core's
+    BertModel with no missing or unexpected key, and Megatron-Core saves it back with exactly
+    our keys and tensors."""
+    from megatron.checkpointing import checkpoint_dir
+    from megatron.checkpointing.dist import storage
+    from tests.tools.checkpoint import helpers
+    from tools.checkpoint import convert
+    model = helpers.bert(num_layers=2)
+    helpers.save_single(tmp_path / "torch", model, helpers.args_of(model, num_tokentypes=2))
+    assert convert.main(["--model-type", "BERT", "--load-dir", str(tmp_path / "torch"),
+                         "--save-dir", str(tmp_path / "dist"),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    ours = checkpoint_dir(tmp_path / "dist", 7)
+    script = Path(__file__).with_name("mcore_load_ours_bert.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env.update(OMP_NUM_THREADS="1")
+    done = subprocess.run([str(MCORE_PYTHON), str(script), str(MCORE), str(ours),
+                           str(tmp_path / "theirs"), str(free_port())],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=str(MCORE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"missing": [], "unexpected": []}
+    theirs = tmp_path / "theirs"
+    keys = [set(storage.read_metadata(d).state_dict_metadata) for d in (ours, theirs)]
+    assert keys[0] == keys[1], keys[0] ^ keys[1]
+    mine, resaved = storage.read_plain_tensors(ours), storage.read_plain_tensors(theirs)
+    assert mine.keys() == resaved.keys()
+    for key, value in mine.items():
+        assert torch.equal(value, resaved[key]), key
