@@ -135,16 +135,6 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
     if shared is not None and (shared <= 0 or shared % tp != 0):
         raise ValueError(f"--moe-shared-expert-intermediate-size ({shared}) must be positive "
                          f"and divisible by --tensor-model-parallel-size ({tp})")
-    if m.moe_router_load_balancing_type == "global_aux_loss" and cfg.data_parallel_size > 1:
-        raise ValueError("--moe-router-load-balancing-type global_aux_loss with data "
-                         f"parallelism ({cfg.data_parallel_size} ranks) is not built yet: its "
-                         "token counts would need the TP x DP group; use aux_loss or "
-                         "seq_aux_loss")
-    cp = par.context_parallel_size
-    if m.moe_router_load_balancing_type == "global_aux_loss" and cp > 1:
-        raise ValueError(f"--moe-router-load-balancing-type global_aux_loss with "
-                         f"--context-parallel-size {cp} is not built yet: its token counts "
-                         "would need the TP x DP x CP group; use aux_loss or seq_aux_loss")
     if m.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP / HybridEP) is a "
                          "Megatron-LM option this framework does not implement yet; use "

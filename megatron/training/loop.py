@@ -222,7 +222,7 @@ def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
                       dp_group=parallel_state.get_data_parallel_group(),
                       cp_group=parallel_state.get_context_parallel_group())
     per_layer = moe_metrics.reduce_per_layer(num_microbatches, names, m.num_layers, **groups)
-    moe_metrics.clear()
+    moe_metrics.zero()
     freq = m.moe_layer_freq
     moe_layers = [i for i in range(m.num_layers)
                   if (i % freq == 0 if isinstance(freq, int) else freq[i])]
