@@ -163,6 +163,14 @@ def _check_expert_parallel(cfg, ep: int) -> None:
             raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
                              "--use-distributed-optimizer and --save / --load: the expert "
                              "optimizer state's checkpoint is built at TP 1 only")
+    etp = par.expert_tensor_parallel_size
+    if etp == 1 and ep < tp and (ck.save is not None or ck.load is not None):
+        # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e
+        # is TP rank e mod TP): fewer EP than TP ranks would leave slices unwritten.
+        raise ValueError(f"{flag} below --tensor-model-parallel-size {tp} with "
+                         "--expert-tensor-parallel-size 1 and --save / --load: the torch "
+                         "format's mp_rank_TT_EEE files would not hold every TP slice of the "
+                         "dense layers; use --expert-model-parallel-size >= TP")
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"

@@ -108,6 +108,9 @@ def test_num_experts_zero_is_dense():
     ("--moe-ffn-hidden-size 33 --tensor-model-parallel-size 2 --sequence-parallel", 2,
      ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),
     ("--moe-token-dispatcher-type flex", 1, ["--moe-token-dispatcher-type flex"]),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 1 --save ckpt", 4,
+     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save"]),
     ("--moe-shared-expert-overlap", 1, ["--moe-shared-expert-overlap", "does not implement"]),
     ("--moe-router-fusion", 1, ["--moe-router-fusion"]),
     ("--moe-layer-recompute", 1, ["--moe-layer-recompute"]),

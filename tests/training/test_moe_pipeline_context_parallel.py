@@ -118,7 +118,7 @@ def test_aux_losses_logged_as_one_process(runs, layout, single):
     want = runs[single]["history"]
     names = [n for n in want[0] if "load_balancing_loss" in n or "z_loss" in n]
     assert any(n.endswith("load_balancing_loss_layer_3") for n in names) and \
-        "z_loss_layer_0" in names, names
+        "moe/z_loss_layer_0" in names, names
     got = runs[layout][-1]["history"]
     for name in names:
         a, b = [h[name] for h in want], [h[name] for h in got]
