@@ -135,16 +135,6 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
     if shared is not None and (shared <= 0 or shared % tp != 0):
         raise ValueError(f"--moe-shared-expert-intermediate-size ({shared}) must be positive "
                          f"and divisible by --tensor-model-parallel-size ({tp})")
-    if m.moe_router_load_balancing_type == "global_aux_loss" and cfg.data_parallel_size > 1:
-        raise ValueError("--moe-router-load-balancing-type global_aux_loss with data "
-                         f"parallelism ({cfg.data_parallel_size} ranks) is not built yet: its "
-                         "token counts would need the TP x DP group; use aux_loss or "
-                         "seq_aux_loss")
-    cp = par.context_parallel_size
-    if m.moe_router_load_balancing_type == "global_aux_loss" and cp > 1:
-        raise ValueError(f"--moe-router-load-balancing-type global_aux_loss with "
-                         f"--context-parallel-size {cp} is not built yet: its token counts "
-                         "would need the TP x DP x CP group; use aux_loss or seq_aux_loss")
     if m.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex (DeepEP / HybridEP) is a "
                          "Megatron-LM option this framework does not implement yet; use "
@@ -173,6 +163,14 @@ def _check_expert_parallel(cfg, ep: int) -> None:
             raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
                              "--use-distributed-optimizer and --save / --load: the expert "
                              "optimizer state's checkpoint is built at TP 1 only")
+    etp = par.expert_tensor_parallel_size
+    if etp == 1 and ep < tp and (ck.save is not None or ck.load is not None):
+        # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e
+        # is TP rank e mod TP): fewer EP than TP ranks would leave slices unwritten.
+        raise ValueError(f"{flag} below --tensor-model-parallel-size {tp} with "
+                         "--expert-tensor-parallel-size 1 and --save / --load: the torch "
+                         "format's mp_rank_TT_EEE files would not hold every TP slice of the "
+                         "dense layers; use --expert-model-parallel-size >= TP")
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"

@@ -12,6 +12,11 @@ import math
 from megatron.core import device
 from megatron.core.log import log_rank_last
 
+PER_LAYER_PREFIX = "moe/"
+"""Losses under this prefix (``--moe-per-layer-logging``'s ``moe/<name>_layer_<i>``, Megatron's
+tags) go to TensorBoard only, as Megatron-Core's MoE tracker writes them: not in the log line,
+no "vs samples" twin."""
+
 
 def make_tensorboard_writer(cfg):
     """A SummaryWriter on the last rank (which holds the loss), else None."""
@@ -46,6 +51,8 @@ def training_log_string(*, iteration: int, train_iters: int, consumed_samples: i
     s += f" learning rate: {learning_rate:.3E} |"
     s += f" global batch size: {batch_size:5d} |"
     for key, value in losses.items():
+        if key.startswith(PER_LAYER_PREFIX):
+            continue
         # Megatron prints losses > 0 only (a loss never logged stays 0), which hid a NaN loss:
         # a NaN/inf one is shown ("lm loss: NAN").
         if value > 0.0 or not math.isfinite(value):
@@ -109,7 +116,8 @@ def write_training_scalars(writer, cfg, *, iteration: int, consumed_samples: int
         writer.add_scalar("batch-size vs samples", batch_size, consumed_samples)
     for key, value in losses.items():
         writer.add_scalar(key, value, iteration)
-        writer.add_scalar(f"{key} vs samples", value, consumed_samples)
+        if not key.startswith(PER_LAYER_PREFIX):
+            writer.add_scalar(f"{key} vs samples", value, consumed_samples)
     if lg.log_loss_scale_to_tensorboard:
         writer.add_scalar("loss-scale", loss_scale, iteration)
         writer.add_scalar("loss-scale vs samples", loss_scale, consumed_samples)

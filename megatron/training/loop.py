@@ -204,7 +204,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
 def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
     """This iteration's MoE auxiliary losses (Megatron's names, unscaled: each over its
     coefficient), the mean over the MoE layers and, with --moe-per-layer-logging, each layer's
-    as ``<name>_layer_<i>``; a collective over TP, PP, CP and DP (every rank calls it)."""
+    as ``moe/<name>_layer_<i>`` (TensorBoard only); a collective over TP, PP, CP and DP (every rank calls it)."""
     m = cfg.model
     names = []
     if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type in (
@@ -222,7 +222,7 @@ def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
                       dp_group=parallel_state.get_data_parallel_group(),
                       cp_group=parallel_state.get_context_parallel_group())
     per_layer = moe_metrics.reduce_per_layer(num_microbatches, names, m.num_layers, **groups)
-    moe_metrics.clear()
+    moe_metrics.zero()
     freq = m.moe_layer_freq
     moe_layers = [i for i in range(m.num_layers)
                   if (i % freq == 0 if isinstance(freq, int) else freq[i])]
@@ -230,7 +230,9 @@ def _moe_aux_losses(cfg, num_microbatches: int) -> dict[str, float]:
     for name, values in per_layer.items():
         out[name] = float(values[moe_layers].sum()) / len(moe_layers)
         if m.moe_per_layer_logging:
-            out.update({f"{name}_layer_{i}": float(values[i]) for i in moe_layers})
+            # Megatron-Core's per-layer TensorBoard tags (not printed in the log line).
+            out.update({f"{log_line.PER_LAYER_PREFIX}{name}_layer_{i}": float(values[i])
+                        for i in moe_layers})
     return out
 
 

@@ -98,9 +98,6 @@ def test_num_experts_zero_is_dense():
     ("--moe-layer-freq 0", 1, ["--moe-layer-freq (0)"]),
     ("--expert-model-parallel-size 3", 3, ["--num-experts (4)", "--expert-model-parallel-size"]),
     ("--expert-model-parallel-size 2", 3, ["world size (3)", "--expert-model-parallel-size"]),
-    ("--moe-router-load-balancing-type global_aux_loss --context-parallel-size 2 "
-     "--attention-dropout 0", 2,
-     ["global_aux_loss", "--context-parallel-size 2", "not built"]),
     ("--tensor-model-parallel-size 2", 2, ["--sequence-parallel"]),
     ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
      ["--expert-tensor-parallel-size (1)", "not implement"]),
@@ -111,6 +108,9 @@ def test_num_experts_zero_is_dense():
     ("--moe-ffn-hidden-size 33 --tensor-model-parallel-size 2 --sequence-parallel", 2,
      ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),
     ("--moe-token-dispatcher-type flex", 1, ["--moe-token-dispatcher-type flex"]),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 1 --save ckpt", 4,
+     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save"]),
     ("--moe-shared-expert-overlap", 1, ["--moe-shared-expert-overlap", "does not implement"]),
     ("--moe-router-fusion", 1, ["--moe-router-fusion"]),
     ("--moe-layer-recompute", 1, ["--moe-layer-recompute"]),
@@ -137,3 +137,15 @@ def test_expert_parallel_without_experts(capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--expert-model-parallel-size", "2"], world_size=2)
     assert "--num-experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,world", [
+    ("--context-parallel-size 2 --attention-dropout 0", 2),
+    ("--context-parallel-size 2 --attention-dropout 0", 4),
+    ("--tensor-model-parallel-size 2 --sequence-parallel", 4),
+])
+def test_global_aux_loss_with_data_and_context_parallelism_validates(extra, world):
+    cfg = parse(f"--moe-router-load-balancing-type global_aux_loss {extra}", world_size=world)
+    assert cfg.model.moe_router_load_balancing_type == "global_aux_loss"
+    assert cfg.data_parallel_size * cfg.parallel.context_parallel_size * \
+        cfg.parallel.tensor_model_parallel_size == world

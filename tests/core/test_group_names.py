@@ -4,8 +4,8 @@ Source-level checks (no process group), over the library and its entry points:
 
 * a parameter holding a process group says which one: ``tp_group``, ``pp_group``, ``dp_group``,
   ``mp_group`` (TP x PP), ``cp_group`` (context parallelism), ``embedding_group``,
-  ``position_embedding_group``, ``ep_group`` (expert parallelism), ``tp_dp_group`` (an MoE
-  router's balancing statistics), ``count_group`` (the group a router's token counts are summed
+  ``position_embedding_group``, ``ep_group`` (expert parallelism), ``tp_dp_group`` /
+  ``dp_cp_group`` (an MoE router's balancing statistics: TP x DP, DP x CP), ``count_group`` (the group a router's token counts are summed
   over), ``ckpt_group`` (the ranks writing one checkpoint), ``expert_dp_group`` / ``expert_mp_group``
   / ``etp_group`` (expert tensor parallelism) / ``tp_ep_group`` (ETP x EP); plain ``group`` only
   in comm.py's generic functions; never ``data_parallel_group`` / ``model_parallel_group``;
@@ -27,7 +27,7 @@ from megatron.core import comm
 ROOT = Path(__file__).resolve().parents[2]
 COMM = ROOT / "megatron" / "core" / "comm.py"
 GROUP_NAMES = {"tp_group", "pp_group", "dp_group", "mp_group", "cp_group", "embedding_group",
-               "position_embedding_group", "ep_group", "tp_dp_group", "count_group", "ckpt_group",
+               "position_embedding_group", "ep_group", "tp_dp_group", "dp_cp_group", "count_group", "ckpt_group",
                "expert_dp_group", "expert_mp_group", "etp_group", "tp_ep_group"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",

@@ -86,6 +86,41 @@ def test_training_line_golden():
         " tokens per second: 20172.2 |"
 
 
+def test_moe_losses_in_the_line_as_megatron_core_logs_them():
+    """The MoE losses are cells of the line as Megatron's ``total_loss_dict`` entries
+    (``" name: value:.6E |"`` after the lm loss); the per-layer ones (``moe/<name>_layer_<i>``,
+    --moe-per-layer-logging) are TensorBoard tags only, without a "vs samples" twin, as
+    Megatron-Core's MoE tracker writes them."""
+    import types
+
+    from megatron.training.log_line import training_log_string, write_training_scalars
+
+    losses = {"lm loss": 9.831236, "load_balancing_loss": 1.0123, "z_loss": 2.5,
+              "moe/load_balancing_loss_layer_0": 1.0246, "moe/z_loss_layer_0": 2.5}
+    fields = dict(iteration=10, train_iters=100, consumed_samples=160, elapsed_ms=812.3,
+                  learning_rate=1.5e-4, batch_size=16, losses=losses, loss_scale=1.0,
+                  grad_norm=2.345, num_zeros=None, params_norm=None, skipped=0, nan=0,
+                  tokens_per_sec=20172.25, tflops=None)
+    moe_cells = " load_balancing_loss: 1.012300E+00 | z_loss: 2.500000E+00 |"
+    want = ISSUE_LINE.replace(" lm loss: 9.831236E+00 |", " lm loss: 9.831236E+00 |" + moe_cells)
+    assert training_log_string(**fields) == want + " tokens per second: 20172.2 |"
+
+    tags = []
+    writer = types.SimpleNamespace(add_scalar=lambda tag, value, step: tags.append(tag))
+    off = types.SimpleNamespace(log_learning_rate_to_tensorboard=False,
+                                log_batch_size_to_tensorboard=False,
+                                log_loss_scale_to_tensorboard=False,
+                                log_world_size_to_tensorboard=False,
+                                log_memory_to_tensorboard=False)
+    write_training_scalars(writer, types.SimpleNamespace(logging=off), iteration=10,
+                           consumed_samples=160, learning_rate=1.5e-4, batch_size=16,
+                           losses=losses, loss_scale=1.0, grad_norm=None, num_zeros=None,
+                           params_norm=None, tokens_per_sec=None, tflops=None, world_size=1)
+    assert tags == ["lm loss", "lm loss vs samples", "load_balancing_loss",
+                    "load_balancing_loss vs samples", "z_loss", "z_loss vs samples",
+                    "moe/load_balancing_loss_layer_0", "moe/z_loss_layer_0"]
+
+
 def test_validation_line_golden():
     from megatron.core.log import get_logger
     from megatron.training.log_line import log_validation, validation_log_string

@@ -64,13 +64,13 @@ def test_moe_equals_one_process(runs, layout, single):
 def test_aux_losses_are_logged_per_layer(runs):
     step = runs["single"]["history"][0]
     for name in ("load_balancing_loss", "z_loss"):
-        assert step[name] == pytest.approx((step[f"{name}_layer_0"] + step[f"{name}_layer_1"])
-                                           / 2)
-        assert step[f"{name}_layer_0"] > 0
+        assert step[name] == pytest.approx((step[f"moe/{name}_layer_0"] +
+                                            step[f"moe/{name}_layer_1"]) / 2)
+        assert step[f"moe/{name}_layer_0"] > 0
     # A balanced top-2 router of 4 experts gives a load-balancing loss near 1 (over coeff).
     assert 0.9 < step["load_balancing_loss"] < 1.5
     got = runs["tp2_sp"][-1]["history"][0]
-    for name in ("load_balancing_loss", "z_loss_layer_1"):
+    for name in ("load_balancing_loss", "moe/z_loss_layer_1"):
         assert got[name] == pytest.approx(step[name], abs=1e-5)
 
 

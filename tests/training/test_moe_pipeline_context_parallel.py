@@ -9,7 +9,12 @@ final parameter in fp32, the experts gathered over the expert-parallel group):
 - CP=2 x PP=2 at EP=1 (the router's token counts summed over TP x CP, the aux loss's gradient
   scaled by CP as Megatron's schedules scale it), EP=2 x CP=2, and CP=2 x DP=2 with the
   sequence-level aux loss and aux-loss-free balancing (sigmoid scores; the expert-bias counts
-  summed over DP x CP).
+  summed over DP x CP);
+- the global balancing loss (``global_aux_loss``: token counts summed over TP x DP x CP and
+  averaged over the micro-batches of the step) at CP=2 x PP=2, at CP=2 x DP=2 with aux-loss-free
+  balancing, and at EP=2 (dense DP=4). Each DP rank's loss is its share of the global one and
+  its gradient is averaged over DP, as in Megatron: DP=d with micro-batch 1 equals one process
+  with micro-batch d and the coefficient over d (the logged loss, over its coefficient, equal).
 
 Each layout also logs the same per-layer load-balancing and z losses as the one process."""
 
@@ -32,6 +37,17 @@ LOSS_TOL = 1e-5
 EP2 = ["--expert-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
+GLOBAL_BIAS = [*GLOBAL, "--moe-router-score-function", "sigmoid",
+               "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+
+
+def _one_process_of_dp(dp: int, extra=()) -> list[str]:
+    """The one-process flags equal to DP=dp at micro-batch 1 with the global balancing loss."""
+    coeff = float(FLAGS[FLAGS.index("--moe-aux-loss-coeff") + 1]) / dp
+    return [*extra, "--micro-batch-size", str(dp), "--moe-aux-loss-coeff", repr(coeff)]
+
+
 BIAS_SEQ = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
             "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type",
             "seq_aux_loss"]
@@ -44,9 +60,13 @@ def _run(extra=(), init: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = tmp_path_factory.mktemp("ep2_pp2_checkpoint")
-    single, single_bias_seq = (r[0] for r in e2e.pooled(1, [
-        _run(init=False), _run(BIAS_SEQ, init=False)]))
-    ep2_pp2, resumed, ep2_vpp, cp2_pp2, ep2_cp2, cp2_dp2_bias_seq = e2e.pooled(4, [
+    single, single_bias_seq, single_global, single_global_bias_dp2, single_global_dp4 = (
+        r[0] for r in e2e.pooled(1, [
+            _run(init=False), _run(BIAS_SEQ, init=False), _run(GLOBAL, init=False),
+            _run(_one_process_of_dp(2, GLOBAL_BIAS), init=False),
+            _run(_one_process_of_dp(4, GLOBAL), init=False)]))
+    (ep2_pp2, resumed, ep2_vpp, cp2_pp2, ep2_cp2, cp2_dp2_bias_seq, cp2_pp2_global,
+     cp2_dp2_global_bias, ep2_dp4_global) = e2e.pooled(4, [
         _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--save", str(save),
               "--save-interval", "2"]),
         _run([*EP2, *PP2, "--moe-token-dispatcher-type", "alltoall", "--load", str(save),
@@ -55,14 +75,22 @@ def runs(tmp_path_factory):
               "--use-distributed-optimizer"]),
         _run([*CP2, *PP2]),
         _run([*EP2, *CP2, "--moe-token-dispatcher-type", "alltoall"]),
-        _run([*CP2, *BIAS_SEQ])])
+        _run([*CP2, *BIAS_SEQ]),
+        _run([*CP2, *PP2, *GLOBAL]),
+        _run([*CP2, *GLOBAL_BIAS, "--use-distributed-optimizer"]),
+        _run([*EP2, *GLOBAL, "--moe-token-dispatcher-type", "alltoall"])])
     return {"single": single, "single_bias_seq": single_bias_seq, "ep2_pp2": ep2_pp2,
             "ep2_pp2_vpp2_distopt": ep2_vpp, "cp2_pp2": cp2_pp2, "ep2_cp2": ep2_cp2,
-            "cp2_dp2_bias_seq": cp2_dp2_bias_seq, "resumed": resumed, "save": save}
+            "cp2_dp2_bias_seq": cp2_dp2_bias_seq, "resumed": resumed, "save": save,
+            "single_global": single_global, "single_global_bias_dp2": single_global_bias_dp2,
+            "single_global_dp4": single_global_dp4, "cp2_pp2_global": cp2_pp2_global,
+            "cp2_dp2_global_bias": cp2_dp2_global_bias, "ep2_dp4_global": ep2_dp4_global}
 
 
 LAYOUTS = [("ep2_pp2", "single"), ("ep2_pp2_vpp2_distopt", "single"), ("cp2_pp2", "single"),
-           ("ep2_cp2", "single"), ("cp2_dp2_bias_seq", "single_bias_seq")]
+           ("ep2_cp2", "single"), ("cp2_dp2_bias_seq", "single_bias_seq"),
+           ("cp2_pp2_global", "single_global"), ("cp2_dp2_global_bias", "single_global_bias_dp2"),
+           ("ep2_dp4_global", "single_global_dp4")]
 
 
 @pytest.mark.parametrize("layout,single", LAYOUTS)
@@ -90,11 +118,23 @@ def test_aux_losses_logged_as_one_process(runs, layout, single):
     want = runs[single]["history"]
     names = [n for n in want[0] if "load_balancing_loss" in n or "z_loss" in n]
     assert any(n.endswith("load_balancing_loss_layer_3") for n in names) and \
-        "z_loss_layer_0" in names, names
+        "moe/z_loss_layer_0" in names, names
     got = runs[layout][-1]["history"]
     for name in names:
         a, b = [h[name] for h in want], [h[name] for h in got]
         assert e2e.max_abs_diff(a, b) <= 1e-5, (name, a, b)
+
+
+def test_global_balancing_loss_counts_span_the_data_parallel_ranks(runs):
+    """The references differ from each other and from the plain run: the global loss, its
+    coefficient and the expert bias each change the training, so the layouts' equality above
+    shows the counts and the bias updates really span TP x DP x CP."""
+    plain, glob = e2e.losses(runs["single"]), e2e.losses(runs["single_global"])
+    assert e2e.max_abs_diff(plain, glob) > 1e-4
+    name = "global_load_balancing_loss"
+    assert name in runs["single_global"]["history"][0]
+    for ref in ("single_global_bias_dp2", "single_global_dp4"):
+        assert 0.5 < runs[ref]["history"][0][name] < 2.0  # about 1 near balance (over coeff)
 
 
 def test_expert_bias_changes_the_run(runs):

@@ -8,8 +8,9 @@ Megatron-LM's ``tools/checkpoint/convert.py`` interface::
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 A mixture-of-experts checkpoint's experts are re-split with ``--target-expert-parallel-size``
-(Megatron-LM's flag; default 1: every expert in each ``mp_rank_TT[_PPP]`` file); the source's
-expert-parallel size is read from its args.
+(Megatron-LM's flag; default 1: every expert in each ``mp_rank_TT[_PPP]`` file) and
+``--target-expert-tensor-parallel-size`` (each expert split over the target TP, the default, or
+whole: 1, as ``--expert-tensor-parallel-size 1``); the source's sizes are read from its args.
 
 A loader plug-in (``loader_megatron``, ``loader_hf``) describes the model
 (:class:`~tools.checkpoint.model_description.ModelDescription`); a saver plug-in
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-expert-parallel-size", type=int, default=1,
                         help="MoE: split the routed experts over this many expert-parallel "
                              "ranks (mp_rank_TT[_PPP]_EEE directories); default 1")
+    parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                        help="MoE: split each routed expert over this many TP ranks: the "
+                             "target TP size (the default) or 1 (each expert whole on its EP "
+                             "rank, as Megatron's --expert-tensor-parallel-size 1)")
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         help="virtual pipeline stages of the target (interleaved schedule)")
     parser.add_argument("--target-vocab-size-divisible-by", type=int, default=None,
@@ -107,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _validate(opts: argparse.Namespace) -> None:
     for name in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_expert_parallel_size"):
-        if getattr(opts, name) < 1:
+                 "target_expert_parallel_size", "target_expert_tensor_parallel_size"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.target_expert_parallel_size > 1 and (opts.saver != "megatron"
                                                  or opts.target_ckpt_format != "torch"):
@@ -196,7 +201,7 @@ def save_model(md, opts: argparse.Namespace):
             opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size,
             opts.target_num_layers_per_virtual_pipeline_stage,
             opts.target_vocab_size_divisible_by, opts.target_use_distributed_optimizer,
-            opts.target_expert_parallel_size)
+            opts.target_expert_parallel_size, opts.target_expert_tensor_parallel_size)
         return saver_megatron.save(md, opts.save_dir, target)
     from tools.checkpoint import saver_hf
     return saver_hf.save(md, opts.save_dir, keep_padded_vocab=opts.keep_padded_vocab,

@@ -24,7 +24,7 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
                                     fix_query_key_value_ordering, flatten_model_state,
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
-from megatron.checkpointing.experts import merge_expert_parallel
+from megatron.checkpointing.experts import expert_of, merge_expert_parallel
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from megatron.core.checkpoint_keys import (current_key, layer_of, norm_key,
                                            with_layer, without_empty_extra_states)
@@ -85,9 +85,11 @@ class MegatronCheckpoint(ModelDescription):
         args = as_namespace(first["args"])
         self.ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
         self.expert_files = self._find_files(args)
-        self.files = {(t, p): path for (t, p, e), path in self.expert_files.items() if e == 0}
+        self.files = {}  # (t, p) -> a file holding TP rank t's dense slice
+        for (t, p, e), path in sorted(self.expert_files.items()):
+            self.files.setdefault((t, p), path)
         self.tp, self.pp = _grid_size(args, self.files)
-        _refuse_another_expert_tensor_split(args, self.tp, self.iteration_dir)
+        self.etp = _expert_tensor_split(args, self.tp, self.iteration_dir)
         self._check_grid()
         chunks = len(model_keys(first))
         self._check_virtual_stages(args, chunks)
@@ -104,6 +106,8 @@ class MegatronCheckpoint(ModelDescription):
         self._flat: list[list[dict[str, torch.Tensor]]] = []  # [chunk of stage][tp] -> flat
         # [chunk of stage][tp][ep] -> flat with local expert indices
         self._local_flat: list[list[list[dict[str, torch.Tensor]]]] = []
+        # [chunk of stage] -> {(t, e): flat of that file}
+        self._file_flat: list[dict[tuple[int, int], dict[str, torch.Tensor]]] = []
         # [chunk of stage][tp] -> {state key: flat}, with keep_optimizer
         self._optimizer_flat: list[list[dict[str, dict[str, torch.Tensor]]]] = []
         if keep_optimizer:
@@ -132,9 +136,23 @@ class MegatronCheckpoint(ModelDescription):
         pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
         return expert_shard_files(self.iteration_dir, pp > 1, True)
 
+    def _written_ranks(self) -> list[tuple[int, int]]:
+        """The (TP rank, EP rank) pairs of a stage's files: every pair when the experts are
+        split over TP; with ``--expert-tensor-parallel-size 1`` at TP > 1 the pairs of the
+        ranks of expert-data-parallel rank 0 (rank r: TP rank r % TP, EP rank r), each file
+        holding its TP slice of the dense layers and its EP rank's experts whole."""
+        if self.etp == self.tp:
+            return [(t, e) for t in range(self.tp) for e in range(self.ep)]
+        return [(e % self.tp, e) for e in range(self.ep)]
+
     def _check_grid(self) -> None:
-        missing = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1) for t in range(self.tp)
-                   for p in range(self.pp) for e in range(self.ep)
+        if self.etp != self.tp and self.ep < self.tp:
+            raise CheckpointError(
+                f"{self.iteration_dir}: --expert-tensor-parallel-size 1 with "
+                f"--expert-model-parallel-size {self.ep} below --tensor-model-parallel-size "
+                f"{self.tp} leaves TP slices of the dense layers unwritten: not converted")
+        missing = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1)
+                   for t, e in self._written_ranks() for p in range(self.pp)
                    if (t, p, e) not in self.expert_files]
         extra = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1)
                  for t, p, e in self.expert_files if e >= self.ep]
@@ -188,54 +206,68 @@ class MegatronCheckpoint(ModelDescription):
         """Open ``pipeline_rank``'s shards (all TP ranks), closing the stage open before."""
         if self._open_stage == pipeline_rank:
             return
-        self._flat, self._local_flat = [], []
+        self._flat, self._local_flat, self._file_flat = [], [], []
         self._open_stage = None
-        paths = [[self.expert_files[(t, pipeline_rank, e)] for e in range(self.ep)]
-                 for t in range(self.tp)]
-        shards = [[self._read(path) for path in per_ep] for per_ep in paths]  # [tp][ep]
+        self._open_pipeline_rank = pipeline_rank
+        files = {(t, e): self.expert_files[(t, pipeline_rank, e)]
+                 for t, e in self._written_ranks()}
+        read = {key: self._read(path) for key, path in files.items()}
         version = 0.0 if self.version is None else self.version
-        for per_ep, per_ep_paths in zip(shards, paths):
-            for sd, path in zip(per_ep, per_ep_paths):
-                fix_query_key_value_ordering(sd, version, int(self.args.num_attention_heads),
-                                             self.tp, str(path))
+        for key, sd in read.items():
+            fix_query_key_value_ordering(sd, version, int(self.args.num_attention_heads),
+                                         self.tp, str(files[key]))
+        # [tp][ep] -> (file of TP rank t's dense slice, file of EP rank e's experts): one file
+        # when the experts are split over TP.
+        pairs = [[self._files_of(t, e, files) for e in range(self.ep)] for t in range(self.tp)]
+        paths = [[files[dense] for dense, _ in per_ep] for per_ep in pairs]
         chunks = [c for c in self.plan if c.pipeline_rank == pipeline_rank]
         for chunk in chunks:
-            local = []  # [tp][ep] -> flat, local expert indices
-            for per_ep, per_ep_paths in zip(shards, paths):
-                local.append([])
-                for sd, path in zip(per_ep, per_ep_paths):
-                    if chunk.model_key not in sd:
-                        raise CheckpointError(f"{path} has no '{chunk.model_key}' entry")
-                    flat = flatten_model_state(sd[chunk.model_key])
-                    local[-1].append(self._known(flat, chunk, path))
+            own = {}  # file -> its flat dict, local expert indices
+            for key, sd in read.items():
+                if chunk.model_key not in sd:
+                    raise CheckpointError(f"{files[key]} has no '{chunk.model_key}' entry")
+                own[key] = self._known(flatten_model_state(sd[chunk.model_key]), chunk,
+                                       files[key])
+            local = [[_combined(own[dense], own[experts]) for dense, experts in per_ep]
+                     for per_ep in pairs]  # [tp][ep]
             self._local_flat.append(local)
+            self._file_flat.append(own)
             self._flat.append([self._merge_experts(per_ep, paths[0][0].parent)
                                for per_ep in local])
         if self.optimizer is not None:
-            self._read_optimizer_stage(shards, paths)
+            self._read_optimizer_stage(read, files, pairs)
         self._open_stage = pipeline_rank
+
+    def _files_of(self, t: int, e: int, files: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(the file key of TP rank t's dense slice, that of EP rank e's experts)."""
+        if self.etp == self.tp:
+            return (t, e), (t, e)
+        return next(k for k in files if k[0] == t), next(k for k in files if k[1] == e)
 
     def _merge_experts(self, per_ep: list[dict], where) -> dict:
         """The EP ranks' dicts of one TP/PP position -> one, experts numbered globally."""
         return per_ep[0] if self.ep == 1 else merge_expert_parallel(per_ep, str(where))
 
-    def _read_optimizer_stage(self, shards: list[list[dict]], paths: list[list[Path]]
+    def _read_optimizer_stage(self, read: dict, files: dict, pairs: list[list[tuple]]
                               ) -> None:
-        """The open stage's per-parameter optimizer state, per chunk and TP rank (each EP
-        rank's read against its own local weights, then merged as the weights are)."""
-        per_rank = []  # [tp][ep][chunk] -> {state key: flat}
-        for tp_rank, (per_ep, per_ep_paths) in enumerate(zip(shards, paths)):
-            per_rank.append([])
-            for ep_rank, (sd, path) in enumerate(zip(per_ep, per_ep_paths)):
-                distrib = self._read_distrib(per_ep_paths, ep_rank) \
-                    if self.optimizer.distributed else None
-                chunks = [local[tp_rank][ep_rank] for local in self._local_flat]
-                per_rank[-1].append(optimizer_state.read_shard(sd, chunks, self.optimizer,
-                                                               distrib, path))
+        """The open stage's per-parameter optimizer state, per chunk and TP rank (each file's
+        read against its own local weights, then combined and merged as the weights are)."""
+        per_file = {}  # file key -> [chunk] -> {state key: flat}
+        for key, sd in read.items():
+            t, e = key
+            distrib = None
+            if self.optimizer.distributed:
+                per_ep_paths = [self.expert_files[(t, self._open_pipeline_rank, ep)]
+                                for ep in range(self.ep)]
+                distrib = self._read_distrib(per_ep_paths, e)
+            chunks = [own[key] for own in self._file_flat]
+            per_file[key] = optimizer_state.read_shard(sd, chunks, self.optimizer, distrib,
+                                                       files[key])
         self._optimizer_flat = [
-            [{name: self._merge_experts([per_rank[t][e][c][name] for e in range(self.ep)],
-                                        paths[t][0].parent)
-              for name in per_rank[t][0][c]} for t in range(self.tp)]
+            [{name: self._merge_experts(
+                [_combined(per_file[dense][c][name], per_file[experts][c][name])
+                 for dense, experts in pairs[t]], files[pairs[t][0][0]].parent)
+              for name in per_file[pairs[t][0][0]][c]} for t in range(self.tp)]
             for c in range(len(self._flat))]
 
     def _read_distrib(self, per_ep_paths: list[Path], ep_rank: int) -> dict:
@@ -267,10 +299,19 @@ class MegatronCheckpoint(ModelDescription):
 
     def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:
         subset = [{k: v for k, v in flat.items() if keep(k)} for flat in per_tp]
+        whole_experts = {}
+        if self.etp != self.tp:  # every TP rank's experts are whole: TP rank 0's
+            whole_experts = {k: v for k, v in subset[0].items() if expert_of(k) is not None}
+            subset = [{k: v for k, v in flat.items() if expert_of(k) is None}
+                      for flat in subset]
         merged = self.layout.merge_tensor_parallel(subset)
         if getattr(self.args, "swiglu", False):
             merged = swiglu_from_shards(merged, self.tp)  # [gate_r; up_r] per rank -> whole
-        return merged
+        if not whole_experts:
+            return merged
+        position = {k: i for i, k in enumerate(per_tp[0])}
+        merged.update(whole_experts)
+        return {k: merged[k] for k in sorted(merged, key=position.__getitem__)}
 
     def _piece_source(self, piece: str, layer: int | None):
         """(chunk index, which of its keys, how to rename them) of a piece."""
@@ -315,7 +356,7 @@ class MegatronCheckpoint(ModelDescription):
                 for name in per_tp[0]}
 
     def close(self) -> None:
-        self._flat, self._local_flat, self._optimizer_flat = [], [], []
+        self._flat, self._local_flat, self._optimizer_flat, self._file_flat = [], [], [], []
         self._open_stage = None
 
 
@@ -335,20 +376,29 @@ def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> 
     return tp, pp
 
 
-def _refuse_another_expert_tensor_split(args, tp: int, where: Path) -> None:
-    """The experts are merged over TP as the dense MLP is: a checkpoint whose experts were
-    split over another number of ranks (``--expert-tensor-parallel-size`` != TP) is refused.
+def _expert_tensor_split(args, tp: int, where: Path) -> int:
+    """The checkpoint's expert tensor-parallel size: TP (the experts split as the dense MLP)
+    or 1 (each expert whole on one rank); any other is refused.
 
     Raises:
         CheckpointError: naming both sizes.
     """
     etp = getattr(args, "expert_tensor_parallel_size", None)
-    if getattr(args, "num_experts", None) and etp is not None and int(etp) != tp:
-        raise CheckpointError(
-            f"{where} was saved with --expert-tensor-parallel-size {etp} and "
-            f"--tensor-model-parallel-size {tp}: this converter re-splits experts only when "
-            "they are split over TP as the dense layers (--expert-tensor-parallel-size equal "
-            "to --tensor-model-parallel-size)")
+    if not getattr(args, "num_experts", None) or etp is None or int(etp) == tp:
+        return tp
+    if int(etp) == 1:
+        return 1
+    raise CheckpointError(
+        f"{where} was saved with --expert-tensor-parallel-size {etp} and "
+        f"--tensor-model-parallel-size {tp}: this converter re-splits experts split over TP "
+        "(--expert-tensor-parallel-size equal to --tensor-model-parallel-size) or whole "
+        "(--expert-tensor-parallel-size 1)")
+
+
+def _combined(dense: dict, experts: dict) -> dict:
+    """One rank's flat dict from the file of its dense slice and the file of its experts (the
+    same keys: the experts' local indices agree), in ``dense``'s order."""
+    return {k: (experts[k] if expert_of(k) is not None else v) for k, v in dense.items()}
 
 
 def _true_vocab_size(args) -> int | None:

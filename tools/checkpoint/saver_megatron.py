@@ -25,7 +25,7 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     CheckpointError, PipelineStages, checkpoint_name,
                                     manifest_entry, nest_model_state, publish_tracker, save_file,
                                     tracker_path, write_manifest)
-from megatron.checkpointing.experts import split_expert_parallel
+from megatron.checkpointing.experts import expert_of, split_expert_parallel
 from megatron.checkpointing.names import checkpoint_dir
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from megatron.core.log import get_logger
@@ -48,6 +48,25 @@ class TargetLayout:
     """Write the optimizer state in the distributed optimizer's layout; None: as the source."""
     expert_parallel_size: int = 1
     """``--target-expert-parallel-size``: the routed experts split over this many ranks."""
+    expert_tensor_parallel_size: int | None = None
+    """``--target-expert-tensor-parallel-size``: each routed expert split over this many TP
+    ranks, the target TP size or 1 (whole); None: the target TP size."""
+
+    @property
+    def etp(self) -> int:
+        """The expert tensor-parallel size written."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_parallel_size if etp is None else etp
+
+    def written_ranks(self) -> list[tuple[int, int]]:
+        """The (TP rank, EP rank) of each file of a stage: every pair when the experts are
+        split over TP; with ETP 1 at TP > 1 those training writes, its ranks of
+        expert-data-parallel rank 0 (rank r: TP rank r % TP, EP rank r), each file with its
+        TP slice of the dense layers and its EP rank's experts whole."""
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if self.etp == tp:
+            return [(t, e) for t in range(tp) for e in range(ep)]
+        return [(e % tp, e) for e in range(ep)]
 
 
 def target_vocab_size(md: ModelDescription, target: TargetLayout) -> int:
@@ -82,9 +101,9 @@ def target_args(md: ModelDescription, target: TargetLayout, vocab: int):
     args.tensor_model_parallel_size = target.tensor_parallel_size
     args.pipeline_model_parallel_size = target.pipeline_parallel_size
     args.expert_model_parallel_size = target.expert_parallel_size
-    if getattr(args, "expert_tensor_parallel_size", None) is not None:
-        # The experts are re-split over the target TP as the dense layers are.
-        args.expert_tensor_parallel_size = target.tensor_parallel_size
+    if getattr(args, "num_experts", None) or \
+            getattr(args, "expert_tensor_parallel_size", None) is not None:
+        args.expert_tensor_parallel_size = target.etp
     args.num_layers_per_virtual_pipeline_stage = target.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = _virtual_size(md.num_layers, target)
     args.world_size = target.tensor_parallel_size * target.pipeline_parallel_size * data_parallel
@@ -161,21 +180,35 @@ def _each(state, fn, arg):
     return None if state is None else {name: fn(tensors, arg) for name, tensors in state.items()}
 
 
-def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int):
+def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int,
+                  etp: int | None = None):
     """The chunk's flat weights per target TP rank, and its optimizer state per TP rank
     (``{state key: flat}``; empty when not carried), split piece by piece: besides the output
-    being built, only one piece is held whole."""
+    being built, only one piece is held whole. With ``etp`` 1 at ``tp`` > 1 the routed
+    experts stay whole on every TP rank (the file of each EP rank keeps its own)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
     swiglu = getattr(md.args, "swiglu", False)
-    for piece, state in _chunk_pieces(md, chunk, vocab):
+    whole_experts = etp is not None and etp != tp
+
+    def split(tensors: dict) -> list[dict]:
+        position = {k: i for i, k in enumerate(tensors)}
+        experts = {k: v for k, v in tensors.items() if whole_experts and expert_of(k) is not None}
+        dense = {k: v for k, v in tensors.items() if k not in experts}
         if swiglu:  # the whole [gate; up] -> each rank's [gate_r; up_r] after the split
-            piece = swiglu_for_shards(piece, tp)
-            state = _each(state, swiglu_for_shards, tp)
-        for shard, part in zip(out, layout.split_tensor_parallel(piece, tp)):
+            dense = swiglu_for_shards(dense, tp)
+        parts = layout.split_tensor_parallel(dense, tp)
+        if not experts:
+            return parts
+        return [{k: {**part, **experts}[k] for k in sorted({**part, **experts},
+                                                            key=position.__getitem__)}
+                for part in parts]
+
+    for piece, state in _chunk_pieces(md, chunk, vocab):
+        for shard, part in zip(out, split(piece)):
             shard.update(part)
         for name, tensors in (state or {}).items():
-            for rank_state, part in zip(states, layout.split_tensor_parallel(tensors, tp)):
+            for rank_state, part in zip(states, split(tensors)):
                 rank_state.setdefault(name, {}).update(part)
         del piece, state
     return out, states
@@ -197,6 +230,7 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
         raise ValueError(f"--target-expert-parallel-size {target.expert_parallel_size} does not "
                          f"divide the checkpoint's {experts or 'no'} routed experts "
                          "(--num-experts)")
+    _check_expert_tensor_split(target, experts)
     if heads % target.tensor_parallel_size:
         raise ValueError(f"--target-tensor-parallel-size {target.tensor_parallel_size} does not "
                          f"divide the {heads} attention heads")
@@ -237,6 +271,31 @@ def _say_how_to_load(save_dir: Path, args, vocab: int) -> None:
         "to another size", save_dir, vocab, divisor, tp, divisor, MEGATRON_DEFAULT_DIVISOR)
 
 
+def _check_expert_tensor_split(target: TargetLayout, experts: int) -> None:
+    """A target expert tensor-parallel size training can load and write: TP, or 1 with expert
+    parallelism at least TP (every dense TP slice in some EP rank's file).
+
+    Raises:
+        ValueError: naming the flags.
+    """
+    tp, ep, etp = target.tensor_parallel_size, target.expert_parallel_size, target.etp
+    if etp == tp:
+        return
+    flag = f"--target-expert-tensor-parallel-size {etp}"
+    if not experts:
+        raise ValueError(f"{flag}: the checkpoint has no routed experts (--num-experts)")
+    if etp != 1:
+        raise ValueError(f"{flag}: the experts are written split over the target TP "
+                         f"({tp}) or whole (1)")
+    if ep < tp:
+        raise ValueError(f"{flag} needs --target-expert-parallel-size ({ep}) at least "
+                         f"--target-tensor-parallel-size ({tp}): at ETP 1 each dense TP slice "
+                         "is written in the file of an EP rank")
+    if target.use_distributed_optimizer:
+        raise ValueError(f"{flag} with --target-use-distributed-optimizer: the distributed "
+                         "optimizer's expert state is built at TP 1 only")
+
+
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
                 vocab: int, chunks) -> dict[str, str]:
     """Build and write every TP rank's file of one target pipeline stage; returns their
@@ -246,15 +305,16 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
     weights: list[list[dict]] = [[] for _ in range(tp)]  # [tp][chunk] -> flat
     states: list[list[dict]] = [[] for _ in range(tp)]
     for chunk in chunks:
-        per_tp, state_per_tp = _chunk_shards(md, chunk, vocab, layout, tp)
+        per_tp, state_per_tp = _chunk_shards(md, chunk, vocab, layout, tp, target.etp)
         for tp_rank in range(tp):
             weights[tp_rank].append(per_tp[tp_rank])
             states[tp_rank].append(state_per_tp[tp_rank])
         del per_tp, state_per_tp
     ep = target.expert_parallel_size
     experts = int(getattr(md.args, "num_experts", None) or 0)
+    written = target.written_ranks()
     for tp_rank in range(tp):
-        for ep_rank in range(ep):
+        for ep_rank in (e for t, e in written if t == tp_rank):
             # EP rank ep_rank's experts (local indices) beside the dense tensors.
             own = [split_expert_parallel(flat, ep, ep_rank, experts) for flat in weights[tp_rank]]
             own_states = [{name: split_expert_parallel(tensors, ep, ep_rank, experts)

@@ -79,11 +79,8 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
         post_process = parallel_state.is_pipeline_last_stage()
     if parallel_state.get_context_parallel_world_size() > 1:
         kwargs["cp_group"] = parallel_state.get_context_parallel_group()
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        kwargs["expert_groups"] = ExpertGroups(
-            ep=parallel_state.get_expert_model_parallel_group(),
-            etp=parallel_state.get_expert_tensor_parallel_group(),
-            tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group())
+    if config.num_moe_experts:
+        kwargs["expert_groups"] = _expert_groups(tp_group)
     model = model_cls(config, tp_group, pre_process=pre_process, post_process=post_process,
                       num_layers=num_layers, layer_offset=layer_offset, **kwargs)
     # With virtual stages only the chunk holding the embedding (chunk 0 of stage 0) or the head
@@ -91,3 +88,18 @@ def build_model_stage(model_cls: type[ModelT], config: TransformerConfig, *,
     if pp > 1 and parallel_state.is_rank_in_embedding_group() and (pre_process or post_process):
         initialize_word_embeddings(model, parallel_state.get_embedding_group())
     return model
+
+
+def _expert_groups(tp_group) -> ExpertGroups | None:
+    """The MoE layers' expert-grid groups (expert parallelism) and DP x CP group (the global
+    balancing loss's token counts); None: a single process."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return ExpertGroups(ep=parallel_state.get_expert_model_parallel_group(),
+                            etp=parallel_state.get_expert_tensor_parallel_group(),
+                            tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
+                            dp_cp=dp_cp)
+    return ExpertGroups(ep=None, etp=tp_group, tp_ep=tp_group, dp_cp=dp_cp)
+

@@ -5,6 +5,10 @@ losses, clipping; tests.training.test_moe_expert_parallel_training's model):
 * an EP=2 checkpoint with its optimizer state converted to EP=1 (and to EP=1 x TP=2 with
   sequence parallelism), and one converted back from EP=1 to EP=2, resume with the losses of
   the uninterrupted EP=2 run (fp32, 1e-5); without the optimizer state they differ;
+* an EP=2 x TP=2 checkpoint with each expert whole on one rank (``--expert-tensor-parallel-size
+  1``: files mp_rank_00_000 and mp_rank_01_001) converted to TP=1 at EP=1 and EP=2, and an
+  EP=2 checkpoint converted to it (``--target-expert-tensor-parallel-size 1``), resume with
+  the uninterrupted losses; ETP=1 -> TP=1 -> ETP=1 gives back the same files' tensors;
 * EP=2 x DP=2 with the distributed optimizer saves Megatron-LM's ``[dense, expert]``
   ``distrib_optim.pt`` lists in each ``mp_rank_00_EEE`` and resumes exactly; converted to EP=1
   it resumes at DP=2 with the same losses."""
@@ -37,9 +41,10 @@ def _run(*extra, init: bool = False) -> dict:
 
 
 def _convert(source: Path, target: Path, ep: int, tp: int = 1, keep: bool = True,
-             distributed: bool | None = None) -> None:
+             distributed: bool | None = None, etp: int | None = None) -> None:
     argv = ["--model-type", "GPT", "--load-dir", str(source), "--save-dir", str(target),
             "--target-tensor-parallel-size", str(tp), "--target-expert-parallel-size", str(ep)]
+    argv += [] if etp is None else ["--target-expert-tensor-parallel-size", str(etp)]
     argv += ["--keep-optimizer-state"] if keep else []
     if distributed is not None:
         argv.append("--target-use-distributed-optimizer" if distributed
@@ -178,3 +183,68 @@ def test_the_distributed_optimizer_state_round_trips_over_ep_bitwise(runs, tmp_p
     assert set(after[0][dtype]) == set(buffers)
     for name, tensor in buffers.items():
         assert torch.equal(after[0][dtype][name], tensor), name
+
+
+ETP1 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *EP2,
+        "--expert-tensor-parallel-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def etp_runs(runs):
+    root = runs["root"]
+    straight, = e2e.pooled(4, [_run(*ETP1, "--save", str(root / "etp1"), "--save-interval",
+                                    str(SAVED_AT), init=True)])
+    source = root / "etp1" / f"iter_{SAVED_AT:07d}"
+    _convert(source, root / "etp1_to_tp1", ep=1)
+    _convert(source, root / "etp1_to_ep2", ep=2)
+    _convert(root / "ep2" / f"iter_{SAVED_AT:07d}", root / "ep2_to_etp1", ep=2, tp=2, etp=1)
+    _convert(root / "etp1_to_tp1", root / "etp1_back", ep=2, tp=2, etp=1)
+    tp1, ep2 = e2e.pooled(2, [_run("--load", str(root / "etp1_to_tp1")),
+                              _run(*EP2, "--load", str(root / "etp1_to_ep2"))])
+    from_ep2, = e2e.pooled(4, [_run(*ETP1, "--load", str(root / "ep2_to_etp1"))])
+    return {"root": root, "straight": _losses(straight), "tp1": _losses(tp1),
+            "ep2": _losses(ep2), "from_ep2": _losses(from_ep2)}
+
+
+@pytest.mark.parametrize("name,straight", [("tp1", "etp1"), ("ep2", "etp1"),
+                                           ("from_ep2", "ep2")])
+def test_an_expert_tensor_parallel_1_conversion_resumes_the_uninterrupted_run(
+        runs, etp_runs, name, straight):
+    want = etp_runs["straight"] if straight == "etp1" else runs["straight"]
+    assert e2e.max_abs_diff(runs["straight"], etp_runs["straight"]) <= TOL  # same model
+    assert len(etp_runs[name]) == ITERS - SAVED_AT
+    assert e2e.max_abs_diff(want[SAVED_AT:], etp_runs[name]) <= TOL, (want, etp_runs[name])
+
+
+def test_expert_tensor_parallel_1_round_trips_bitwise(etp_runs):
+    root = etp_runs["root"]
+    source, back = (root / name / f"iter_{SAVED_AT:07d}" for name in ("etp1", "etp1_back"))
+    dirs = sorted(p.name for p in back.iterdir() if p.is_dir())
+    assert dirs == sorted(p.name for p in source.iterdir() if p.is_dir()) == \
+        ["mp_rank_00_000", "mp_rank_01_001"]
+    for shard in dirs:
+        before = torch.load(source / shard / "model_optim_rng.pt", weights_only=False)
+        after = torch.load(back / shard / "model_optim_rng.pt", weights_only=False)
+        assert after["args"].expert_tensor_parallel_size == 1
+        flat_before, flat_after = dict(_leaves(before["model"])), dict(_leaves(after["model"]))
+        assert list(flat_before) == list(flat_after)
+        for key, value in flat_before.items():
+            assert torch.equal(value, flat_after[key]), (shard, key)
+        # fp32: the torch optimizer's state dict itself (fp16/bf16 wrap it with the mains).
+        states = [sd["optimizer"].get("optimizer", sd["optimizer"])["state"]
+                  for sd in (before, after)]
+        assert len(states[0]) == len(states[1]) > 0
+        for index, state in states[0].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[name], states[1][index][name]), (shard, index, name)
+
+
+def test_unwritable_expert_tensor_splits_are_refused(etp_runs, tmp_path, capsys):
+    source = etp_runs["root"] / "etp1_to_tp1"
+    argv = ["--model-type", "GPT", "--load-dir", str(source), "--save-dir", str(tmp_path / "o"),
+            "--target-tensor-parallel-size", "2", "--target-expert-tensor-parallel-size", "1"]
+    assert convert.main(argv) == 2  # EP 1 < TP 2: a dense slice would go unwritten
+    assert "--target-expert-parallel-size (1)" in capsys.readouterr().err
+    assert convert.main([*argv[:-1], "3"]) == 2
+    assert "--target-expert-tensor-parallel-size 3" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -17,25 +17,38 @@ _SUMMED_OVER_TP = {"load_balancing_loss", "seq_load_balancing_loss",
                    "global_load_balancing_loss"}
 """Each TP (and CP) rank holds its share of these (its own rows' probabilities); the others are
 each rank's own estimate of the same value and are averaged."""
+_SUMMED_OVER_DP = {"global_load_balancing_loss"}
+"""Each DP rank holds its share of this one too (its token counts span TP x DP x CP): summed
+over DP, as Megatron reduces it over its TP x DP x CP group without a DP average."""
 
 
-def record(name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
-    """Add ``value`` (a scalar) to layer ``layer_number`` (1-based) of ``name``."""
+def record(name: str, value: torch.Tensor, layer_index: torch.Tensor, num_layers: int) -> None:
+    """Add ``value`` (a scalar) to the layer at ``layer_index`` (a 0-based index in a 1-element
+    int64 tensor: a compiled layer then reads it as an input, and the layers of a model share
+    one graph instead of one recompilation per layer number) of ``name``."""
     values = _TRACKER.get(name)
-    if values is None:
+    if values is None or values.shape[0] != num_layers:
         values = _TRACKER[name] = torch.zeros(num_layers, device=value.device)
-    values[layer_number - 1] += value.detach().float()
+    values.index_add_(0, layer_index, value.detach().float().reshape(1))
 
 
 def clear() -> None:
+    """Forget every recorded name (a new model)."""
     _TRACKER.clear()
+
+
+def zero() -> None:
+    """Start a new iteration: the names stay (so a compiled layer's guards on them hold), their
+    values restart from zero."""
+    for values in _TRACKER.values():
+        values.zero_()
 
 
 def reduce_per_layer(num_microbatches: int, names: list[str] | None = None,
                      num_layers: int | None = None, tp_group=None, pp_group=None,
                      dp_group=None, cp_group=None) -> dict[str, torch.Tensor]:
     """The recorded losses per layer ``[num_layers]``, averaged over the micro-batches and the
-    data-parallel ranks (``dp_group`` without CP), summed over the pipeline stages (each holds
+    data-parallel ranks (``dp_group`` without CP; summed for the global balancing loss), summed over the pipeline stages (each holds
     its own layers) and over TP x CP for the balancing losses (averaged over TP x CP for the
     others), as Megatron reduces them over its TP x CP group.
 
@@ -55,5 +68,5 @@ def reduce_per_layer(num_microbatches: int, names: list[str] | None = None,
                 comm.all_reduce(values, group)
         if name not in _SUMMED_OVER_TP:
             values /= comm.world_size(tp_group) * comm.world_size(cp_group)
-        out[name] = values / comm.world_size(dp_group)
+        out[name] = values if name in _SUMMED_OVER_DP else values / comm.world_size(dp_group)
     return out

@@ -26,19 +26,23 @@ from megatron.core.transformer.moe.token_dispatcher import (AllGatherDispatcher,
 
 @dataclasses.dataclass(frozen=True)
 class ExpertGroups:
-    """The routed experts' process groups (Megatron-Core's expert grid, "parallel folding";
-    None: this rank alone).
+    """The MoE layers' process groups beyond TP and CP: the routed experts' (Megatron-Core's
+    expert grid, "parallel folding") and the router's global statistics' (None: this rank
+    alone).
 
     Attributes:
         ep: the expert-parallel group: this rank holds experts ``ep_rank * E/EP ...
             (ep_rank + 1) * E/EP - 1``.
         etp: the expert tensor-parallel group each expert's weights are split over.
         tp_ep: ETP x EP (ETP fastest): the ranks whose tokens the dispatcher exchanges.
+        dp_cp: DP x CP of the dense grid: with TP, the group ``global_aux_loss`` sums its
+            token counts over (Megatron's ``tp_dp_cp`` group, reduced as TP then DP x CP).
     """
 
     ep: ProcessGroup | None
     etp: ProcessGroup | None
     tp_ep: ProcessGroup | None
+    dp_cp: ProcessGroup | None = None
 
 
 class SharedExpertMLP(MLP):
@@ -77,21 +81,20 @@ class MoELayer(torch.nn.Module):
         config: transformer settings (``num_moe_experts`` and the ``moe_*`` fields).
         layer_number: 1-based global layer index.
         tp_group: the TP group (the router's counts; the shared experts are split over it).
-        tp_dp_group: TP x DP (global balancing loss and expert-bias counts).
-        expert_groups: the routed experts' groups; None: those of expert parallelism 1, the
-            experts split over ``tp_group`` (ETP = TP).
+        expert_groups: the routed experts' groups and the router's DP x CP group; None: those
+            of expert parallelism 1, the experts split over ``tp_group`` (ETP = TP), and one
+            data-parallel rank.
         cp_group: the context-parallel group (the router's balancing-loss counts span TP x
             CP); the tokens themselves need nothing of it (each is routed on its own).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
-                 expert_groups: ExpertGroups | None = None,
+                 tp_group: ProcessGroup | None, expert_groups: ExpertGroups | None = None,
                  cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_group, cp_group)
         groups = expert_groups or ExpertGroups(ep=None, etp=tp_group, tp_ep=tp_group)
+        self.router = TopKRouter(config, layer_number, tp_group, groups.dp_cp, cp_group)
         num_local = config.num_moe_experts // tp_world_size(groups.ep)
         self.local_expert_offset = tp_rank(groups.ep) * num_local
         experts = Experts(config, num_local, groups.etp)
@@ -118,9 +121,20 @@ class MoELayer(torch.nn.Module):
         shape = hidden_states.shape
         probs, routing_map = self.router(hidden_states)  # [T, E] each
         tokens = hidden_states.reshape(-1, shape[-1])  # [T, h]
-        routed, counts, state = self.dispatcher.dispatch(tokens, probs, routing_map)
-        expert_out = self._experts[0](routed, counts)  # [N, h]
-        out = self.dispatcher.combine(expert_out, state).view(shape)  # [s, b, h]
+        out = self._routed_experts(tokens, probs, routing_map).view(shape)  # [s, b, h]
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
+
+    @torch.compiler.disable
+    def _routed_experts(self, tokens: torch.Tensor, probs: torch.Tensor,
+                        routing_map: torch.Tensor) -> torch.Tensor:
+        """Dispatch, experts, combine: ``[T, h]`` -> ``[T, h]``. Eager even in a compiled layer
+        (``--compile-layers``): the tokens per expert are data-dependent sizes (the split
+        sizes of the collectives and of the expert GEMMs), which a graph would have to
+        recompile or break on every step; the router before and the shared experts after stay
+        in the layer's graph (Megatron's MoE CUDA-graph scopes likewise end at the router)."""
+        routed, counts, state = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_out = self._experts[0](routed, counts)  # [N, h]
+        return self.dispatcher.combine(expert_out, state)
+

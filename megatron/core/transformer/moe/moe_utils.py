@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from megatron.core import device
+
 
 def score_topk(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
                pre_softmax: bool = False, num_groups: int | None = None,
@@ -187,25 +189,48 @@ def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tens
 
 
 class AuxLossScaler(torch.autograd.Function):
-    """Identity on ``output`` whose backward also feeds ``main_loss_backward_scale`` as the
-    gradient of ``aux_loss``: the auxiliary loss joins the backward pass with the scale the
-    main loss has (the fp16 loss scale over the number of micro-batches), as Megatron's
-    ``MoEAuxLossAutoScaler``; the pipeline schedule sets it before each step."""
-
-    main_loss_backward_scale: float = 1.0
+    """Identity on ``output`` whose backward also feeds ``scale`` as the gradient of
+    ``aux_loss``: the auxiliary loss joins the backward pass with the scale the main loss has
+    (the fp16 loss scale over the number of micro-batches), as Megatron's
+    ``MoEAuxLossAutoScaler``. The scale is an input (a 0-dim tensor, :func:`aux_loss_scale`)
+    rather than a class attribute read in the backward, so that a compiled layer
+    (``--compile-layers``) traces the function whole and still uses each step's scale."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss, scale)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = AuxLossScaler.main_loss_backward_scale
-        return grad_output, torch.ones_like(aux_loss) * scale
+        aux_loss, scale = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.dtype), None
+
+
+_AUX_LOSS_SCALE: torch.Tensor | None = None
+"""The current backward scale of the auxiliary losses; None: 1 (no schedule has set it)."""
 
 
 def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
-    """The backward scale of every auxiliary loss (see :class:`AuxLossScaler`)."""
-    AuxLossScaler.main_loss_backward_scale = scale
+    """The backward scale of every auxiliary loss (see :class:`AuxLossScaler`); the pipeline
+    schedules set it before each step. A float becomes a 0-dim fp32 tensor on the compute
+    device (made by a fill, not a host copy); a tensor is kept on its device."""
+    global _AUX_LOSS_SCALE
+    if isinstance(scale, torch.Tensor):
+        _AUX_LOSS_SCALE = scale.detach().reshape(()).float()
+    else:
+        _AUX_LOSS_SCALE = torch.full((), float(scale), dtype=torch.float32,
+                                     device=device.get_device())
+
+
+def aux_loss_scale(like: torch.Tensor) -> torch.Tensor:
+    """The current scale as a 0-dim tensor on ``like``'s device."""
+    if _AUX_LOSS_SCALE is None:
+        return torch.ones((), dtype=torch.float32, device=like.device)
+    return _AUX_LOSS_SCALE.to(like.device)
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """``output`` unchanged, with ``aux_loss`` joining the backward at the current scale."""
+    return AuxLossScaler.apply(output, aux_loss, aux_loss_scale(output))

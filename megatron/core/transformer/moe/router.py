@@ -5,9 +5,9 @@ autograd graph (:class:`~megatron.core.transformer.moe.moe_utils.AuxLossScaler`)
 Token counts for the balancing losses are summed over the groups Megatron sums them over:
 TP x CP for ``aux_loss`` / ``seq_aux_loss`` (with sequence parallelism each TP rank routes its
 ``s/p`` rows, with context parallelism each CP rank its two chunks of every sequence), TP x DP
-for ``global_aux_loss``, TP x DP x CP for the expert-bias counts (in ``finalize_model_grads``).
-TP x CP is reduced as TP then CP (a sum over the product group is the sum over each in turn),
-so no TP x CP group is needed.
+x CP for ``global_aux_loss`` and the expert-bias counts (those in ``finalize_model_grads``).
+A product group is reduced as its factors in turn (TP then CP, TP then DP x CP: a sum over the
+product is the sum over each in turn), so no TP x CP or TP x DP x CP group is needed.
 Legend: s sequence, b batch, h hidden, T = s*b tokens of this rank, E experts.
 """
 
@@ -31,18 +31,18 @@ class TopKRouter(torch.nn.Module):
         config: transformer settings (the ``moe_router_*`` fields).
         layer_number: 1-based global layer index (per-layer loss logging).
         tp_group: the TP group (the balancing loss's token counts, the z-loss average).
-        tp_dp_group: TP x DP (global aux loss and expert-bias counts); None: the TP group.
+        dp_cp_group: DP x CP (None: one rank): with ``tp_group``, the global balancing loss's
+            token counts (Megatron's ``tp_dp_cp`` group).
         cp_group: the context-parallel group (None: CP 1): the balancing loss's token counts
             and the z-loss average span TP x CP.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
-                 tp_group: ProcessGroup | None, tp_dp_group: ProcessGroup | None = None,
+                 tp_group: ProcessGroup | None, dp_cp_group: ProcessGroup | None = None,
                  cp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        self.tp_group, self.cp_group = tp_group, cp_group
-        self.tp_dp_group = tp_group if tp_dp_group is None else tp_dp_group
+        self.tp_group, self.cp_group, self.dp_cp_group = tp_group, cp_group, dp_cp_group
         e, h = config.num_moe_experts, config.hidden_size
         # Initialized on the CPU as every layer's weights (the model moves to the device after).
         self.weight = torch.nn.Parameter(torch.empty(e, h, dtype=torch.float32, device="cpu"))
@@ -68,6 +68,9 @@ class TopKRouter(torch.nn.Module):
         self.register_buffer("global_tokens_per_expert", counts(global_on, (e,)),
                              persistent=False)
         self.register_buffer("ga_steps", counts(global_on, ()), persistent=False)
+        # The logged losses' row: a tensor, so that a compiled layer does not specialize on it.
+        self.register_buffer("layer_index", torch.tensor([layer_number - 1], device="cpu"),
+                             persistent=False)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]`` in ``moe_router_dtype`` (else the input's)."""
@@ -139,8 +142,8 @@ class TopKRouter(torch.nn.Module):
         # Each TP x CP rank's share of the average over the TP x CP group's tokens.
         coeff = coeff / (tp_world_size(self.tp_group) * tp_world_size(self.cp_group))
         loss = mu.z_loss(logits, coeff)
-        metrics.record("z_loss", loss / coeff, self.layer_number, self.config.num_layers)
-        return mu.AuxLossScaler.apply(logits, loss)
+        metrics.record("z_loss", loss / coeff, self.layer_index, self.config.num_layers)
+        return mu.attach_aux_loss(logits, loss)
 
     def _apply_aux_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq: int,
                         batch: int) -> torch.Tensor:
@@ -156,7 +159,8 @@ class TopKRouter(torch.nn.Module):
                                                  cfg.num_moe_experts) / batch
             name = "seq_load_balancing_loss"
         elif kind == "global_aux_loss":
-            counts, total = self._counts(aux_map, self.tp_dp_group)
+            # Each rank's share of the loss over the TP x DP x CP group's tokens.
+            counts, total = self._counts(aux_map, self.tp_group, self.dp_cp_group)
             self.global_tokens_per_expert += counts
             self.ga_steps += 1
             loss = mu.switch_load_balancing_loss(
@@ -166,25 +170,25 @@ class TopKRouter(torch.nn.Module):
             counts, total = self._counts(aux_map, self.tp_group, self.cp_group)
             loss = mu.switch_load_balancing_loss(scores, counts, total, k, coeff)
             name = "load_balancing_loss"
-        metrics.record(name, loss / coeff, self.layer_number, cfg.num_layers)
-        return mu.AuxLossScaler.apply(probs, loss)
+        metrics.record(name, loss / coeff, self.layer_index, cfg.num_layers)
+        return mu.attach_aux_loss(probs, loss)
 
     @staticmethod
-    def _counts(routing_map: torch.Tensor, count_group: ProcessGroup | None,
-                cp_group: ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
-        """Tokens per column of ``routing_map`` summed over ``count_group`` (and over
-        ``cp_group`` after it: together their product group), and the groups' token count
-        (this rank's rows times the group sizes)."""
+    def _counts(routing_map: torch.Tensor, *count_groups: ProcessGroup | None
+                ) -> tuple[torch.Tensor, int]:
+        """Tokens per column of ``routing_map`` summed over each of ``count_groups`` in turn
+        (together their product group), and the groups' token count (this rank's rows times
+        the group sizes)."""
         counts = routing_map.sum(dim=0).float()
         total = routing_map.shape[0]
-        for group in (count_group, cp_group):
+        for group in count_groups:
             counts = reduce_from_tensor_model_parallel_region(counts, group)
             total *= tp_world_size(group)
         return counts, total
 
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """One aux-loss-free balancing step from the step's token counts (summed over TP x
-        DP); the local counts start again from zero."""
+        DP x CP); the local counts start again from zero."""
         self.expert_bias.copy_(mu.updated_expert_bias(
             tokens_per_expert, self.expert_bias, self.config.moe_router_bias_update_rate))
         self.local_tokens_per_expert.zero_()
