@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from megatron.core.eager_regions import eager_region
 from megatron.core.tensor_parallel.utils import ProcessGroup, tp_rank, tp_world_size
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.mlp import MLP
@@ -126,7 +127,7 @@ class MoELayer(torch.nn.Module):
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
 
-    @torch.compiler.disable
+    @eager_region
     def _routed_experts(self, tokens: torch.Tensor, probs: torch.Tensor,
                         routing_map: torch.Tensor) -> torch.Tensor:
         """Dispatch, experts, combine: ``[T, h]`` -> ``[T, h]``. Eager even in a compiled layer
