@@ -155,10 +155,6 @@ def _check_expert_parallel(cfg, ep: int) -> None:
                          "this framework does not implement yet (expert parallelism runs with "
                          "TP or CP, not both)")
     if tp > 1 and (ck.save is not None or ck.load is not None):
-        if ck.ckpt_format != "torch":
-            raise ValueError(f"{flag} with --tensor-model-parallel-size {tp} and --ckpt-format "
-                             f"{ck.ckpt_format}: only the torch format's mp_rank_TT_EEE "
-                             "directories are built for expert x tensor parallelism")
         if par.use_distributed_optimizer:
             raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
                              "--use-distributed-optimizer and --save / --load: the expert "

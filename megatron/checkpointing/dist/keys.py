@@ -33,7 +33,10 @@ up]`` on every TP rank. Megatron-Core saves the two halves as separate chunks (T
 so that the global tensor is ``[gate; up]`` whatever the TP size: :attr:`KeyRule.glu`.
 
 MoE rows (``mlp.router``, ``mlp.local_experts.<i>``, ``mlp.shared_experts``) follow the layout
-the MoE layers save under; expert ``i`` of EP rank ``e`` is global expert ``e * E/EP + i``.
+the MoE layers save under; expert ``i`` of EP rank ``e`` is global expert ``e * E/EP + i``. As in
+Megatron-Core's ``SequentialMLP.sharded_state_dict`` (parallel folding), an expert's own
+dimensions are split over the expert tensor-parallel group (ETP rank and size), the router and
+the shared experts' over the dense TP group.
 
 BERT (:func:`bert_rules`, Megatron-Core's ``BertModel``): the same embedding and layer rows,
 with the stacked layers under ``encoder.`` instead of ``decoder.``, and its heads:
@@ -222,6 +225,15 @@ class Placement:
     """Global index of this rank's first local expert."""
     local_experts: int | None = None
     """The experts this rank holds (None: all of them)."""
+    expert_tp_rank: int | None = None
+    expert_tp_size: int | None = None
+    """Where the routed experts' weights are split (ETP); None: as the dense layers (TP)."""
+
+    def split(self, expert: bool) -> tuple[int, int]:
+        """(rank, size) of the tensor-parallel split of an expert's or another tensor."""
+        if expert and self.expert_tp_size is not None:
+            return self.expert_tp_rank or 0, self.expert_tp_size
+        return self.tp_rank, self.tp_size
 
 
 @dataclass
@@ -248,19 +260,20 @@ def tensor_chunks(rule: KeyRule, found: re.Match, tensor: torch.Tensor,
     shape, offset = list(tensor.shape), [0] * tensor.dim()
     pieces = [(tensor, offset)]
     if rule.tp_dim is not None:
+        tp_rank, tp_size = where.split("expert" in found.groupdict())
         dim, local = rule.tp_dim, tensor.shape[rule.tp_dim]
-        shape[dim] = local * where.tp_size
+        shape[dim] = local * tp_size
         if rule.glu:
             # [gate_r; up_r] -> gate_r at r*half, up_r at F + r*half (F = half * tp).
             half = local // 2
             gate, up = tensor.narrow(dim, 0, half), tensor.narrow(dim, half, half)
             gate_at, up_at = list(offset), list(offset)
-            gate_at[dim] = where.tp_rank * half
-            up_at[dim] = half * where.tp_size + where.tp_rank * half
+            gate_at[dim] = tp_rank * half
+            up_at[dim] = half * tp_size + tp_rank * half
             pieces = [(gate, gate_at), (up, up_at)]
         else:
             at = list(offset)
-            at[dim] = where.tp_rank * local
+            at[dim] = tp_rank * local
             pieces = [(tensor, at)]
     lead_shape: list[int] = []
     lead_offset: list[int] = []

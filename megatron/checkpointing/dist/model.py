@@ -39,17 +39,24 @@ class Layout:
     ep_size: int = 1
     """Expert parallelism: this rank holds experts ``[ep_rank * E/EP, (ep_rank + 1) * E/EP)``
     of the global ``[layers, experts, ...]`` tensors."""
+    etp_rank: int | None = None
+    etp_size: int | None = None
+    """The expert tensor-parallel split of each expert's weights (parallel folding: 1 or TP);
+    None: the dense TP split."""
 
     @classmethod
     def from_parallel_state(cls, num_layers: int, num_experts: int | None = None) -> Layout:
         from megatron.core import parallel_state as ps
+        etp_size = comm.world_size(ps.get_expert_tensor_parallel_group()) if num_experts \
+            else None
         return cls(num_layers, ps.get_tensor_model_parallel_rank(),
                    ps.get_tensor_model_parallel_world_size(),
                    ps.get_pipeline_model_parallel_rank(),
                    ps.get_pipeline_model_parallel_world_size(),
                    ps.get_virtual_pipeline_model_parallel_world_size(), num_experts or 0,
                    ps.get_expert_model_parallel_rank(),
-                   ps.get_expert_model_parallel_world_size())
+                   ps.get_expert_model_parallel_world_size(),
+                   ps.get_expert_tensor_parallel_rank() if num_experts else None, etp_size)
 
     def placement(self, chunk_index: int) -> tuple[Placement, int]:
         """(placement of model chunk ``chunk_index``, its number of layers)."""
@@ -58,7 +65,8 @@ class Layout:
                                               chunk_index if self.vpp_size else None)
         local_experts = self.num_experts // self.ep_size
         return Placement(self.num_layers, offset, self.tp_rank, self.tp_size,
-                         self.num_experts, self.ep_rank * local_experts, local_experts), local
+                         self.num_experts, self.ep_rank * local_experts, local_experts,
+                         self.etp_rank, self.etp_size), local
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
