@@ -155,10 +155,11 @@ def _check_expert_parallel(cfg, ep: int) -> None:
                          "this framework does not implement yet (expert parallelism runs with "
                          "TP or CP, not both)")
     if tp > 1 and (ck.save is not None or ck.load is not None):
-        if par.use_distributed_optimizer:
+        if par.use_distributed_optimizer and ck.ckpt_format == "torch":
             raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
-                             "--use-distributed-optimizer and --save / --load: the expert "
-                             "optimizer state's checkpoint is built at TP 1 only")
+                             "--use-distributed-optimizer and --save / --load in --ckpt-format "
+                             "torch: the legacy distrib_optim.pt of the expert state is built "
+                             "at TP 1 only; use --ckpt-format torch_dist")
     etp = par.expert_tensor_parallel_size
     if etp == 1 and ep < tp and (ck.save is not None or ck.load is not None):
         # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e

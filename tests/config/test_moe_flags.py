@@ -111,6 +111,10 @@ def test_num_experts_zero_is_dense():
     ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
      "--expert-tensor-parallel-size 1 --save ckpt", 4,
      ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save"]),
+    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--use-distributed-optimizer --save ckpt", 4,
+     ["--expert-model-parallel-size 2", "--use-distributed-optimizer", "--ckpt-format torch",
+      "torch_dist"]),
     ("--moe-shared-expert-overlap", 1, ["--moe-shared-expert-overlap", "does not implement"]),
     ("--moe-router-fusion", 1, ["--moe-router-fusion"]),
     ("--moe-layer-recompute", 1, ["--moe-layer-recompute"]),
@@ -131,6 +135,17 @@ def test_expert_parallel_with_tensor_parallel_validates(etp):
                 f"--sequence-parallel --expert-tensor-parallel-size {etp}", world_size=4)
     assert cfg.parallel.expert_tensor_parallel_size == int(etp)
     assert cfg.parallel.expert_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("etp", ["1", "2"])
+@pytest.mark.parametrize("optimizer", ["", "--use-distributed-optimizer"])
+def test_expert_and_tensor_parallel_torch_dist_checkpoints_validate(etp, optimizer):
+    cfg = parse("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                f"--sequence-parallel --expert-tensor-parallel-size {etp} {optimizer} "
+                "--ckpt-format torch_dist --save ckpt --save-interval 5 --load ckpt",
+                world_size=4)
+    assert cfg.checkpoint.ckpt_format == "torch_dist"
+    assert cfg.parallel.use_distributed_optimizer == bool(optimizer)
 
 
 def test_expert_parallel_without_experts(capsys):

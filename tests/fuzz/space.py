@@ -306,10 +306,12 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
      r"framework does not implement yet", "not built: EP with TP, PP or CP"),
     (r"--expert-model-parallel-size \d+ needs --DDP-impl local",
      "the expert gradients have their own local-DDP buffers"),
-    (r"--expert-model-parallel-size \d+ with --ckpt-format torch_dist",
-     "not built: expert-parallel torch_dist checkpoints"),
-    (r"--expert-model-parallel-size \d+ with --use-distributed-optimizer and --save / --load",
-     "not built: the expert optimizer state's checkpoint"),
+    (r"--expert-model-parallel-size \d+ with --tensor-model-parallel-size \d+, "
+     r"--use-distributed-optimizer and --save / --load in --ckpt-format torch",
+     "not built: the legacy format's expert optimizer state at EP x TP (torch_dist has it)"),
+    (r"--expert-model-parallel-size \d+ below --tensor-model-parallel-size \d+ with "
+     r"--expert-tensor-parallel-size 1", "the torch format's mp_rank_TT_EEE files would not "
+     "hold every TP slice of the dense layers"),
 )
 
 

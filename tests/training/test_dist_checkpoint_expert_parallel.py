@@ -8,8 +8,9 @@ losses of the uninterrupted runs (fp32, 1e-5).
 On 4 ranks, EP=2 x TP=2 with sequence parallelism (parallel folding: each expert split over
 its expert tensor-parallel group, ETP=2, or whole on one rank, ETP=1; the model has biases)
 saves the experts as Megatron-Core's ``SequentialMLP`` does: the expert dimension chunked by
-EP, an expert's own dimensions by ETP. Such a checkpoint, with the optimizer state, resumes at
-EP=1 x TP=1, at EP=2 x TP=1 and at the other ETP with the uninterrupted run's losses."""
+EP, an expert's own dimensions by ETP. Such a checkpoint, with the optimizer state (the plain
+or the distributed optimizer's), resumes at EP=1 x TP=1, at EP=2 x TP=1 and at the other ETP
+with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ ITERS, SAVED_AT = 4, 2
 TOL = 1e-5
 EP2 = ["--expert-model-parallel-size", "2"]
 DIST = ["--ckpt-format", "torch_dist"]
+DISTOPT = "--use-distributed-optimizer"
 
 
 def _run(*extra, init: bool = False, base=FLAGS) -> dict:
@@ -111,31 +113,43 @@ def _etp(etp: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    """Two EP=2 x TP=2 runs saving at iteration 2 (ETP=2 and ETP=1), each resumed at other
-    layouts of the same 4 ranks."""
+    """Two EP=2 x TP=2 runs saving at iteration 2, ETP=2 with the plain optimizer and ETP=1
+    with the distributed optimizer (dense state sharded over DP=2, expert state over the
+    expert-DP group of 2), each resumed at other layouts of the same 4 ranks with either
+    optimizer."""
     root = tmp_path_factory.mktemp("torch_dist_ep_tp")
     save = ["--save-interval", str(SAVED_AT)]
     step = ["--ckpt-step", str(SAVED_AT)]
     plan = {
         "etp2": _run(*_etp(2), "--save", str(root / "etp2"), *save, init=True, base=BIASED),
-        "etp1": _run(*_etp(1), "--save", str(root / "etp1"), *save, init=True, base=BIASED),
+        "etp1": _run(*_etp(1), DISTOPT, "--save", str(root / "etp1"), *save, init=True,
+                     base=BIASED),
+        "etp2_to_etp1": _run(*_etp(1), DISTOPT, "--load", str(root / "etp2"), *step,
+                             base=BIASED),
         "etp2_to_ep1_tp1": _run("--load", str(root / "etp2"), *step, base=BIASED),
-        "etp2_to_ep2_tp1": _run(*EP2, "--load", str(root / "etp2"), *step, base=BIASED),
-        "etp1_to_etp2": _run(*_etp(2), "--load", str(root / "etp1"), *step, base=BIASED),
-        "etp1_to_ep1_tp1": _run("--load", str(root / "etp1"), *step, base=BIASED),
+        "etp1_to_etp2": _run(*_etp(2), DISTOPT, "--load", str(root / "etp1"), *step,
+                             base=BIASED),
+        "etp1_to_ep2_tp1": _run(*EP2, DISTOPT, "--load", str(root / "etp1"), *step,
+                                base=BIASED),
+        "etp1_no_optim": _run("--load", str(root / "etp1"), *step, "--no-load-optim",
+                              base=BIASED),
     }
     results = e2e.pooled(4, list(plan.values()))
     return {"root": root, **{n: _losses(r) for n, r in zip(plan, results)}}
 
 
 @pytest.mark.parametrize("straight,resumed", [
-    ("etp2", "etp2_to_ep1_tp1"), ("etp2", "etp2_to_ep2_tp1"), ("etp1", "etp1_to_etp2"),
-    ("etp1", "etp1_to_ep1_tp1")])
+    ("etp2", "etp2_to_etp1"), ("etp2", "etp2_to_ep1_tp1"), ("etp1", "etp1_to_etp2"),
+    ("etp1", "etp1_to_ep2_tp1")])
 def test_an_expert_and_tensor_parallel_checkpoint_resumes_at_other_layouts(tp_runs, straight,
                                                                              resumed):
     assert len(tp_runs[straight]) == ITERS and len(tp_runs[resumed]) == ITERS - SAVED_AT
     assert e2e.max_abs_diff(tp_runs[straight][SAVED_AT:], tp_runs[resumed]) <= TOL, \
         (tp_runs[straight], tp_runs[resumed])
+
+
+def test_the_expert_and_tensor_parallel_optimizer_state_matters(tp_runs):
+    assert e2e.max_abs_diff(tp_runs["etp1"][SAVED_AT:], tp_runs["etp1_no_optim"]) > 1e-4
 
 
 def _chunks(directory, key) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -162,8 +176,9 @@ def test_experts_are_chunked_by_ep_and_etp_as_megatron_core_writes_them(tp_runs,
 
 
 def test_both_expert_tensor_parallel_sizes_write_the_same_global_tensors(tp_runs):
-    """ETP=2 and ETP=1 train the same model (to 1e-5): their checkpoints hold the same global
-    expert weights and moments, with every expert's state written."""
+    """ETP=2 and ETP=1 train the same model (to 1e-5): their checkpoints (the plain and the
+    distributed optimizer's) hold the same global expert weights and moments, with every
+    expert's state written."""
     from megatron.checkpointing.dist import storage
 
     assert e2e.max_abs_diff(tp_runs["etp2"], tp_runs["etp1"]) <= TOL
