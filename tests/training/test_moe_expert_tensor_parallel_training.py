@@ -5,8 +5,9 @@ one rank (ETP=1; allgather dispatcher), equals the one-process run from the same
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over
 ETP: counted once, kept equal). The checkpoints use Megatron-LM's ``mp_rank_TT_EEE``
-directories (TP rank, EP rank), the ETP=1 run resumes exactly, and a load at another ETP is
-refused by name; the logged parameter norm counts every expert once."""
+directories (TP rank, EP rank), the ETP=1 run and an ETP=2 run with the distributed optimizer
+resume exactly, and a load at another ETP is refused by name; the logged parameter norm counts
+every expert once."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def _layout(etp: int, dispatcher: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = {etp: tmp_path_factory.mktemp(f"etp{etp}_checkpoint") for etp in (1, 2)}
+    distopt = tmp_path_factory.mktemp("etp2_distopt_checkpoint")
     logs = tmp_path_factory.mktemp("etp_tensorboard")
     single, = (r[0] for r in e2e.pooled(1, [_run(_tensorboard(logs / "single"), init=False)]))
     saving = ("--save-interval", "2", "--save")
@@ -42,8 +44,12 @@ def runs(tmp_path_factory):
         _layout(2, "alltoall", *saving, str(save[2])),
         _layout(1, "allgather", *saving, str(save[1]), *_tensorboard(logs / "etp1")),
         {**_layout(1, "allgather", "--load", str(save[1]), "--ckpt-step", "2"),
-         "single_process_init": False}])
-    names = ["etp2_alltoall", "etp1_allgather", "resumed"]
+         "single_process_init": False},
+        _layout(2, "alltoall", "--use-distributed-optimizer", *saving, str(distopt)),
+        {**_layout(2, "alltoall", "--use-distributed-optimizer", "--load", str(distopt),
+                   "--ckpt-step", "2"), "single_process_init": False}])
+    names = ["etp2_alltoall", "etp1_allgather", "resumed", "etp2_distopt",
+             "etp2_distopt_resumed"]
     return {"single": single, "save": save, "logs": logs, **dict(zip(names, results))}
 
 
@@ -102,11 +108,19 @@ def test_checkpoint_directories_are_tp_and_ep_ranks(runs):
     assert got[1] == ["mp_rank_00_000", "mp_rank_01_001"]
 
 
-def test_ep2_tp2_resumes_exactly(runs):
-    for straight, resumed in zip(runs["etp1_allgather"], runs["resumed"]):
-        assert resumed["iteration"] == ITERS and len(resumed["history"]) == ITERS - 2
-        assert e2e.max_abs_diff(e2e.losses(straight)[2:], e2e.losses(resumed)) <= 1e-6
-        assert e2e.max_param_diff(straight["params"], resumed["params"]) <= 1e-6
+@pytest.mark.parametrize("straight,resumed", [("etp1_allgather", "resumed"),
+                                               ("etp2_distopt", "etp2_distopt_resumed")])
+def test_ep2_tp2_resumes_exactly(runs, straight, resumed):
+    """ETP=1 with the plain optimizer; ETP=2 with the distributed optimizer (its
+    distrib_optim.pt: the dense part in EP rank 0's directory of each TP rank, the experts'
+    in each EP rank's)."""
+    for first, second in zip(runs[straight], runs[resumed]):
+        assert second["iteration"] == ITERS and len(second["history"]) == ITERS - 2
+        assert e2e.max_abs_diff(e2e.losses(first)[2:], e2e.losses(second)) <= 1e-6
+        assert e2e.max_param_diff(first["params"], second["params"]) <= 1e-6
+    # The distributed optimizer trains the same model as the plain one.
+    assert e2e.max_abs_diff(e2e.losses(runs["etp2_alltoall"][0]),
+                            e2e.losses(runs["etp2_distopt"][0])) <= LOSS_TOL
 
 
 def test_loading_at_another_expert_tensor_parallel_size_is_refused(runs):
