@@ -6,8 +6,8 @@ weights: the loss every iteration to 1e-5, the gradient norm, and every final pa
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over
 ETP: counted once, kept equal). The checkpoints use Megatron-LM's ``mp_rank_TT_EEE``
 directories (TP rank, EP rank), the ETP=1 run and an ETP=2 run with the distributed optimizer
-resume exactly, and a load at another ETP is refused by name; the logged parameter norm counts
-every expert once."""
+resume exactly (the latter also converted to one rank), and a load at another ETP is refused by
+name; the logged parameter norm counts every expert once."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def runs(tmp_path_factory):
                    "--ckpt-step", "2"), "single_process_init": False}])
     names = ["etp2_alltoall", "etp1_allgather", "resumed", "etp2_distopt",
              "etp2_distopt_resumed"]
-    return {"single": single, "save": save, "logs": logs, **dict(zip(names, results))}
+    return {"single": single, "save": save, "logs": logs, "distopt": distopt,
+            **dict(zip(names, results))}
 
 
 def _tensorboard(path) -> list[str]:
@@ -139,3 +140,22 @@ def test_loading_at_another_expert_tensor_parallel_size_is_refused(runs):
     with pytest.raises(CheckpointError, match="--expert-tensor-parallel-size: checkpoint 2, "
                                               "flags 1"):
         check_compatible(saved, cfg, shard)
+
+
+def test_the_distributed_optimizer_checkpoint_converts_to_one_rank(runs, tmp_path):
+    """The ETP=2 distributed-optimizer checkpoint converted by tools/checkpoint/convert.py to
+    EP=1 x TP=1 with its optimizer state (the plain optimizer's) resumes with the uninterrupted
+    run's losses."""
+    from tools.checkpoint import convert
+
+    target = tmp_path / "ep1_tp1"
+    source = runs["distopt"] / "iter_0000002"
+    assert convert.main(["--model-type", "GPT", "--load-dir", str(source),
+                         "--save-dir", str(target), "--target-tensor-parallel-size", "1",
+                         "--target-expert-parallel-size", "1", "--keep-optimizer-state",
+                         "--no-target-use-distributed-optimizer"]) == 0
+    resumed, = e2e.pooled(1, [{"argv": [*BIASED, "--load", str(target)]}])
+    assert resumed[0]["error"] is None, resumed[0]["error"]
+    straight = e2e.losses(runs["etp2_distopt"][0])
+    assert e2e.max_abs_diff(straight[2:], e2e.losses(resumed[0])) <= LOSS_TOL, \
+        (straight, e2e.losses(resumed[0]))
