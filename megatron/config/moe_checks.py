@@ -164,13 +164,15 @@ def _check_expert_parallel(cfg, ep: int) -> None:
                              "and --save / --load in --ckpt-format torch: the legacy "
                              "distrib_optim.pt of the expert state is built at ETP = TP only; "
                              "use --ckpt-format torch_dist")
-    if etp == 1 and ep < tp and (ck.save is not None or ck.load is not None):
+    if etp == 1 and ep < tp and ck.ckpt_format == "torch" and \
+            (ck.save is not None or ck.load is not None):
         # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e
         # is TP rank e mod TP): fewer EP than TP ranks would leave slices unwritten.
         raise ValueError(f"{flag} below --tensor-model-parallel-size {tp} with "
                          "--expert-tensor-parallel-size 1 and --save / --load: the torch "
                          "format's mp_rank_TT_EEE files would not hold every TP slice of the "
-                         "dense layers; use --expert-model-parallel-size >= TP")
+                         "dense layers; use --expert-model-parallel-size >= TP or --ckpt-format "
+                         "torch_dist")
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
         raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"

@@ -156,6 +156,13 @@ def test_legacy_distributed_optimizer_checkpoints_validate_at_etp_equal_to_tp():
     assert cfg.checkpoint.ckpt_format == "torch"
 
 
+def test_fewer_expert_than_tensor_parallel_ranks_save_in_torch_dist():
+    cfg = parse("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 "
+                "--sequence-parallel --expert-tensor-parallel-size 1 --ckpt-format torch_dist "
+                "--save ckpt --save-interval 5", world_size=4)
+    assert cfg.parallel.expert_model_parallel_size == 2
+
+
 def test_expert_parallel_without_experts(capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--expert-model-parallel-size", "2"], world_size=2)

@@ -10,7 +10,8 @@ its expert tensor-parallel group, ETP=2, or whole on one rank, ETP=1; the model 
 saves the experts as Megatron-Core's ``SequentialMLP`` does: the expert dimension chunked by
 EP, an expert's own dimensions by ETP. Such a checkpoint, with the optimizer state (the plain
 or the distributed optimizer's), resumes at EP=1 x TP=1, at EP=2 x TP=1 and at the other ETP
-with the uninterrupted run's losses."""
+with the uninterrupted run's losses; so does EP=2 x TP=4 with ETP=1 (which the torch format's
+``mp_rank_TT_EEE`` files cannot hold)."""
 
 from __future__ import annotations
 
@@ -111,12 +112,17 @@ def _etp(etp: int) -> list[str]:
             dispatcher]
 
 
+TP4_EP2 = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     """Two EP=2 x TP=2 runs saving at iteration 2, ETP=2 with the plain optimizer and ETP=1
     with the distributed optimizer (dense state sharded over DP=2, expert state over the
     expert-DP group of 2), each resumed at other layouts of the same 4 ranks with either
-    optimizer."""
+    optimizer; and EP=2 x TP=4 with ETP=1 (fewer EP than TP ranks) resumed at one rank's
+    layout."""
     root = tmp_path_factory.mktemp("torch_dist_ep_tp")
     save = ["--save-interval", str(SAVED_AT)]
     step = ["--ckpt-step", str(SAVED_AT)]
@@ -133,6 +139,9 @@ def tp_runs(tmp_path_factory):
                                 base=BIASED),
         "etp1_no_optim": _run("--load", str(root / "etp1"), *step, "--no-load-optim",
                               base=BIASED),
+        # Fewer EP than TP ranks: each TP rank of a group holds other experts.
+        "tp4": _run(*TP4_EP2, "--save", str(root / "tp4"), *save, init=True, base=BIASED),
+        "tp4_to_ep1_tp1": _run("--load", str(root / "tp4"), *step, base=BIASED),
     }
     results = e2e.pooled(4, list(plan.values()))
     return {"root": root, **{n: _losses(r) for n, r in zip(plan, results)}}
@@ -140,7 +149,7 @@ def tp_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("straight,resumed", [
     ("etp2", "etp2_to_etp1"), ("etp2", "etp2_to_ep1_tp1"), ("etp1", "etp1_to_etp2"),
-    ("etp1", "etp1_to_ep2_tp1")])
+    ("etp1", "etp1_to_ep2_tp1"), ("tp4", "tp4_to_ep1_tp1")])
 def test_an_expert_and_tensor_parallel_checkpoint_resumes_at_other_layouts(tp_runs, straight,
                                                                              resumed):
     assert len(tp_runs[straight]) == ITERS and len(tp_runs[resumed]) == ITERS - SAVED_AT
@@ -182,6 +191,7 @@ def test_both_expert_tensor_parallel_sizes_write_the_same_global_tensors(tp_runs
     from megatron.checkpointing.dist import storage
 
     assert e2e.max_abs_diff(tp_runs["etp2"], tp_runs["etp1"]) <= TOL
+    assert e2e.max_abs_diff(tp_runs["etp2"], tp_runs["tp4"]) <= TOL
     keys = [FC1, FC2, "decoder.layers.mlp.experts.experts.linear_fc1.bias",
             "decoder.layers.mlp.experts.experts.linear_fc2.bias",
             "optimizer.state.exp_avg." + FC1, "optimizer.state.exp_avg_sq." + FC2]
