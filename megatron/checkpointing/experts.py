@@ -85,3 +85,13 @@ def split_expert_parallel(flat: Mapping[str, T], size: int, rank: int,
         elif rank * local <= index < (rank + 1) * local:
             out[with_expert(key, index - rank * local)] = value
     return out
+
+
+def dense_expert_rank(tp_rank: int, tp_size: int, expert_tp_size: int) -> int:
+    """The EP rank whose ``mp_rank_TT_EEE`` directory of TP rank ``tp_rank`` holds the dense
+    part of ``distrib_optim.pt`` (written by that TP rank's data-parallel rank 0).
+
+    With the experts split as the dense layers (ETP = TP) that rank is EP rank 0; with each
+    expert whole (ETP = 1, EP >= TP) the data-parallel rank 0 of TP rank ``t`` is global rank
+    ``t`` of its stage, EP rank ``t`` of the expert grid (Megatron's rank order)."""
+    return 0 if expert_tp_size == tp_size else tp_rank

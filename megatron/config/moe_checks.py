@@ -155,15 +155,6 @@ def _check_expert_parallel(cfg, ep: int) -> None:
                          "this framework does not implement yet (expert parallelism runs with "
                          "TP or CP, not both)")
     etp = par.expert_tensor_parallel_size
-    if tp > 1 and etp != tp and (ck.save is not None or ck.load is not None):
-        # The dense part of distrib_optim.pt is read from EP rank 0's directory of the same TP
-        # rank, which ETP=1 does not write (its TP rank t is EP rank t mod TP).
-        if par.use_distributed_optimizer and ck.ckpt_format == "torch":
-            raise ValueError(f"{flag} with --tensor-model-parallel-size {tp}, "
-                             f"--expert-tensor-parallel-size {etp}, --use-distributed-optimizer "
-                             "and --save / --load in --ckpt-format torch: the legacy "
-                             "distrib_optim.pt of the expert state is built at ETP = TP only; "
-                             "use --ckpt-format torch_dist")
     if etp == 1 and ep < tp and ck.ckpt_format == "torch" and \
             (ck.save is not None or ck.load is not None):
         # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e

@@ -56,6 +56,7 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
 from megatron.checkpointing.dist.detect import is_torch_dist_dir
+from megatron.checkpointing.experts import dense_expert_rank
 
 # megatron.checkpointing.dist (torch.distributed.checkpoint under it) is imported where a
 # torch_dist checkpoint is read or written: a second or more at start-up that runs in the
@@ -645,14 +646,17 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
 
 def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path]):
     """This rank's ``distrib_optim.pt``; with expert parallelism the ``[dense, expert]`` parts
-    the optimizer loads: the dense one from EP rank 0's file (only that one holds it)."""
+    the optimizer loads: the dense one from the file of this TP rank's data-parallel rank 0
+    (only that one holds it: EP rank 0's, or EP rank = TP rank's at ETP = 1)."""
     own = _read_verified(distrib_file, cfg, unverified)
     if parallel_state.get_expert_model_parallel_world_size() == 1 or not isinstance(own, list):
         return own
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dense_ep = dense_expert_rank(tp_rank, parallel_state.get_tensor_model_parallel_world_size(),
+                                 cfg.parallel.expert_tensor_parallel_size)
     first = name.parent.parent / shard_dir_name(
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_world_size() > 1, 0, True) \
+        tp_rank, parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size() > 1, dense_ep, True) \
         / DISTRIB_OPTIM_FILENAME
     dense = own if first == distrib_file else _read_verified(first, cfg, unverified)
     if not isinstance(dense, list) or len(dense) != 2 or len(own) != 2:

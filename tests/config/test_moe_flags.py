@@ -111,10 +111,6 @@ def test_num_experts_zero_is_dense():
     ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
      "--expert-tensor-parallel-size 1 --save ckpt", 4,
      ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save"]),
-    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
-     "--expert-tensor-parallel-size 1 --use-distributed-optimizer --save ckpt", 4,
-     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1",
-      "--use-distributed-optimizer", "--ckpt-format torch", "torch_dist"]),
     ("--moe-shared-expert-overlap", 1, ["--moe-shared-expert-overlap", "does not implement"]),
     ("--moe-router-fusion", 1, ["--moe-router-fusion"]),
     ("--moe-layer-recompute", 1, ["--moe-layer-recompute"]),
@@ -148,11 +144,13 @@ def test_expert_and_tensor_parallel_torch_dist_checkpoints_validate(etp, optimiz
     assert cfg.parallel.use_distributed_optimizer == bool(optimizer)
 
 
-def test_legacy_distributed_optimizer_checkpoints_validate_at_etp_equal_to_tp():
+@pytest.mark.parametrize("etp", ["1", "2"])
+def test_legacy_distributed_optimizer_checkpoints_validate_at_expert_and_tensor_parallelism(
+        etp):
     cfg = parse("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
-                "--sequence-parallel --use-distributed-optimizer --save ckpt "
-                "--save-interval 5", world_size=4)
-    assert cfg.parallel.expert_tensor_parallel_size == 2
+                f"--sequence-parallel --expert-tensor-parallel-size {etp} "
+                "--use-distributed-optimizer --save ckpt --save-interval 5", world_size=4)
+    assert cfg.parallel.expert_tensor_parallel_size == int(etp)
     assert cfg.checkpoint.ckpt_format == "torch"
 
 

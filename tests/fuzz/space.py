@@ -306,11 +306,6 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
      r"framework does not implement yet", "not built: EP with TP, PP or CP"),
     (r"--expert-model-parallel-size \d+ needs --DDP-impl local",
      "the expert gradients have their own local-DDP buffers"),
-    (r"--expert-model-parallel-size \d+ with --tensor-model-parallel-size \d+, "
-     r"--expert-tensor-parallel-size \d+, --use-distributed-optimizer and --save / --load in "
-     r"--ckpt-format torch",
-     "not built: the legacy format's expert optimizer state at EP x TP with ETP 1 (torch_dist "
-     "has it)"),
     (r"--expert-model-parallel-size \d+ below --tensor-model-parallel-size \d+ with "
      r"--expert-tensor-parallel-size 1", "the torch format's mp_rank_TT_EEE files would not "
      "hold every TP slice of the dense layers"),

@@ -5,8 +5,8 @@ one rank (ETP=1; allgather dispatcher), equals the one-process run from the same
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over
 ETP: counted once, kept equal). The checkpoints use Megatron-LM's ``mp_rank_TT_EEE``
-directories (TP rank, EP rank), the ETP=1 run and an ETP=2 run with the distributed optimizer
-resume exactly (the latter also converted to one rank), and a load at another ETP is refused by
+directories (TP rank, EP rank), the runs resume exactly (ETP=1 with the plain optimizer, ETP=2
+and ETP=1 with the distributed optimizer, the latter also converted to one rank), and a load at another ETP is refused by
 name; the logged parameter norm counts every expert once."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _layout(etp: int, dispatcher: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = {etp: tmp_path_factory.mktemp(f"etp{etp}_checkpoint") for etp in (1, 2)}
-    distopt = tmp_path_factory.mktemp("etp2_distopt_checkpoint")
+    distopt = {etp: tmp_path_factory.mktemp(f"etp{etp}_distopt_checkpoint") for etp in (1, 2)}
     logs = tmp_path_factory.mktemp("etp_tensorboard")
     single, = (r[0] for r in e2e.pooled(1, [_run(_tensorboard(logs / "single"), init=False)]))
     saving = ("--save-interval", "2", "--save")
@@ -45,11 +45,12 @@ def runs(tmp_path_factory):
         _layout(1, "allgather", *saving, str(save[1]), *_tensorboard(logs / "etp1")),
         {**_layout(1, "allgather", "--load", str(save[1]), "--ckpt-step", "2"),
          "single_process_init": False},
-        _layout(2, "alltoall", "--use-distributed-optimizer", *saving, str(distopt)),
-        {**_layout(2, "alltoall", "--use-distributed-optimizer", "--load", str(distopt),
-                   "--ckpt-step", "2"), "single_process_init": False}])
+        *(run for etp, dispatcher in ((2, "alltoall"), (1, "allgather")) for run in (
+            _layout(etp, dispatcher, "--use-distributed-optimizer", *saving, str(distopt[etp])),
+            {**_layout(etp, dispatcher, "--use-distributed-optimizer", "--load",
+                       str(distopt[etp]), "--ckpt-step", "2"), "single_process_init": False}))])
     names = ["etp2_alltoall", "etp1_allgather", "resumed", "etp2_distopt",
-             "etp2_distopt_resumed"]
+             "etp2_distopt_resumed", "etp1_distopt", "etp1_distopt_resumed"]
     return {"single": single, "save": save, "logs": logs, "distopt": distopt,
             **dict(zip(names, results))}
 
@@ -110,18 +111,20 @@ def test_checkpoint_directories_are_tp_and_ep_ranks(runs):
 
 
 @pytest.mark.parametrize("straight,resumed", [("etp1_allgather", "resumed"),
-                                               ("etp2_distopt", "etp2_distopt_resumed")])
+                                               ("etp2_distopt", "etp2_distopt_resumed"),
+                                               ("etp1_distopt", "etp1_distopt_resumed")])
 def test_ep2_tp2_resumes_exactly(runs, straight, resumed):
-    """ETP=1 with the plain optimizer; ETP=2 with the distributed optimizer (its
-    distrib_optim.pt: the dense part in EP rank 0's directory of each TP rank, the experts'
-    in each EP rank's)."""
+    """The plain optimizer at ETP=1, the distributed optimizer at ETP=2 and 1 (its
+    distrib_optim.pt: the dense part in the directory of each TP rank's data-parallel rank 0,
+    EP rank 0's at ETP=2 and EP rank = TP rank's at ETP=1; the experts' in each EP rank's)."""
     for first, second in zip(runs[straight], runs[resumed]):
         assert second["iteration"] == ITERS and len(second["history"]) == ITERS - 2
         assert e2e.max_abs_diff(e2e.losses(first)[2:], e2e.losses(second)) <= 1e-6
         assert e2e.max_param_diff(first["params"], second["params"]) <= 1e-6
     # The distributed optimizer trains the same model as the plain one.
-    assert e2e.max_abs_diff(e2e.losses(runs["etp2_alltoall"][0]),
-                            e2e.losses(runs["etp2_distopt"][0])) <= LOSS_TOL
+    for etp in ("etp2_distopt", "etp1_distopt"):
+        assert e2e.max_abs_diff(e2e.losses(runs["etp2_alltoall"][0]),
+                                e2e.losses(runs[etp][0])) <= LOSS_TOL
 
 
 def test_loading_at_another_expert_tensor_parallel_size_is_refused(runs):
@@ -142,20 +145,21 @@ def test_loading_at_another_expert_tensor_parallel_size_is_refused(runs):
         check_compatible(saved, cfg, shard)
 
 
-def test_the_distributed_optimizer_checkpoint_converts_to_one_rank(runs, tmp_path):
-    """The ETP=2 distributed-optimizer checkpoint converted by tools/checkpoint/convert.py to
-    EP=1 x TP=1 with its optimizer state (the plain optimizer's) resumes with the uninterrupted
-    run's losses."""
+@pytest.mark.parametrize("etp", [2, 1])
+def test_the_distributed_optimizer_checkpoint_converts_to_one_rank(runs, tmp_path, etp):
+    """The ETP=2 and ETP=1 distributed-optimizer checkpoints converted by
+    tools/checkpoint/convert.py to EP=1 x TP=1 with their optimizer state (the plain
+    optimizer's) resume with the uninterrupted run's losses."""
     from tools.checkpoint import convert
 
     target = tmp_path / "ep1_tp1"
-    source = runs["distopt"] / "iter_0000002"
+    source = runs["distopt"][etp] / "iter_0000002"
     assert convert.main(["--model-type", "GPT", "--load-dir", str(source),
                          "--save-dir", str(target), "--target-tensor-parallel-size", "1",
                          "--target-expert-parallel-size", "1", "--keep-optimizer-state",
                          "--no-target-use-distributed-optimizer"]) == 0
     resumed, = e2e.pooled(1, [{"argv": [*BIASED, "--load", str(target)]}])
     assert resumed[0]["error"] is None, resumed[0]["error"]
-    straight = e2e.losses(runs["etp2_distopt"][0])
+    straight = e2e.losses(runs[f"etp{etp}_distopt"][0])
     assert e2e.max_abs_diff(straight[2:], e2e.losses(resumed[0])) <= LOSS_TOL, \
         (straight, e2e.losses(resumed[0]))

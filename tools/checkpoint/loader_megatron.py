@@ -24,7 +24,8 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
                                     fix_query_key_value_ordering, flatten_model_state,
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
-from megatron.checkpointing.experts import expert_of, merge_expert_parallel
+from megatron.checkpointing.experts import (dense_expert_rank, expert_of,
+                                           merge_expert_parallel)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from megatron.core.checkpoint_keys import (current_key, layer_of, norm_key,
                                            with_layer, without_empty_extra_states)
@@ -257,9 +258,7 @@ class MegatronCheckpoint(ModelDescription):
             t, e = key
             distrib = None
             if self.optimizer.distributed:
-                per_ep_paths = [self.expert_files[(t, self._open_pipeline_rank, ep)]
-                                for ep in range(self.ep)]
-                distrib = self._read_distrib(per_ep_paths, e)
+                distrib = self._read_distrib(t, e)
             chunks = [own[key] for own in self._file_flat]
             per_file[key] = optimizer_state.read_shard(sd, chunks, self.optimizer, distrib,
                                                        files[key])
@@ -270,15 +269,20 @@ class MegatronCheckpoint(ModelDescription):
               for name in per_file[pairs[t][0][0]][c]} for t in range(self.tp)]
             for c in range(len(self._flat))]
 
-    def _read_distrib(self, per_ep_paths: list[Path], ep_rank: int) -> dict:
-        """EP rank ``ep_rank``'s ``distrib_optim.pt`` (with expert parallelism: the dense
-        state from EP rank 0's file, the expert state from its own)."""
-        own = self._read(per_ep_paths[ep_rank].with_name(DISTRIB_OPTIM_FILENAME))
+    def _read_distrib(self, tp_rank: int, ep_rank: int) -> dict:
+        """The ``distrib_optim.pt`` of file (``tp_rank``, ``ep_rank``) (with expert
+        parallelism: the dense state from the file of TP rank ``tp_rank``'s data-parallel rank
+        0, the expert state from its own)."""
+        pipeline_rank = self._open_pipeline_rank
+        path = self.expert_files[(tp_rank, pipeline_rank, ep_rank)]
+        own = self._read(path.with_name(DISTRIB_OPTIM_FILENAME))
         if self.ep == 1:
             return own
-        dense = own if ep_rank == 0 else \
-            self._read(per_ep_paths[0].with_name(DISTRIB_OPTIM_FILENAME))
-        return optimizer_state.expert_parallel_distrib(dense, own, per_ep_paths[ep_rank])
+        dense_ep = dense_expert_rank(tp_rank, self.tp, self.etp)
+        dense = own if ep_rank == dense_ep else self._read(
+            self.expert_files[(tp_rank, pipeline_rank, dense_ep)].with_name(
+                DISTRIB_OPTIM_FILENAME))
+        return optimizer_state.expert_parallel_distrib(dense, own, path)
 
     def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
         """Drop the extra keys Megatron tolerates; refuse others the layout does not know."""
