@@ -163,3 +163,25 @@ def test_the_distributed_optimizer_checkpoint_converts_to_one_rank(runs, tmp_pat
     straight = e2e.losses(runs[f"etp{etp}_distopt"][0])
     assert e2e.max_abs_diff(straight[2:], e2e.losses(resumed[0])) <= LOSS_TOL, \
         (straight, e2e.losses(resumed[0]))
+
+
+def test_a_conversion_to_etp1_with_the_distributed_optimizer_resumes(runs, tmp_path):
+    """convert.py writes the ETP=2 distributed-optimizer checkpoint at ETP=1 (the dense part
+    of each TP rank's distrib_optim.pt in EP rank = TP rank's directory); the ETP=1 run
+    resumes from it with the uninterrupted run's losses."""
+    from tools.checkpoint import convert
+
+    target = tmp_path / "etp1"
+    assert convert.main(["--model-type", "GPT", "--load-dir",
+                         str(runs["distopt"][2] / "iter_0000002"), "--save-dir", str(target),
+                         "--target-tensor-parallel-size", "2", "--target-expert-parallel-size",
+                         "2", "--target-expert-tensor-parallel-size", "1",
+                         "--keep-optimizer-state", "--target-use-distributed-optimizer"]) == 0
+    resumed = e2e.pooled(4, [{**_layout(1, "allgather", "--use-distributed-optimizer",
+                                        "--load", str(target)),
+                              "single_process_init": False, "params": False}])[0]
+    straight = e2e.losses(runs["etp2_distopt"][0])
+    for rank in resumed:
+        assert rank["error"] is None, rank["error"]
+        assert e2e.max_abs_diff(straight[2:], e2e.losses(rank)) <= LOSS_TOL, \
+            (straight, e2e.losses(rank))

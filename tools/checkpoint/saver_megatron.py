@@ -25,7 +25,7 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     CheckpointError, PipelineStages, checkpoint_name,
                                     manifest_entry, nest_model_state, publish_tracker, save_file,
                                     tracker_path, write_manifest)
-from megatron.checkpointing.experts import expert_of, split_expert_parallel
+from megatron.checkpointing.experts import dense_expert_rank, expert_of, split_expert_parallel
 from megatron.checkpointing.names import checkpoint_dir
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from megatron.core.log import get_logger
@@ -291,9 +291,6 @@ def _check_expert_tensor_split(target: TargetLayout, experts: int) -> None:
         raise ValueError(f"{flag} needs --target-expert-parallel-size ({ep}) at least "
                          f"--target-tensor-parallel-size ({tp}): at ETP 1 each dense TP slice "
                          "is written in the file of an EP rank")
-    if target.use_distributed_optimizer:
-        raise ValueError(f"{flag} with --target-use-distributed-optimizer: the distributed "
-                         "optimizer's expert state is built at TP 1 only")
 
 
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
@@ -327,8 +324,10 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
                                    pipeline_parallel=target.pipeline_parallel_size > 1,
                                    expert_rank=ep_rank, expert_parallel=ep > 1)
             if md.optimizer is not None:
+                with_dense = ep_rank == dense_expert_rank(tp_rank, target.tensor_parallel_size,
+                                                          target.etp)
                 digests.update(_add_optimizer(shard, md, args, target, own, own_states, name,
-                                              ep_rank))
+                                              with_dense))
             digests[manifest_entry(name)] = save_file(shard, name, flag="--save-dir")
             del shard, own, own_states
         weights[tp_rank] = states[tp_rank] = None  # written: let it go
@@ -337,15 +336,16 @@ def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layo
 
 def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout,
                    weights: list[dict], states: list[dict], name: Path,
-                   ep_rank: int = 0) -> dict[str, str]:
+                   with_dense: bool = True) -> dict[str, str]:
     """The shard's optimizer entries (and, distributed, its ``distrib_optim.pt``: returns its
-    sha256 by manifest entry)."""
+    sha256 by manifest entry; with expert parallelism its dense part only ``with_dense``, in
+    the file of the TP rank's data-parallel rank 0)."""
     kind = optimizer_state.target_of(md.optimizer, args, target.use_distributed_optimizer)
     digests = {}
     if kind.distributed:
         shard["optimizer"], distrib = optimizer_state.write_distributed(
             md.optimizer, kind, weights, states,
-            expert_parallel=target.expert_parallel_size > 1, with_dense=ep_rank == 0)
+            expert_parallel=target.expert_parallel_size > 1, with_dense=with_dense)
         path = name.with_name(DISTRIB_OPTIM_FILENAME)
         digests[manifest_entry(path)] = save_file(distrib, path, flag="--save-dir")
     else:
