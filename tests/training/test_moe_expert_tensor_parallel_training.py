@@ -5,9 +5,10 @@ one rank (ETP=1; allgather dispatcher), equals the one-process run from the same
 weights: the loss every iteration to 1e-5, the gradient norm, and every final parameter
 (experts gathered over ETP and EP) in fp32. The model has biases (fc2's is replicated over
 ETP: counted once, kept equal). The checkpoints use Megatron-LM's ``mp_rank_TT_EEE``
-directories (TP rank, EP rank), the runs resume exactly (ETP=1 with the plain optimizer, ETP=2
-and ETP=1 with the distributed optimizer, the latter also converted to one rank), and a load at another ETP is refused by
-name; the logged parameter norm counts every expert once."""
+directories (TP rank, EP rank); the runs resume exactly (ETP=1 with the plain optimizer, ETP=2
+and ETP=1 with the distributed optimizer, whose checkpoints also resume after convert.py to one
+rank, and ETP=2's converted to ETP=1); a load at another ETP is refused by name; the logged
+parameter norm counts every expert once."""
 
 from __future__ import annotations
 
