@@ -146,10 +146,13 @@ def _ask(url: str, out: dict) -> None:
         signal.raise_signal(signal.SIGTERM)  # as a user stops it: the server's own handler
 
 
-def _serve(rank: int, ckpt: str, port: int, kv_cache: bool) -> dict:
+def _serve(rank: int, ckpt: str, kv_cache: bool) -> dict:
     from megatron.core import parallel_state
     from tools import run_text_generation_server as server
 
+    # Only rank 0 listens; its port is picked here, just before it binds (one picked earlier can
+    # be taken meanwhile by the ephemeral ports of gloo's connections).
+    port = free_port()
     out: dict = {}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     client = None
@@ -169,13 +172,13 @@ def _serve(rank: int, ckpt: str, port: int, kv_cache: bool) -> dict:
     return out
 
 
-def _tools(rank: int, world_size: int, ckpt: str, ports: list[int]) -> dict:
+def _tools(rank: int, world_size: int, ckpt: str) -> dict:
     del world_size
     out = {}
-    for kv_cache, port in zip((True, False), ports):
+    for kv_cache in (True, False):
         name = "cache" if kv_cache else "recompute"
         out[f"generate_{name}"] = _generate_tool(ckpt, kv_cache)
-        out[f"serve_{name}"] = _serve(rank, ckpt, port, kv_cache)
+        out[f"serve_{name}"] = _serve(rank, ckpt, kv_cache)
     return out
 
 
@@ -230,7 +233,7 @@ def test_explicit_flags_that_toggle_a_norm_are_refused_naming_it(checkpoints, fl
 @pytest.mark.parametrize("tp", [1, 2])
 def test_server_and_generate_equal_the_models_greedy_tokens(checkpoints, tp):
     ckpt = checkpoints[f"tp{tp}"]
-    results = run_distributed(tp, _tools, ckpt, [free_port(), free_port()])
+    results = run_distributed(tp, _tools, ckpt)
     expected = [" ".join(str(t) for t in ids) for ids, _ in checkpoints["reference"]]
     generated = [ids[len(p.split()):] for ids, p in zip(
         (ids for ids, _ in checkpoints["reference"]), PROMPTS)]
