@@ -81,3 +81,19 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 def flatten(model_state: dict) -> dict[str, torch.Tensor]:
     return flatten_model_state(model_state)
+
+
+def assert_equal_nested(a, b, where: str = "") -> None:
+    """Nested dicts / lists / tensors equal bit for bit (dtype too); ``where`` names a path."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for key in a:
+            assert_equal_nested(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_nested(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)

@@ -149,7 +149,7 @@ def test_optimizer_state_round_trip_through_torch_dist_is_bitwise(tmp_path, dist
         "--source-ckpt-format", "torch_dist", "--keep-optimizer-state")
     original, back = (_everything(checkpoint_dir(tmp_path / name, 3))
                       for name in ("torch", "back"))
-    _assert_equal(back, original)
+    helpers.assert_equal_nested(back, original)
 
 
 def test_keep_optimizer_state_refuses_a_torch_dist_checkpoint_without_one(tmp_path, capsys):
@@ -162,21 +162,6 @@ def test_keep_optimizer_state_refuses_a_torch_dist_checkpoint_without_one(tmp_pa
                          "torch_dist", "--keep-optimizer-state"]) == 2
     error = capsys.readouterr().err
     assert "iter_0000007 holds no optimizer state" in error and "--no-load-optim" in error
-
-
-def _assert_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, set(a) ^ set(b))
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def test_bert_to_torch_dist_and_back_is_bitwise(tmp_path):

@@ -25,6 +25,7 @@ import torch
 
 from megatron.checkpointing import DISTRIB_OPTIM_FILENAME, load_checkpoint_file, shard_files
 from tests.training import e2e
+from tests.tools.checkpoint import helpers
 from tools.checkpoint import convert
 
 LAYERS = ["--num-layers", "4"]
@@ -142,21 +143,6 @@ def _optimizer_states(iteration_dir: Path) -> dict:
     return out
 
 
-def _assert_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, set(a) ^ set(b))
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
 @pytest.mark.parametrize("source, hops", [
     ("tied", [(2, 2, 1, None), (1, 1, None, None)]),
     ("bf16", [(1, 1, None, True), (2, 1, None, False)]),
@@ -170,7 +156,7 @@ def test_optimizer_state_round_trip_is_bitwise(trained, tmp_path, source, hops):
         _convert(current, tmp_path / f"hop{i}", tp, pp, vpp, distributed)
         current = tmp_path / f"hop{i}"
     back = _optimizer_states(next(current.glob("iter_*")))
-    _assert_equal(back, _optimizer_states(saved[source]), source)
+    helpers.assert_equal_nested(back, _optimizer_states(saved[source]), source)
     if source == "bf16":  # the fp32 main params are carried, not re-derived from bf16 weights
         mains = back[(0, 0)][0]["fp32_from_fp16_params"]
         assert all(m.dtype == torch.float32 for group in mains for m in group)
