@@ -665,6 +665,11 @@ def check_bert_flags(cfg) -> None:
         ValueError: a flag BERT cannot honour, naming it and the fix.
     """
     refuse_context_parallel("BERT (bidirectional attention with a padding mask)")(cfg)
+    ck = cfg.checkpoint
+    if (ck.ckpt_format == "torch_dist" and (ck.save is not None or ck.load is not None)
+            and cfg.model.num_experts):
+        raise ValueError("--ckpt-format torch_dist with BERT and --num-experts: the torch_dist "
+                         "key table names BERT's dense layers only; use --ckpt-format torch")
     if cfg.model.untie_embeddings_and_output_weights:
         raise ValueError("--untie-embeddings-and-output-weights: BERT's LM head is tied to the "
                          "word embeddings (Megatron-LM refuses it too); drop the flag")

@@ -309,6 +309,8 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
     (r"--expert-model-parallel-size \d+ below --tensor-model-parallel-size \d+ with "
      r"--expert-tensor-parallel-size 1", "the torch format's mp_rank_TT_EEE files would not "
      "hold every TP slice of the dense layers"),
+    (r"--ckpt-format torch_dist with BERT and --num-experts",
+     "not built: BERT's MoE layers in the torch_dist key table"),
 )
 
 

@@ -82,6 +82,8 @@ def test_default_tokenizer_is_megatrons():
     (["--reset-position-ids"], "--reset-position-ids is a GPT dataset flag"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"],
      "--tokenizer-type GPT2BPETokenizer: BERT needs a WordPiece vocabulary"),
+    (["--num-experts", "4", "--ckpt-format", "torch_dist", "--save", "ckpt"],
+     "--ckpt-format torch_dist with BERT and --num-experts"),
 ])
 def test_bert_flag_errors_exit_early(extra, message, capsys):
     argv = pretrain_bert.with_default_tokenizer(
