@@ -57,9 +57,12 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("straight,resumed", [("ep2", "ep2_to_ep1"), ("ep1", "ep1_to_ep2")])
 def test_a_torch_dist_checkpoint_resumes_at_another_expert_parallel_size(runs, straight,
                                                                          resumed):
-    assert len(runs[straight]) == ITERS and len(runs[resumed]) == ITERS - SAVED_AT
-    assert e2e.max_abs_diff(runs[straight][SAVED_AT:], runs[resumed]) <= TOL, \
-        (runs[straight], runs[resumed])
+    _assert_resumes_straight(runs[straight], runs[resumed])
+
+
+def _assert_resumes_straight(straight: list[float], resumed: list[float]) -> None:
+    assert len(straight) == ITERS and len(resumed) == ITERS - SAVED_AT
+    assert e2e.max_abs_diff(straight[SAVED_AT:], resumed) <= TOL, (straight, resumed)
 
 
 def test_both_layouts_write_the_same_global_expert_tensors(runs):
@@ -152,9 +155,7 @@ def tp_runs(tmp_path_factory):
     ("etp1", "etp1_to_ep2_tp1"), ("tp4", "tp4_to_ep1_tp1")])
 def test_an_expert_and_tensor_parallel_checkpoint_resumes_at_other_layouts(tp_runs, straight,
                                                                              resumed):
-    assert len(tp_runs[straight]) == ITERS and len(tp_runs[resumed]) == ITERS - SAVED_AT
-    assert e2e.max_abs_diff(tp_runs[straight][SAVED_AT:], tp_runs[resumed]) <= TOL, \
-        (tp_runs[straight], tp_runs[resumed])
+    _assert_resumes_straight(tp_runs[straight], tp_runs[resumed])
 
 
 def test_the_expert_and_tensor_parallel_optimizer_state_matters(tp_runs):
