@@ -553,7 +553,8 @@ def stage_kernels(c: Check):
 def speed(c: Check, stage: str, shape: str, sides: str, extra: list[str]):
     c.wait_for_build(stage)
     if not c.gpu:
-        shape = "llama-small" if shape.startswith("llama") else "small"
+        shape = {"llama": "llama-small", "mixtral": "mixtral-tiny"}.get(shape.split("-")[0],
+                                                                         "small")
         extra = [*extra, "--steps", "2", "--warmup", "1"]
     out = c.sh(stage, [PY, "bench/gpu_speed.py", "--shape", shape, "--sides", sides,
                        "--json", os.path.join(c.out, f"{stage}.json"), *extra],
@@ -656,6 +657,12 @@ STAGES = [
     Stage("speed-llama", lambda c: speed(
         c, "speed-llama", "llama-1b",
         "hf,ours-compiled,ours" if c.installed("transformers") else "ours-compiled,ours", []),
+          timeout=240, exclusive=True),
+    # A Mixtral-shaped MoE (8 experts, top-2, grouped GEMM): ours against transformers'
+    # MixtralForCausalLM of the same shape. Report-only.
+    Stage("speed-moe", lambda c: speed(
+        c, "speed-moe", "mixtral-small",
+        "hf,ours" if c.installed("transformers") else "ours", []),
           timeout=240, exclusive=True),
     # Report-only (no target).
     Stage("speed-bert", speed_bert, timeout=120, exclusive=True),

@@ -10,7 +10,12 @@ attention, no biases, untied output: ``bench/bench_llama.py``'s flags): ``llama-
 16 heads in 4 groups, ffn 5632, seq 2048, micro-batch 4 (0.93B parameters); ``llama-small``
 (the smoke test). A Llama shape's sides are ``ours``, ``ours-compiled`` and ``hf``
 (transformers' ``LlamaForCausalLM`` of the same shape: SDPA, fp32 weights under autocast bf16 as
-``plain``, the same fused AdamW and clip 1.0). GPT shapes' sides:
+``plain``, the same fused AdamW and clip 1.0). Mixtral shapes are Llama shapes with 8 routed
+SwiGLU experts, top-2, in every layer (``--moe-grouped-gemm``, the alltoall dispatcher, no
+balancing loss), against transformers' ``MixtralForCausalLM``: ``mixtral-small`` = 8 x 1024, 16
+heads in 4 groups, expert ffn 3584, seq 2048, micro-batch 4 (0.83B parameters, 0.30B active);
+``mixtral-tiny`` (the smoke test, 4 experts). Their MFU counts the active parameters (a token's
+two experts). GPT shapes' sides:
 
 * ``plain``: ``bench/plain_gpt.py`` (nanoGPT style: autocast bf16, SDPA, fused AdamW, clip 1.0);
 * ``compile``: the same model under ``torch.compile`` (its compile time is the first step's);
@@ -70,6 +75,9 @@ SHAPES = {
     "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=3, steps=10),
     "llama-small": bench_train.Shape("llama-small", 2, 256, 8, 256, 8, warmup=2, steps=3),
     "llama-1b": bench_train.Shape("llama-1b", 16, 2048, 16, 2048, 4, warmup=3, steps=10),
+    "mixtral-small": bench_train.Shape("mixtral-small", 8, 1024, 16, 2048, 4, warmup=3,
+                                       steps=10),
+    "mixtral-tiny": bench_train.Shape("mixtral-tiny", 2, 64, 4, 64, 2, warmup=1, steps=2),
 }
 
 
@@ -79,10 +87,16 @@ class LlamaShape:
 
     groups: int
     ffn: int
+    """The SwiGLU width (of each routed expert with ``experts``)."""
+    experts: int = 0
+    """Routed experts in every layer's MLP (Mixtral-style MoE); 0: a dense MLP."""
+    topk: int = 2
 
 
 LLAMA = {"llama-small": LlamaShape(groups=2, ffn=704),
-         "llama-1b": LlamaShape(groups=4, ffn=5632)}
+         "llama-1b": LlamaShape(groups=4, ffn=5632),
+         "mixtral-small": LlamaShape(groups=4, ffn=3584, experts=8),
+         "mixtral-tiny": LlamaShape(groups=2, ffn=128, experts=4)}
 SIDES = {"gpt": ("plain", "compile", "ours", "ours-compiled", "ours-noext", "ours-unfused-ce"),
          "llama": ("ours", "ours-compiled", "hf")}
 
@@ -92,6 +106,8 @@ class Side:
     step: Callable[[], None]
     n_params: int
     first_step_s: float = 0.0
+    active_params: int | None = None
+    """Parameters one token goes through (MoE: its top-k experts), for MFU; None: all."""
 
 
 def plain_side(shape: bench_train.Shape, compiled: bool) -> Side:
@@ -118,26 +134,37 @@ def ours_side(shape: bench_train.Shape, extra: list[str]) -> Side:
                                                  device.default_backend(),
                                                  *extra])
     if shape.name in LLAMA:
-        return Side(step, llama_parameters(shape))
+        return Side(step, llama_parameters(shape), active_params=llama_parameters(shape, True))
     h, layers = shape.hidden, shape.layers
     n_params = VOCAB * h + layers * (12 * h * h + 13 * h) + 2 * h
     return Side(step, n_params)
 
 
 def llama_flags(shape: bench_train.Shape) -> list[str]:
-    """The pretrain_gpt.py flags of a Llama-style shape (bench_llama.py's)."""
+    """The pretrain_gpt.py flags of a Llama-style shape (bench_llama.py's); a Mixtral shape's
+    MoE flags as examples/pretrain_mixtral.sh sets them (no balancing loss: HF's Mixtral adds
+    none unless asked for router logits)."""
     import bench_llama
 
     llama = LLAMA[shape.name]
-    return bench_llama.llama_flags(argparse.Namespace(ffn=llama.ffn, groups=llama.groups))
+    flags = bench_llama.llama_flags(argparse.Namespace(ffn=llama.ffn, groups=llama.groups))
+    if llama.experts:
+        flags += ["--num-experts", str(llama.experts), "--moe-router-topk", str(llama.topk),
+                  "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+                  "--moe-router-load-balancing-type", "none"]
+    return flags
 
 
-def llama_parameters(shape: bench_train.Shape) -> int:
+def llama_parameters(shape: bench_train.Shape, active: bool = False) -> int:
     """Parameters of a Llama-style shape: q, k/v of the groups, output, SwiGLU's three
-    matrices, two norms a layer; untied embedding and output layer, the final norm."""
+    matrices (each expert's and the router with experts), two norms a layer; untied embedding
+    and output layer, the final norm. ``active``: a token's top-k experts only."""
     h, head = shape.hidden, shape.hidden // shape.heads
     llama = LLAMA[shape.name]
-    layer = h * (h + 2 * llama.groups * head) + h * h + 3 * h * llama.ffn + 2 * h
+    mlp = 3 * h * llama.ffn
+    if llama.experts:
+        mlp = mlp * (llama.topk if active else llama.experts) + llama.experts * h
+    layer = h * (h + 2 * llama.groups * head) + h * h + mlp + 2 * h
     return shape.layers * layer + 2 * VOCAB * h + h
 
 
@@ -149,12 +176,18 @@ def hf_llama_side(shape: bench_train.Shape) -> Side:
     transformers.logging.set_verbosity_error()
     dev, llama = device.get_device(), LLAMA[shape.name]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=llama.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
         num_key_value_heads=llama.groups, max_position_embeddings=shape.seq, rms_norm_eps=1e-5,
         tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(config).to(dev).train()
+    if llama.experts:
+        config = transformers.MixtralConfig(**common, num_local_experts=llama.experts,
+                                            num_experts_per_tok=llama.topk,
+                                            output_router_logits=False)
+        model = transformers.MixtralForCausalLM(config).to(dev).train()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).to(dev).train()
     opt = plain_gpt.configure_adamw(model)
 
     def step():
@@ -166,7 +199,8 @@ def hf_llama_side(shape: bench_train.Shape) -> Side:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Side(step, sum(p.numel() for p in model.parameters()))
+    return Side(step, sum(p.numel() for p in model.parameters()),
+                active_params=llama_parameters(shape, True) if llama.experts else None)
 
 
 def hide_extension() -> None:
@@ -267,7 +301,9 @@ def main() -> None:
         res = time_side(side, warmup, steps)
         res["n_params"] = side.n_params
         res["tokens_per_s"] = tokens / (res["ms"] / 1000)
-        res["mfu"] = 6 * side.n_params * res["tokens_per_s"] / (args.peak_tflops * 1e12)
+        active = side.active_params or side.n_params
+        res["active_params"] = active
+        res["mfu"] = 6 * active * res["tokens_per_s"] / (args.peak_tflops * 1e12)
         results[name] = res
         compiles = f", compile {res['compile_s']:.1f} s" if name in COMPILING_SIDES else ""
         print(f"{shape.name} {name}: {res['ms']:.1f} ms/step, {res['tokens_per_s'] / 1e3:.1f}k "

@@ -25,7 +25,8 @@ def test_the_stages_are_listed():
     assert proc.returncode == 0, proc.stderr
     for stage in ("build", "data", "gpt-bf16", "gpt-compiled", "llama", "moe", "resume", "eval-cpu",
                   "convert", "generate", "server", "zeroshot", "finetune", "tp2", "pp2", "tp2-sp",
-                  "cp2", "kernels", "speed-gpt2", "speed-llama", "speed-bert", "speed-generate"):
+                  "cp2", "kernels", "speed-gpt2", "speed-llama", "speed-moe", "speed-bert",
+                  "speed-generate"):
         assert stage in proc.stdout
 
 
@@ -58,6 +59,24 @@ def test_the_llama_speed_sides_train_the_same_model(tmp_path):
     refused = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
                               "--sides", "plain"], cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode == 2 and "not sides of --shape llama-small" in refused.stderr
+
+
+def test_the_mixtral_speed_sides_train_the_same_moe_model(tmp_path):
+    """speed-moe's sides at the smoke shape: ours and transformers' MixtralForCausalLM have the
+    same parameter count, and the MFU counts a token's two experts on both."""
+    pytest.importorskip("transformers")
+    result = tmp_path / "mixtral.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "mixtral-tiny",
+                           "--sides", "hf,ours", "--steps", "1", "--warmup", "1", "--json",
+                           str(result)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sides = json.loads(result.read_text())["results"]
+    assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 6_660_928
+    # 2 of 4 experts: each layer drops 2 x 3 x 64 x 128 expert weights.
+    assert sides["ours"]["active_params"] == sides["hf"]["active_params"] == \
+        6_660_928 - 2 * 2 * 3 * 64 * 128
+    assert all(side["ms"] > 0 for side in sides.values())
 
 
 def test_unknown_stages_are_refused_by_name():
