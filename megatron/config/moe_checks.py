@@ -148,12 +148,7 @@ def _check_expert_parallel(cfg, ep: int) -> None:
     The rest is refused by name."""
     par, ck = cfg.parallel, cfg.checkpoint
     flag = f"--expert-model-parallel-size {ep}"
-    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    if tp > 1 and cp > 1:
-        raise ValueError(f"{flag} with --tensor-model-parallel-size {tp} and "
-                         f"--context-parallel-size {cp} together is a Megatron-LM combination "
-                         "this framework does not implement yet (expert parallelism runs with "
-                         "TP or CP, not both)")
+    tp = par.tensor_model_parallel_size
     etp = par.expert_tensor_parallel_size
     if etp == 1 and ep < tp and ck.ckpt_format == "torch" and \
             (ck.save is not None or ck.load is not None):
