@@ -10,12 +10,14 @@ clipping) through ``pretrain()`` equals the one-process run from the same start 
 loss and the gradient norm every iteration, each layer's logged balancing and z losses, and
 every final parameter (experts gathered over ETP and EP) in fp32, at
 
-- EP=2 x ETP=2 (each expert split as the dense layers; alltoall dispatcher) with the global
-  balancing loss and aux-loss-free balancing (sigmoid scores, expert bias), saved in
-  ``torch_dist``: resumed exactly at the same layout and at one process (TP=CP=EP=1);
-- EP=4 x ETP=1 (each expert whole on one rank; allgather dispatcher) with the distributed
-  optimizer, saved in the torch format (``mp_rank_TT_EEE``, the dense part of
-  ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly.
+- EP=2 x ETP=2 (each expert split as the dense layers; alltoall dispatcher) with the
+  per-micro-batch balancing loss and aux-loss-free balancing (sigmoid scores, expert bias),
+  saved in ``torch_dist``: resumed exactly at the same layout, and with the uninterrupted
+  run's losses and parameters at one process (TP=CP=EP=1) and at TP=2 x EP=2 x DP=2 with the
+  distributed optimizer;
+- EP=4 x ETP=1 (each expert whole on one rank; allgather dispatcher) with the global balancing
+  loss and the distributed optimizer, saved in the torch format (``mp_rank_TT_EEE``, the dense
+  part of ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly.
 
 With DP=1 the global balancing loss's counts are those of the whole step, so the one-process
 reference needs no coefficient change (at DP=d it would be the coefficient over d)."""
@@ -41,9 +43,11 @@ EP2_ETP2 = [*TP_CP, "--expert-model-parallel-size", "2", "--expert-tensor-parall
             "--moe-token-dispatcher-type", "alltoall"]
 EP4_ETP1 = [*TP_CP, "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
             "--moe-token-dispatcher-type", "allgather"]
-GLOBAL_BIAS = ["--moe-router-load-balancing-type", "global_aux_loss",
-               "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-               "--moe-router-bias-update-rate", "0.05"]
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05"]
+TP2_EP2_DP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 DIST = ["--ckpt-format", "torch_dist"]
 DISTOPT = ["--use-distributed-optimizer"]
 LOSS_TOL = 1e-5
@@ -65,21 +69,24 @@ def _loading(path) -> list[str]:
 def runs(tmp_path_factory):
     dist = tmp_path_factory.mktemp("ep2_etp2_tp2_cp2_torch_dist")
     legacy = tmp_path_factory.mktemp("ep4_etp1_tp2_cp2_torch")
-    single, single_global = (r[0] for r in e2e.pooled(1, [
-        _run(init=False), _run(GLOBAL_BIAS, init=False)]))
-    ep2, ep2_resumed, ep4, ep4_resumed = e2e.pooled(4, [
-        _run([*EP2_ETP2, *GLOBAL_BIAS, *DIST, *_saving(dist)]),
-        _run([*EP2_ETP2, *GLOBAL_BIAS, *DIST, *_loading(dist)], init=False),
-        _run([*EP4_ETP1, *DISTOPT, *_saving(legacy)]),
-        _run([*EP4_ETP1, *DISTOPT, *_loading(legacy)], init=False)])
+    single, single_bias, single_global = (r[0] for r in e2e.pooled(1, [
+        _run(init=False), _run(BIAS, init=False), _run(GLOBAL, init=False)]))
+    names = ["ep2_etp2", "ep2_etp2_resumed", "ep2_etp2_at_tp2_ep2_dp2", "ep4_etp1",
+             "ep4_etp1_resumed"]
+    four = e2e.pooled(4, [
+        _run([*EP2_ETP2, *BIAS, *DIST, *_saving(dist)]),
+        _run([*EP2_ETP2, *BIAS, *DIST, *_loading(dist)], init=False),
+        _run([*TP2_EP2_DP2, *BIAS, *DIST, *DISTOPT, *_loading(dist)], init=False),
+        _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_saving(legacy)]),
+        _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_loading(legacy)], init=False)])
     at_one_process, = (r[0] for r in e2e.pooled(1, [
-        _run([*GLOBAL_BIAS, *DIST, *_loading(dist)], init=False)]))
-    return {"single": single, "single_global_bias": single_global, "ep2_etp2": ep2,
-            "ep2_etp2_resumed": ep2_resumed, "ep4_etp1": ep4, "ep4_etp1_resumed": ep4_resumed,
-            "ep2_etp2_at_one_process": [at_one_process], "legacy": legacy}
+        _run([*BIAS, *DIST, *_loading(dist)], init=False)]))
+    return {"single": single, "single_bias": single_bias, "single_global": single_global,
+            **dict(zip(names, four)), "ep2_etp2_at_one_process": [at_one_process],
+            "legacy": legacy}
 
 
-LAYOUTS = [("ep2_etp2", "single_global_bias"), ("ep4_etp1", "single")]
+LAYOUTS = [("ep2_etp2", "single_bias"), ("ep4_etp1", "single_global")]
 
 
 @pytest.mark.parametrize("layout,single", LAYOUTS)
@@ -108,21 +115,23 @@ def test_ep_tp_cp_equals_one_process(runs, layout, single):
 
 
 def test_the_global_loss_and_expert_bias_change_the_run(runs):
-    """The EP=2 x ETP=2 layout is compared with a run that differs from the plain one: its
-    equality shows the global counts and the bias updates span TP x CP."""
-    plain, biased = runs["single"], runs["single_global_bias"]
-    assert e2e.max_abs_diff(e2e.losses(plain), e2e.losses(biased)) > 1e-4
-    assert "global_load_balancing_loss" in biased["history"][0]
+    """The layouts are compared with runs that differ from the plain one: their equality
+    shows the expert-bias counts span TP x DP x CP and the global counts TP x CP."""
+    plain = e2e.losses(runs["single"])
+    for name in ("single_bias", "single_global"):
+        assert e2e.max_abs_diff(plain, e2e.losses(runs[name])) > 1e-4, name
+    assert "global_load_balancing_loss" in runs["single_global"]["history"][0]
 
 
-@pytest.mark.parametrize("straight,resumed", [("ep2_etp2", "ep2_etp2_resumed"),
-                                               ("ep4_etp1", "ep4_etp1_resumed"),
-                                               ("ep2_etp2", "ep2_etp2_at_one_process")])
-def test_resumes_as_the_uninterrupted_run(runs, straight, resumed):
-    """torch_dist at the same layout and at one process (the experts' ETP chunks and EP
-    blocks, the dense TP slices merged; the expert bias restored), the torch format with the
-    distributed optimizer at the same layout."""
-    exact = resumed != "ep2_etp2_at_one_process"
+@pytest.mark.parametrize("straight,resumed,exact", [
+    ("ep2_etp2", "ep2_etp2_resumed", True), ("ep4_etp1", "ep4_etp1_resumed", True),
+    ("ep2_etp2", "ep2_etp2_at_one_process", False),
+    ("ep2_etp2", "ep2_etp2_at_tp2_ep2_dp2", False)])
+def test_resumes_as_the_uninterrupted_run(runs, straight, resumed, exact):
+    """torch_dist at the same layout, at one process (the experts' ETP chunks and EP blocks
+    and the dense TP slices merged, the expert bias restored) and at TP=2 x EP=2 x DP=2 with
+    the distributed optimizer (the plain optimizer's state sharded over DP); the torch format
+    with the distributed optimizer at the same layout."""
     tol = 1e-6 if exact else LOSS_TOL
     first = runs[straight][0]
     for second in runs[resumed]:
@@ -130,7 +139,8 @@ def test_resumes_as_the_uninterrupted_run(runs, straight, resumed):
         assert second["iteration"] == ITERS and len(second["history"]) == ITERS - 2
         assert e2e.max_abs_diff(e2e.losses(first)[2:], e2e.losses(second)) <= tol
         # One process's SwiGLU fc1 [gate; up] in TP=2's rank-major order (ETP=2's experts too).
-        got = second["params"] if exact else _rank_major(second["params"], straight)
+        got = _rank_major(second["params"], straight) if resumed.endswith("one_process") \
+            else second["params"]
         assert e2e.max_param_diff(first["params"], got) <= tol
 
 
