@@ -168,3 +168,33 @@ def test_fewer_expert_than_tensor_ranks_in_the_torch_format_stays_refused(tmp_pa
              "--expert-tensor-parallel-size", "1", "--save", str(tmp_path)]
     with pytest.raises(ValueError, match="--ckpt-format torch_dist"):
         _validate(flags, 8)
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,etp", [(4, 2, 2, 2, 2), (4, 2, 2, 4, 1),
+                                                (8, 2, 2, 2, 1), (8, 2, 2, 2, 2)])
+def test_the_expert_grid_over_tensor_and_context_parallel_ranks(world, tp, cp, ep, etp):
+    """Why the layouts compose (no process group): the expert grid has no CP dimension, so at
+    ETP = TP its tensor groups are the dense TP groups (each expert split as the dense
+    layers), and the torch-format writers (expert-DP rank 0 of each EP group) are ranks
+    0 ... ETP x EP - 1, which hold every (TP rank, EP rank) pair once when EP >= TP."""
+    from megatron.checkpointing.experts import dense_expert_rank
+    from megatron.core.expert_layout import expert_rank_layout
+    from megatron.core.parallel_state import rank_layout
+
+    dense = rank_layout(world, tp, context_parallel_size=cp)
+    experts = expert_rank_layout(world, etp, ep)
+    if etp == tp:
+        assert experts.expert_tensor == dense.tensor
+    writers = sorted(group[0] for group in experts.expert_data)
+    assert writers == list(range(etp * ep))
+    ep_rank = {r: i for group in experts.expert_model for i, r in enumerate(group)}
+    tp_rank = {r: i for group in dense.tensor for i, r in enumerate(group)}
+    directories = {(tp_rank[r], ep_rank[r]) for r in writers}
+    assert len(directories) == len(writers)
+    assert {t for t, _ in directories} == set(range(tp))  # every dense TP slice written
+    # The DP x CP rank 0 of each TP rank writes the dense part of distrib_optim.pt: into the
+    # directory the loader reads it from.
+    for group in dense.data_with_context:
+        first = group[0]
+        assert first in writers
+        assert ep_rank[first] == dense_expert_rank(tp_rank[first], tp, etp), group
