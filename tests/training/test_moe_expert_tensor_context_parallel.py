@@ -17,7 +17,8 @@ every final parameter (experts gathered over ETP and EP) in fp32, at
   distributed optimizer;
 - EP=4 x ETP=1 (each expert whole on one rank; allgather dispatcher) with the global balancing
   loss and the distributed optimizer, saved in the torch format (``mp_rank_TT_EEE``, the dense
-  part of ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly.
+  part of ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly, and at
+  one process after tools/checkpoint/convert.py.
 
 With DP=1 the global balancing loss's counts are those of the whole step, so the one-process
 reference needs no coefficient change (at DP=d it would be the coefficient over d)."""
@@ -198,3 +199,22 @@ def test_the_expert_grid_over_tensor_and_context_parallel_ranks(world, tp, cp, e
         first = group[0]
         assert first in writers
         assert ep_rank[first] == dense_expert_rank(tp_rank[first], tp, etp), group
+
+
+def test_the_torch_format_save_converts_to_one_rank(runs, tmp_path):
+    """tools/checkpoint/convert.py reads the EP=4 x ETP=1 x TP=2 x CP=2 torch-format save (the
+    CP ranks wrote other EP ranks' directories) with its distributed optimizer state and writes
+    it at one rank; the one-process run resumes with the uninterrupted run's losses."""
+    from tools.checkpoint import convert
+
+    target = tmp_path / "one_rank"
+    assert convert.main(["--model-type", "GPT", "--load-dir",
+                         str(runs["legacy"] / "iter_0000002"), "--save-dir", str(target),
+                         "--target-tensor-parallel-size", "1",
+                         "--target-expert-parallel-size", "1", "--keep-optimizer-state",
+                         "--no-target-use-distributed-optimizer"]) == 0
+    resumed, = e2e.pooled(1, [{"argv": [*FLAGS, *GLOBAL, "--load", str(target)]}])
+    assert resumed[0]["error"] is None, resumed[0]["error"]
+    straight = e2e.losses(runs["ep4_etp1"][0])
+    assert e2e.max_abs_diff(straight[2:], e2e.losses(resumed[0])) <= LOSS_TOL, \
+        (straight, e2e.losses(resumed[0]))
