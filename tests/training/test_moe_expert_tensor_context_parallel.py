@@ -18,7 +18,9 @@ every final parameter (experts gathered over ETP and EP) in fp32, at
 - EP=4 x ETP=1 (each expert whole on one rank; allgather dispatcher) with the global balancing
   loss and the distributed optimizer, saved in the torch format (``mp_rank_TT_EEE``, the dense
   part of ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly, and at
-  one process after tools/checkpoint/convert.py.
+  one process after tools/checkpoint/convert.py;
+- EP=2 x ETP=1 (alltoall dispatcher): the expert-data-parallel groups are the CP groups, so
+  the experts' gradients are reduced over the CP ranks of a sequence.
 
 With DP=1 the global balancing loss's counts are those of the whole step, so the one-process
 reference needs no coefficient change (at DP=d it would be the coefficient over d)."""
@@ -41,6 +43,8 @@ FLAGS = [_CHANGED.get(prev, flag) for prev, flag in zip([None, *EP_FLAGS], EP_FL
 TP_CP = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--context-parallel-size", "2"]
 EP2_ETP2 = [*TP_CP, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall"]
+EP2_ETP1 = [*TP_CP, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
             "--moe-token-dispatcher-type", "alltoall"]
 EP4_ETP1 = [*TP_CP, "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
             "--moe-token-dispatcher-type", "allgather"]
@@ -73,13 +77,14 @@ def runs(tmp_path_factory):
     single, single_bias, single_global = (r[0] for r in e2e.pooled(1, [
         _run(init=False), _run(BIAS, init=False), _run(GLOBAL, init=False)]))
     names = ["ep2_etp2", "ep2_etp2_resumed", "ep2_etp2_at_tp2_ep2_dp2", "ep4_etp1",
-             "ep4_etp1_resumed"]
+             "ep4_etp1_resumed", "ep2_etp1"]
     four = e2e.pooled(4, [
         _run([*EP2_ETP2, *BIAS, *DIST, *_saving(dist)]),
         _run([*EP2_ETP2, *BIAS, *DIST, *_loading(dist)], init=False),
         _run([*TP2_EP2_DP2, *BIAS, *DIST, *DISTOPT, *_loading(dist)], init=False),
         _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_saving(legacy)]),
-        _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_loading(legacy)], init=False)])
+        _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_loading(legacy)], init=False),
+        _run(EP2_ETP1)])
     at_one_process, = (r[0] for r in e2e.pooled(1, [
         _run([*BIAS, *DIST, *_loading(dist)], init=False)]))
     return {"single": single, "single_bias": single_bias, "single_global": single_global,
@@ -87,7 +92,7 @@ def runs(tmp_path_factory):
             "legacy": legacy}
 
 
-LAYOUTS = [("ep2_etp2", "single_bias"), ("ep4_etp1", "single_global")]
+LAYOUTS = [("ep2_etp2", "single_bias"), ("ep4_etp1", "single_global"), ("ep2_etp1", "single")]
 
 
 @pytest.mark.parametrize("layout,single", LAYOUTS)
@@ -99,7 +104,7 @@ def test_ep_tp_cp_equals_one_process(runs, layout, single):
     assert "moe/z_loss_layer_1" in names and \
         any(n.endswith("load_balancing_loss_layer_1") for n in names), names
     # Megatron's rank-major SwiGLU fc1 shards (the experts' too where ETP is 2).
-    want_params = _rank_major(ref["params"], "etp1" if layout == "ep4_etp1" else layout)
+    want_params = _rank_major(ref["params"], "etp1" if layout.endswith("etp1") else layout)
     for rank in runs[layout]:
         assert rank["error"] is None, rank["error"]
         assert e2e.max_abs_diff(e2e.losses(ref), e2e.losses(rank)) <= LOSS_TOL, layout
@@ -172,7 +177,8 @@ def test_fewer_expert_than_tensor_ranks_in_the_torch_format_stays_refused(tmp_pa
 
 
 @pytest.mark.parametrize("world,tp,cp,ep,etp", [(4, 2, 2, 2, 2), (4, 2, 2, 4, 1),
-                                                (8, 2, 2, 2, 1), (8, 2, 2, 2, 2)])
+                                                (4, 2, 2, 2, 1), (8, 2, 2, 2, 1),
+                                                (8, 2, 2, 2, 2)])
 def test_the_expert_grid_over_tensor_and_context_parallel_ranks(world, tp, cp, ep, etp):
     """Why the layouts compose (no process group): the expert grid has no CP dimension, so at
     ETP = TP its tensor groups are the dense TP groups (each expert split as the dense
@@ -186,6 +192,8 @@ def test_the_expert_grid_over_tensor_and_context_parallel_ranks(world, tp, cp, e
     experts = expert_rank_layout(world, etp, ep)
     if etp == tp:
         assert experts.expert_tensor == dense.tensor
+    if (world, etp, ep) == (4, 1, 2):  # the training test's EP=2 x ETP=1 layout
+        assert experts.expert_data == dense.context == [[0, 2], [1, 3]]
     writers = sorted(group[0] for group in experts.expert_data)
     assert writers == list(range(etp * ep))
     ep_rank = {r: i for group in experts.expert_model for i, r in enumerate(group)}
