@@ -144,21 +144,19 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
 def _check_expert_parallel(cfg, ep: int) -> None:
     """What expert parallelism is built with: the expert grid (ETP 1 or TP, sequence
     parallelism at TP > 1) under tensor, data, pipeline (with virtual stages) and context
-    parallelism (local DDP's contiguous buffers, with or without the distributed optimizer).
-    The rest is refused by name."""
+    parallelism in any combination (local DDP's contiguous buffers, with or without the
+    distributed optimizer). The expert grid has no CP dimension: the tokens are local to each
+    rank whatever TP and CP split, so nothing of the experts depends on CP. The rest is refused
+    by name."""
     par, ck = cfg.parallel, cfg.checkpoint
     flag = f"--expert-model-parallel-size {ep}"
-    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    if tp > 1 and cp > 1:
-        raise ValueError(f"{flag} with --tensor-model-parallel-size {tp} and "
-                         f"--context-parallel-size {cp} together is a Megatron-LM combination "
-                         "this framework does not implement yet (expert parallelism runs with "
-                         "TP or CP, not both)")
+    tp = par.tensor_model_parallel_size
     etp = par.expert_tensor_parallel_size
     if etp == 1 and ep < tp and ck.ckpt_format == "torch" and \
             (ck.save is not None or ck.load is not None):
         # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e
-        # is TP rank e mod TP): fewer EP than TP ranks would leave slices unwritten.
+        # is rank e of its stage, TP rank e mod TP, whatever CP and DP): fewer EP than TP ranks
+        # would leave slices unwritten.
         raise ValueError(f"{flag} below --tensor-model-parallel-size {tp} with "
                          "--expert-tensor-parallel-size 1 and --save / --load: the torch "
                          "format's mp_rank_TT_EEE files would not hold every TP slice of the "

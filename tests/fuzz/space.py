@@ -302,8 +302,6 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
      "each EP rank holds whole experts"),
     (r"--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel",
      "each TP rank routes its own sequence-parallel rows"),
-    (r"--expert-model-parallel-size \d+ with --\S+ \d+ is a Megatron-LM combination this "
-     r"framework does not implement yet", "not built: EP with TP, PP or CP"),
     (r"--expert-model-parallel-size \d+ needs --DDP-impl local",
      "the expert gradients have their own local-DDP buffers"),
     (r"--expert-model-parallel-size \d+ below --tensor-model-parallel-size \d+ with "
