@@ -13,8 +13,8 @@ every final parameter (experts gathered over ETP and EP) in fp32, at
 - EP=2 x ETP=2 (each expert split as the dense layers; alltoall dispatcher) with the
   per-micro-batch balancing loss and aux-loss-free balancing (sigmoid scores, expert bias),
   saved in ``torch_dist``: resumed exactly at the same layout, and with the uninterrupted
-  run's losses and parameters at one process (TP=CP=EP=1) and at TP=2 x EP=2 x DP=2 with the
-  distributed optimizer;
+  run's losses and parameters at one process (TP=CP=EP=1) (other layouts' torch_dist resumes
+  with expert parallelism: test_dist_checkpoint_expert_parallel.py);
 - EP=4 x ETP=1 (each expert whole on one rank; allgather dispatcher) with the global balancing
   loss and the distributed optimizer, saved in the torch format (``mp_rank_TT_EEE``, the dense
   part of ``distrib_optim.pt`` in EP rank = TP rank's directory): resumed exactly, and at
@@ -51,8 +51,6 @@ EP4_ETP1 = [*TP_CP, "--expert-model-parallel-size", "4", "--expert-tensor-parall
 GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05"]
-TP2_EP2_DP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 DIST = ["--ckpt-format", "torch_dist"]
 DISTOPT = ["--use-distributed-optimizer"]
 LOSS_TOL = 1e-5
@@ -76,12 +74,11 @@ def runs(tmp_path_factory):
     legacy = tmp_path_factory.mktemp("ep4_etp1_tp2_cp2_torch")
     single, single_bias, single_global = (r[0] for r in e2e.pooled(1, [
         _run(init=False), _run(BIAS, init=False), _run(GLOBAL, init=False)]))
-    names = ["ep2_etp2", "ep2_etp2_resumed", "ep2_etp2_at_tp2_ep2_dp2", "ep4_etp1",
+    names = ["ep2_etp2", "ep2_etp2_resumed", "ep4_etp1",
              "ep4_etp1_resumed", "ep2_etp1"]
     four = e2e.pooled(4, [
         _run([*EP2_ETP2, *BIAS, *DIST, *_saving(dist)]),
         _run([*EP2_ETP2, *BIAS, *DIST, *_loading(dist)], init=False),
-        _run([*TP2_EP2_DP2, *BIAS, *DIST, *DISTOPT, *_loading(dist)], init=False),
         _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_saving(legacy)]),
         _run([*EP4_ETP1, *GLOBAL, *DISTOPT, *_loading(legacy)], init=False),
         _run(EP2_ETP1)])
@@ -131,12 +128,10 @@ def test_the_global_loss_and_expert_bias_change_the_run(runs):
 
 @pytest.mark.parametrize("straight,resumed,exact", [
     ("ep2_etp2", "ep2_etp2_resumed", True), ("ep4_etp1", "ep4_etp1_resumed", True),
-    ("ep2_etp2", "ep2_etp2_at_one_process", False),
-    ("ep2_etp2", "ep2_etp2_at_tp2_ep2_dp2", False)])
+    ("ep2_etp2", "ep2_etp2_at_one_process", False)])
 def test_resumes_as_the_uninterrupted_run(runs, straight, resumed, exact):
     """torch_dist at the same layout, at one process (the experts' ETP chunks and EP blocks
-    and the dense TP slices merged, the expert bias restored) and at TP=2 x EP=2 x DP=2 with
-    the distributed optimizer (the plain optimizer's state sharded over DP); the torch format
+    and the dense TP slices merged, the expert bias restored); the torch format
     with the distributed optimizer at the same layout."""
     tol = 1e-6 if exact else LOSS_TOL
     first = runs[straight][0]
