@@ -34,6 +34,7 @@ import dataclasses
 import inspect
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -315,6 +316,17 @@ def _crashing_atomic_write(original, iteration: int, stage: str):
     return atomic_write
 
 
+def _forget_compiled_code() -> None:
+    """Start a run with TorchDynamo's caches empty, as a fresh process does. A pooled rank
+    process serves many runs; the compiled variants of ``TransformerLayer.forward`` that earlier
+    runs left would count towards Dynamo's recompile limit, and a rank that reaches it falls
+    back to eager code (other collectives) while its peers still run their graphs. (Dynamo is
+    not imported unless a run compiled something.)"""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
 def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     import pretrain_gpt
     from megatron.core.distributed import DistributedDataParallel
@@ -322,6 +334,7 @@ def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
     from megatron.training import loop
     from megatron.training.pretrain import pretrain
 
+    _forget_compiled_code()
     built: list[torch.nn.Module] = []
 
     def model_provider(cfg, pre_process=True, post_process=True):
