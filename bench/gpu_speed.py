@@ -73,7 +73,7 @@ SHAPES = {
     "small": bench_train.Shape("small", 2, 256, 8, 256, 8, warmup=2, steps=3),
     "gpt2": bench_train.Shape("gpt2", 12, 768, 12, 1024, 16, warmup=5, steps=20),
     "1.3b": bench_train.Shape("1.3b", 24, 2048, 16, 2048, 4, warmup=3, steps=10),
-    "llama-small": bench_train.Shape("llama-small", 2, 256, 8, 256, 8, warmup=2, steps=3),
+    "llama-small": bench_train.Shape("llama-small", 2, 128, 4, 128, 4, warmup=2, steps=3),
     "llama-1b": bench_train.Shape("llama-1b", 16, 2048, 16, 2048, 4, warmup=3, steps=10),
     "mixtral-small": bench_train.Shape("mixtral-small", 8, 1024, 16, 2048, 4, warmup=3,
                                        steps=10),
@@ -93,7 +93,7 @@ class LlamaShape:
     topk: int = 2
 
 
-LLAMA = {"llama-small": LlamaShape(groups=2, ffn=704),
+LLAMA = {"llama-small": LlamaShape(groups=2, ffn=352),
          "llama-1b": LlamaShape(groups=4, ffn=5632),
          "mixtral-small": LlamaShape(groups=4, ffn=3584, experts=8),
          "mixtral-tiny": LlamaShape(groups=2, ffn=128, experts=4)}

@@ -54,7 +54,7 @@ def test_the_llama_speed_sides_train_the_same_model(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sides = json.loads(result.read_text())["results"]
-    assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 27_165_952
+    assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 13_247_104
     assert all(side["ms"] > 0 for side in sides.values())
     refused = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
                               "--sides", "plain"], cwd=ROOT, capture_output=True, text=True)
