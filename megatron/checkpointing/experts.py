@@ -91,7 +91,36 @@ def dense_expert_rank(tp_rank: int, tp_size: int, expert_tp_size: int) -> int:
     """The EP rank whose ``mp_rank_TT_EEE`` directory of TP rank ``tp_rank`` holds the dense
     part of ``distrib_optim.pt`` (written by that TP rank's data-parallel rank 0).
 
-    With the experts split as the dense layers (ETP = TP) that rank is EP rank 0; with each
-    expert whole (ETP = 1, EP >= TP) the data-parallel rank 0 of TP rank ``t`` is global rank
-    ``t`` of its stage, EP rank ``t`` of the expert grid (Megatron's rank order)."""
-    return 0 if expert_tp_size == tp_size else tp_rank
+    That writer is in-stage rank ``tp_rank`` (the dense grid's order ``tp-cp-dp``), EP rank
+    ``tp_rank // ETP`` of the expert grid (``etp-ep-edp``, valid where ETP x EP >= TP): EP rank
+    0 when the experts are split as the dense layers (ETP = TP), EP rank ``tp_rank`` when each
+    expert is whole (ETP = 1)."""
+    assert tp_rank < tp_size, (tp_rank, tp_size)
+    return tp_rank // expert_tp_size
+
+
+def expert_file_ranks(tp_size: int, expert_tp_rank: int, expert_tp_size: int,
+                      ep_rank: int) -> tuple[int, int]:
+    """(TP rank, EP rank) in the name of the ``mp_rank_TT[_PPP]_EEE`` file that holds the ETP
+    slice ``expert_tp_rank`` of EP rank ``ep_rank``'s experts.
+
+    The torch format's writers are the expert-data-parallel rank-0 ranks, in-stage ranks
+    ``r = etp_rank + ETP * ep_rank < ETP x EP``; each names its file by its dense TP rank
+    ``r mod TP`` and its EP rank (Megatron-LM's naming), and holds the dense TP slice
+    ``r mod TP`` besides its experts' ETP slice ``r mod ETP``."""
+    writer = expert_tp_rank + expert_tp_size * ep_rank
+    return writer % tp_size, ep_rank
+
+
+def torch_format_layout_error(tp_size: int, expert_tp_size: int, ep_size: int) -> str | None:
+    """Why the torch format's files cannot hold this expert grid (None: they can): the
+    writers' names repeat when ETP > TP, and the dense TP slices miss some when ETP x EP < TP.
+    """
+    if expert_tp_size > tp_size:
+        return (f"expert tensor-parallel size {expert_tp_size} above the tensor-parallel size "
+                f"{tp_size}: two writers would share an mp_rank file name")
+    if expert_tp_size * ep_size < tp_size:
+        return (f"expert tensor-parallel size {expert_tp_size} x expert-parallel size "
+                f"{ep_size} below the tensor-parallel size {tp_size}: the files would not hold "
+                "every TP slice of the dense layers")
+    return None
