@@ -148,8 +148,11 @@ class MegatronCheckpoint(ModelDescription):
         if self.ep > 1 or self.etp != self.tp:
             why = torch_format_layout_error(self.tp, self.etp, self.ep)
             if why is not None:
-                raise CheckpointError(f"{self.iteration_dir}: {why}: not a torch-format "
-                                      "layout, not converted")
+                raise CheckpointError(
+                    f"{self.iteration_dir} was saved with --expert-tensor-parallel-size "
+                    f"{self.etp}, --tensor-model-parallel-size {self.tp} and "
+                    f"--expert-model-parallel-size {self.ep}: {why}, a layout the torch "
+                    "format's files do not hold (a mixed-up directory?): not converted")
         missing = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1)
                    for t, e in self._written_ranks() for p in range(self.pp)
                    if (t, p, e) not in self.expert_files]
