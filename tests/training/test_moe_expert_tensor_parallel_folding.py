@@ -6,7 +6,7 @@ the TP pair) each equal the one-process run from the same start weights with the
 allgather dispatchers and the distributed optimizer: the loss every iteration to 1e-5, the
 gradient norm and every final parameter. The torch format resumes exactly where its
 ``mp_rank_TT_EEE`` files hold the layout (TP=4, ETP=2: ranks of expert-DP rank 0 write), also
-after convert.py re-splits it to ETP=1 and to another TP with the optimizer state;
+after convert.py re-splits it to ETP=1 at other TP / EP sizes with the optimizer state;
 ``torch_dist`` resumes at the same and at other TP / ETP / EP sizes."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ DISTOPT = ["--use-distributed-optimizer"]
 TORCH_DIST = ["--ckpt-format", "torch_dist"]
 LAYOUTS = {  # name -> (TP, ETP, EP)
     "tp4_etp2_ep2": (4, 2, 2), "tp1_etp2_ep2": (1, 2, 2), "tp2_etp1_ep1": (2, 1, 1),
-    "tp2_etp1_ep2": (2, 1, 2), "tp4_etp1_ep4": (4, 1, 4)}
+    "tp2_etp1_ep2": (2, 1, 2), "tp1_etp1_ep4": (1, 1, 4)}
 
 
 def _layout(name: str, dispatcher: str, *extra: str, init: bool = True) -> dict:
@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
         # torch_dist at other sizes: TP=1 ETP=2 EP=2's at TP=2 ETP=1 EP=1, and back.
         "tp1_saved/tp2_resumed": _resume("tp2_etp1_ep1", "alltoall", save["dist_tp1"],
                                          *DISTOPT, *TORCH_DIST),
-        "tp2_saved/tp4_resumed": _resume("tp4_etp2_ep2", "allgather", save["dist_tp2"],
+        "tp2_saved/tp1_resumed": _resume("tp1_etp2_ep2", "alltoall", save["dist_tp2"],
                                          *TORCH_DIST),
     }
     results = dict(zip(plan, e2e.pooled(4, list(plan.values()))))
@@ -134,7 +134,7 @@ def test_resumes_exactly(runs, straight, resumed):
 
 @pytest.mark.parametrize("straight,resumed", [
     ("tp1_etp2_ep2/alltoall+distopt", "tp1_saved/tp2_resumed"),
-    ("tp2_etp1_ep1/allgather", "tp2_saved/tp4_resumed")])
+    ("tp2_etp1_ep1/allgather", "tp2_saved/tp1_resumed")])
 def test_torch_dist_resumes_at_another_expert_layout(runs, straight, resumed):
     for rank in runs[resumed]:
         assert rank["error"] is None, rank["error"]
@@ -145,11 +145,12 @@ def test_torch_dist_resumes_at_another_expert_layout(runs, straight, resumed):
 
 def test_torch_format_converts_to_other_expert_tensor_parallel_sizes(runs, tmp_path):
     """convert.py reads TP=4 ETP=2 EP=2 (each expert's two ETP slices from files of two TP
-    ranks) and writes ETP=1 at TP=2 EP=2 (plain optimizer) and at TP=4 EP=4 (distributed):
-    both resume with the uninterrupted runs' losses."""
+    ranks) and writes ETP=1 at TP=2 EP=2 (plain optimizer; files mp_rank_00_000 and
+    mp_rank_01_001) and at TP=1 EP=4 (the distributed optimizer's [dense, expert] lists): both
+    resume with the uninterrupted runs' losses."""
     from tools.checkpoint import convert
 
-    targets = {"tp2_etp1_ep2": tmp_path / "tp2_etp1_ep2", "tp4_etp1_ep4": tmp_path / "tp4"}
+    targets = {"tp2_etp1_ep2": tmp_path / "tp2_etp1_ep2", "tp1_etp1_ep4": tmp_path / "ep4"}
     for (source, distributed), (name, target) in zip(
             (("torch", False), ("torch_distopt", True)), targets.items()):
         tp, etp, ep = LAYOUTS[name]
@@ -164,7 +165,7 @@ def test_torch_format_converts_to_other_expert_tensor_parallel_sizes(runs, tmp_p
                   if p.is_dir()) == ["mp_rank_00_000", "mp_rank_01_001"]
     resumed = e2e.pooled(4, [
         _layout("tp2_etp1_ep2", "alltoall", "--load", str(targets["tp2_etp1_ep2"]), init=False),
-        _layout("tp4_etp1_ep4", "allgather", "--load", str(targets["tp4_etp1_ep4"]), *DISTOPT,
+        _layout("tp1_etp1_ep4", "allgather", "--load", str(targets["tp1_etp1_ep4"]), *DISTOPT,
                 init=False)])
     for straight, per_rank in zip(("tp4_etp2_ep2/alltoall", "tp4_etp2_ep2/allgather+distopt"),
                                   resumed):
