@@ -56,7 +56,7 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
 from megatron.checkpointing.dist.detect import is_torch_dist_dir
-from megatron.checkpointing.experts import dense_expert_rank, expert_file_ranks, expert_of
+from megatron.checkpointing.experts import dense_expert_rank, expert_file_ranks, with_dense_part
 
 # megatron.checkpointing.dist (torch.distributed.checkpoint under it) is imported where a
 # torch_dist checkpoint is read or written: a second or more at start-up that runs in the
@@ -521,60 +521,20 @@ def _torch_format_files(root: Path, iteration: int, release: bool) -> tuple[Path
 
 
 def _with_dense_part(expert_sd: dict, dense_sd: dict, optimizer) -> dict:
-    """``expert_sd`` (this rank's experts, another TP rank's dense slice) with the dense
-    model tensors, RNG states and dense optimizer state of ``dense_sd`` (this TP rank's)."""
-    out = dict(expert_sd)
-    for key, chunk in expert_sd.items():
-        if key == "model" or (key.startswith("model") and key[5:].isdigit()):
-            out[key] = _merge_by_expert(dense_sd[key], chunk)
-    for key in ("rng_state", *_LEGACY_RNG_KEYS):
-        if key in dense_sd:
-            out[key] = dense_sd[key]
-    if optimizer is not None and "optimizer" in expert_sd and "optimizer" in dense_sd:
-        out["optimizer"] = _merge_optimizer_by_expert(optimizer, dense_sd["optimizer"],
-                                                      expert_sd["optimizer"])
-    return out
+    """``expert_sd`` (this rank's experts, another TP rank's dense slice) with what
+    ``dense_sd`` (this TP rank's) holds of the dense parameters (see
+    :func:`megatron.checkpointing.experts.with_dense_part`), the optimizer's parameters told
+    apart by Megatron's ``allreduce = False`` expert mark."""
+    def is_expert(param) -> bool:
+        return not getattr(param, "allreduce", True)
 
-
-def _merge_by_expert(dense: dict, expert: dict, prefix: str = "") -> dict:
-    """A (nested) model state dict: the routed experts' leaves of ``expert``, the others of
-    ``dense``, in ``expert``'s order."""
-    out = {}
-    for key, value in expert.items():
-        if isinstance(value, dict):
-            out[key] = _merge_by_expert(dense.get(key, {}), value, f"{prefix}{key}.")
-        else:
-            out[key] = value if expert_of(f"{prefix}{key}") is not None else dense[key]
-    return out
-
-
-def _merge_optimizer_by_expert(optimizer, dense: dict, expert: dict) -> dict:
-    """The non-distributed optimizer's state dict: the expert parameters' per-parameter state
-    (and fp32 main copies) of ``expert``, the rest of ``dense`` (torch numbers the parameters
-    in param-group order, the same on every rank of one stage)."""
-    torch_sd = "state" in dense
-    inner_d, inner_e = (dense, expert) if torch_sd else \
-        (dense.get("optimizer"), expert.get("optimizer"))
-    if not isinstance(inner_d, dict) or "state" not in inner_d or "state" not in inner_e:
-        return dense  # the distributed optimizer's: its state is in distrib_optim.pt
-    flags = [not getattr(p, "allreduce", True)
-             for group in optimizer.optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index in sorted({*inner_d["state"], *inner_e["state"]}, key=int):
-        source = inner_e if flags[int(index)] else inner_d
-        if index in source["state"]:
-            state[index] = source["state"][index]
-    merged = {**inner_d, "state": state}
-    if torch_sd:
-        return merged
-    out = {**dense, "optimizer": merged}
-    mains = getattr(optimizer, "fp32_from_float16_groups", None)
-    if mains is not None and "fp32_from_fp16_params" in dense:
-        out["fp32_from_fp16_params"] = [
-            [e if not getattr(m, "allreduce", True) else d for m, d, e in zip(group, dg, eg)]
-            for group, dg, eg in zip(mains, dense["fp32_from_fp16_params"],
-                                     expert["fp32_from_fp16_params"])]
-    return out
+    flags = mains = None
+    if optimizer is not None:
+        flags = [is_expert(p) for group in optimizer.optimizer.param_groups
+                 for p in group["params"]]
+        groups = getattr(optimizer, "fp32_from_float16_groups", None)
+        mains = None if groups is None else [[is_expert(p) for p in g] for g in groups]
+    return with_dense_part(expert_sd, dense_sd, flags, mains)
 
 
 def _format_of(iter_dir: Path, ck) -> str:
