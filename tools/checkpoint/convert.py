@@ -139,6 +139,7 @@ def _validate(opts: argparse.Namespace) -> None:
         raise ValueError(f"{dist_sides[0]} torch_dist needs --loader megatron --saver megatron")
     if opts.target_ckpt_format == "torch_dist" and (
             opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1
+            or opts.target_expert_tensor_parallel_size not in (None, 1)
             or opts.target_num_layers_per_virtual_pipeline_stage is not None):
         raise ValueError("--target-ckpt-format torch_dist has no layout (it loads at any TP/PP): "
                          "leave the --target-*-parallel-size flags at 1")
