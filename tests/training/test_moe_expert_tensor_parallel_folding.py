@@ -12,6 +12,7 @@ after convert.py re-splits it to ETP=1 at other TP / EP sizes with the optimizer
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.training import e2e
 from tests.training.test_moe_expert_parallel_training import FLAGS, ITERS
@@ -174,3 +175,32 @@ def test_torch_format_converts_to_other_expert_tensor_parallel_sizes(runs, tmp_p
             assert rank["error"] is None, rank["error"]
             assert e2e.max_abs_diff(want, e2e.losses(rank)) <= LOSS_TOL, \
                 (want, e2e.losses(rank))
+
+
+def test_both_formats_convert_to_one_rank_with_the_same_weights(runs, tmp_path):
+    """The torch_dist checkpoint of TP=1 x ETP=2 x EP=2 and the torch one of TP=4 x ETP=2 x
+    EP=2 (each expert's ETP slices in two files), converted to one rank, hold the same weights
+    (the two runs trained the same model)."""
+    from tools.checkpoint import convert
+
+    flat = {}
+    for source, fmt in (("dist_tp1", "torch_dist"), ("torch", "torch")):
+        assert convert.main(["--model-type", "GPT", "--source-ckpt-format", fmt,
+                             "--load-dir", str(runs["save"][source] / "iter_0000002"),
+                             "--save-dir", str(tmp_path / source)]) == 0
+        shard, = (tmp_path / source).glob("iter_*/mp_rank_00/model_optim_rng.pt")
+        sd = torch.load(shard, weights_only=False)
+        assert sd["iteration"] == 2
+        assert sd["args"].expert_tensor_parallel_size == 1
+        flat[source] = dict(_leaves(sd["model"]))
+    assert set(flat["dist_tp1"]) == set(flat["torch"])
+    assert any(".local_experts.3." in key for key in flat["torch"])
+    assert e2e.max_param_diff(flat["dist_tp1"], flat["torch"]) <= 1e-5
+
+
+def _leaves(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value.float()
