@@ -114,17 +114,8 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
         raise ValueError(f"world size ({world_size}) is not divisible by "
                          f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size "
                          f"({ep}) x --pipeline-model-parallel-size ({pp})")
-    if ep > 1:
-        _check_expert_parallel(cfg, ep)
-        if etp not in (1, tp):
-            raise ValueError(f"--expert-tensor-parallel-size ({etp}) other than 1 or "
-                             f"--tensor-model-parallel-size ({tp}) is a Megatron-LM option this "
-                             "framework does not implement yet")
-    elif etp != tp:
-        raise ValueError(f"--expert-tensor-parallel-size ({etp}) different from "
-                         f"--tensor-model-parallel-size ({tp}) at --expert-model-parallel-size 1 "
-                         "is a Megatron-LM option this framework does not implement yet (the "
-                         "expert grid is built with expert parallelism only)")
+    if ep > 1 or etp != tp:
+        _check_expert_grid(cfg, ep, etp)
     if tp > 1 and not par.sequence_parallel:
         raise ValueError("--num-experts with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel (each TP rank routes its own rows)")
@@ -141,28 +132,29 @@ def _check_moe_parallel(cfg, world_size: int) -> None:
                          "allgather or alltoall")
 
 
-def _check_expert_parallel(cfg, ep: int) -> None:
-    """What expert parallelism is built with: the expert grid (ETP 1 or TP, sequence
-    parallelism at TP > 1) under tensor, data, pipeline (with virtual stages) and context
-    parallelism in any combination (local DDP's contiguous buffers, with or without the
-    distributed optimizer). The expert grid has no CP dimension: the tokens are local to each
-    rank whatever TP and CP split, so nothing of the experts depends on CP. The rest is refused
-    by name."""
+def _check_expert_grid(cfg, ep: int, etp: int) -> None:
+    """What the expert grid (EP > 1 or ETP != TP, any ETP x EP x PP dividing the world) is
+    built with: local DDP's contiguous buffers, and in the torch format only the layouts whose
+    files Megatron-LM's naming can hold. It composes with TP, SP, PP (with virtual stages), DP
+    and CP in any combination: the grid has no CP dimension, and the tokens are local to each
+    rank whatever TP and CP split."""
     par, ck = cfg.parallel, cfg.checkpoint
-    flag = f"--expert-model-parallel-size {ep}"
     tp = par.tensor_model_parallel_size
-    etp = par.expert_tensor_parallel_size
-    if etp == 1 and ep < tp and ck.ckpt_format == "torch" and \
-            (ck.save is not None or ck.load is not None):
-        # Each EP rank's file holds one TP slice of the dense layers (the writer of EP rank e
-        # is rank e of its stage, TP rank e mod TP, whatever CP and DP): fewer EP than TP ranks
-        # would leave slices unwritten.
-        raise ValueError(f"{flag} below --tensor-model-parallel-size {tp} with "
-                         "--expert-tensor-parallel-size 1 and --save / --load: the torch "
-                         "format's mp_rank_TT_EEE files would not hold every TP slice of the "
-                         "dense layers; use --expert-model-parallel-size >= TP or --ckpt-format "
-                         "torch_dist")
+    flags = f"--expert-tensor-parallel-size {etp} with --expert-model-parallel-size {ep}"
     if par.ddp_impl != "local" or not par.use_contiguous_buffers_in_local_ddp:
-        raise ValueError(f"{flag} needs --DDP-impl local with its contiguous buffers (the "
+        raise ValueError(f"{flags} needs --DDP-impl local with its contiguous buffers (the "
                          "expert gradients have their own buffers over the expert-data-"
                          "parallel group)")
+    if ck.ckpt_format == "torch" and (ck.save is not None or ck.load is not None) and \
+            (etp > tp or etp * ep < tp):
+        # The writers are the expert-data-parallel rank-0 ranks r < ETP x EP of each stage, in
+        # file mp_rank_{r mod TP}_{r // ETP}: the names repeat when ETP > TP, and the dense TP
+        # slices r mod TP miss some when ETP x EP < TP.
+        why = (f"two ranks of one expert-parallel rank would write the same mp_rank file "
+               f"(--expert-tensor-parallel-size above --tensor-model-parallel-size {tp})"
+               if etp > tp else
+               f"the mp_rank files would not hold every TP slice of the dense layers "
+               f"(--expert-tensor-parallel-size x --expert-model-parallel-size below "
+               f"--tensor-model-parallel-size {tp})")
+        raise ValueError(f"{flags} and --save / --load in --ckpt-format torch: {why}; use "
+                         "--ckpt-format torch_dist (any layout), or ETP <= TP <= ETP x EP")

@@ -199,8 +199,8 @@ class ParallelState:
     data_with_context_group: dist.ProcessGroup | None = None
     """DP x CP; the data group itself at context-parallel size 1."""
     expert_layout: ExpertRankLayout | None = None
-    """The expert layers' grid (parallel folding); None at expert-parallel size 1, where the
-    experts use the dense groups."""
+    """The expert layers' grid (parallel folding); None at expert-parallel size 1 with the
+    experts split as the dense layers (ETP = TP), where the experts use the dense groups."""
     expert_groups: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
     """This rank's group of each :class:`ExpertRankLayout` field."""
 
@@ -270,10 +270,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if layout.context_parallel_size > 1:
         _STATE.context_group = build("context")
         _STATE.data_with_context_group = build("data_with_context")
-    if expert_model_parallel_size > 1:
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    if expert_model_parallel_size > 1 or etp != tensor_model_parallel_size:
         _STATE.expert_layout = expert_rank_layout(
-            dist.get_world_size(), expert_tensor_parallel_size or tensor_model_parallel_size,
-            expert_model_parallel_size, pipeline_model_parallel_size)
+            dist.get_world_size(), etp, expert_model_parallel_size,
+            pipeline_model_parallel_size)
         for field in dataclasses.fields(ExpertRankLayout):
             mine = None
             for ranks in getattr(_STATE.expert_layout, field.name):
@@ -353,13 +354,21 @@ def get_position_embedding_group() -> dist.ProcessGroup | None:
 
 
 # Expert parallelism (Megatron's parallel folding) -------------------------------------------
+def has_expert_grid() -> bool:
+    """Whether the experts run on their own grid (EP > 1 or ETP != TP): their gradients then
+    have their own buffers over the expert-data-parallel group and their norm its own groups.
+    False before initialization and where the experts use the dense groups."""
+    return _STATE is not None and _STATE.expert_layout is not None
+
+
 def _expert_group(field: str) -> dist.ProcessGroup | None:
     state = get_state()
     return state.expert_groups[field] if state.expert_layout is not None else None
 
 
 def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
-    """The ranks an MoE layer's experts are spread over; None (this rank alone) at EP 1."""
+    """The ranks an MoE layer's experts are spread over; None (this rank alone) without the
+    expert grid."""
     return _expert_group("expert_model") if _STATE is not None else None
 
 
@@ -379,38 +388,39 @@ def get_expert_model_parallel_rank() -> int:
 
 def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
     """The ranks holding the same experts: expert gradients are reduced and their optimizer
-    state sharded here. At EP 1 the dense DP x CP group."""
+    state sharded here. Without the expert grid the dense DP x CP group."""
     if get_state().expert_layout is None:
         return get_data_parallel_group(with_context_parallel=True)
     return _expert_group("expert_data")
 
 
 def get_expert_tensor_parallel_group() -> dist.ProcessGroup | None:
-    """The ranks each expert's weights are split over (ETP). At EP 1 the dense TP group."""
+    """The ranks each expert's weights are split over (ETP). Without the expert grid
+    the dense TP group."""
     if get_state().expert_layout is None:
         return get_tensor_model_parallel_group()
     return _expert_group("expert_tensor")
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    """This rank's index in its expert tensor-parallel group (the TP rank at EP 1; 0 before
-    initialization)."""
+    """This rank's index in its expert tensor-parallel group (the TP rank without the expert
+    grid; 0 before initialization)."""
     if _STATE is None or _STATE.expert_layout is None:
         return get_tensor_model_parallel_rank()
     return dist.get_rank(_STATE.expert_groups["expert_tensor"])
 
 
 def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup | None:
-    """ETP x EP: the ranks whose tokens one MoE layer's dispatcher exchanges. At EP 1 the
-    dense TP group."""
+    """ETP x EP: the ranks whose tokens one MoE layer's dispatcher exchanges. Without the expert
+    grid the dense TP group."""
     if get_state().expert_layout is None:
         return get_tensor_model_parallel_group()
     return _expert_group("expert_tensor_and_model")
 
 
 def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup | None:
-    """ETP x EP x PP: the expert parameters' gradient norm is summed here. At EP 1 the dense
-    model-parallel group (TP x PP)."""
+    """ETP x EP x PP: the expert parameters' gradient norm is summed here. Without the
+    expert grid the dense model-parallel group (TP x PP)."""
     if get_state().expert_layout is None:
         return get_model_parallel_group()
     return _expert_group("expert_tensor_model_pipeline")

@@ -56,7 +56,7 @@ from megatron.checkpointing import (  # noqa: F401 - re-exported for existing ca
 from megatron.checkpointing import tracker_path as get_checkpoint_tracker_filename
 from megatron.checkpointing.compat import CONVERTER, check_compatible, warn_past_a_sliding_window
 from megatron.checkpointing.dist.detect import is_torch_dist_dir
-from megatron.checkpointing.experts import dense_expert_rank
+from megatron.checkpointing.experts import dense_expert_rank, expert_file_ranks, with_dense_part
 
 # megatron.checkpointing.dist (torch.distributed.checkpoint under it) is imported where a
 # torch_dist checkpoint is read or written: a second or more at start-up that runs in the
@@ -109,7 +109,7 @@ def read_tracker(root: str | os.PathLike) -> tuple[int, bool] | None:
 
 
 def _writes_model_file() -> bool:
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if parallel_state.has_expert_grid():
         return comm.rank(parallel_state.get_expert_data_parallel_group()) == 0
     return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
@@ -453,7 +453,7 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     iteration, release = tracked
     if _format_of(checkpoint_dir(root, iteration, release), ck) == "torch_dist":
         return _load_torch_dist(model, optimizer, scheduler, cfg, root, iteration, release)
-    name = get_checkpoint_name(root, iteration, release)
+    name, dense_name = _torch_format_files(root, iteration, release)
     if not name.is_file():
         shard = _find_any_shard(name.parent.parent)
         if shard is None:
@@ -463,6 +463,8 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
         raise CheckpointError(f"checkpoint file {name} is missing")
     unverified: list[Path] = []
     sd = _read_verified(name, cfg, unverified)
+    if dense_name is not None:
+        sd = _with_dense_part(sd, _read_verified(dense_name, cfg, unverified), optimizer)
     check_compatible(sd.get("args"), cfg, name)
     warn_past_a_sliding_window(sd.get("args"), cfg, name, weights_only=optimizer is None)
     fresh = release or ck.finetune  # weights only: counters, optimizer and RNG start afresh
@@ -492,6 +494,47 @@ def load_checkpoint(model: Sequence[torch.nn.Module], optimizer, scheduler, cfg,
     comm.barrier(comm.world_group())
     log_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return iteration, consumed_train, consumed_valid
+
+
+def _torch_format_files(root: Path, iteration: int, release: bool) -> tuple[Path, Path | None]:
+    """(the file holding this rank's experts, or its own; the file holding its dense TP slice
+    where that is another one, else None).
+
+    On the expert grid the writers are the expert-data-parallel rank-0 ranks: this rank's
+    experts' ETP slice is in the file of the writer with its ETP and EP ranks, which holds the
+    dense TP slice of that writer's TP rank; where that is not this rank's (TP does not divide
+    ETP x EP), the dense slice is read from the file of this TP rank's data-parallel rank 0."""
+    if not parallel_state.has_expert_grid():
+        return get_checkpoint_name(root, iteration, release), None
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    etp_size = comm.world_size(parallel_state.get_expert_tensor_parallel_group())
+    writer_tp, ep_rank = expert_file_ranks(
+        tp_size, parallel_state.get_expert_tensor_parallel_rank(), etp_size,
+        parallel_state.get_expert_model_parallel_rank())
+    name = get_checkpoint_name(root, iteration, release, tensor_rank=writer_tp,
+                               expert_rank=ep_rank)
+    if writer_tp == tp_rank:
+        return name, None
+    return name, get_checkpoint_name(root, iteration, release, tensor_rank=tp_rank,
+                                     expert_rank=dense_expert_rank(tp_rank, tp_size, etp_size))
+
+
+def _with_dense_part(expert_sd: dict, dense_sd: dict, optimizer) -> dict:
+    """``expert_sd`` (this rank's experts, another TP rank's dense slice) with what
+    ``dense_sd`` (this TP rank's) holds of the dense parameters (see
+    :func:`megatron.checkpointing.experts.with_dense_part`), the optimizer's parameters told
+    apart by Megatron's ``allreduce = False`` expert mark."""
+    def is_expert(param) -> bool:
+        return not getattr(param, "allreduce", True)
+
+    flags = mains = None
+    if optimizer is not None:
+        flags = [is_expert(p) for group in optimizer.optimizer.param_groups
+                 for p in group["params"]]
+        groups = getattr(optimizer, "fp32_from_float16_groups", None)
+        mains = None if groups is None else [[is_expert(p) for p in g] for g in groups]
+    return with_dense_part(expert_sd, dense_sd, flags, mains)
 
 
 def _format_of(iter_dir: Path, ck) -> str:
@@ -645,11 +688,11 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
 
 
 def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path]):
-    """This rank's ``distrib_optim.pt``; with expert parallelism the ``[dense, expert]`` parts
-    the optimizer loads: the dense one from the file of this TP rank's data-parallel rank 0
-    (only that one holds it: EP rank 0's, or EP rank = TP rank's at ETP = 1)."""
+    """This rank's ``distrib_optim.pt`` (beside its experts' file ``name``); on the expert grid
+    the ``[dense, expert]`` parts the optimizer loads: the dense one from the file of this TP
+    rank's data-parallel rank 0 (only that one holds it: EP rank TP rank // ETP's)."""
     own = _read_verified(distrib_file, cfg, unverified)
-    if parallel_state.get_expert_model_parallel_world_size() == 1 or not isinstance(own, list):
+    if not parallel_state.has_expert_grid() or not isinstance(own, list):
         return own
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dense_ep = dense_expert_rank(tp_rank, parallel_state.get_tensor_model_parallel_world_size(),

@@ -445,7 +445,7 @@ def _params_norm(model: list) -> float:
     a replicated one on expert TP rank 0 only."""
     dense = torch.zeros(1, dtype=torch.float64, device=device.get_device())
     expert = torch.zeros(1, dtype=torch.float64, device=device.get_device())
-    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+    expert_parallel = parallel_state.has_expert_grid()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     expert_tp_rank = parallel_state.get_expert_tensor_parallel_rank()
     for chunk in model:

@@ -180,9 +180,9 @@ def build_model(cfg: MegatronConfig, model_provider: Callable) -> list[torch.nn.
 
 
 def _expert_groups() -> dict[str, object]:
-    """The optimizer's expert groups with expert parallelism (none at EP 1: the experts are
-    reduced and counted as dense parameters, the same groups)."""
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
+    """The optimizer's expert groups on the expert grid (none without it, at EP 1 and ETP =
+    TP: the experts are reduced and counted as dense parameters, the same groups)."""
+    if not parallel_state.has_expert_grid():
         return {}
     return {"expert_dp_group": parallel_state.get_expert_data_parallel_group(),
             "expert_mp_group": parallel_state.get_expert_tensor_model_pipeline_parallel_group(),

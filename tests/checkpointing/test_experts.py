@@ -65,3 +65,62 @@ def test_the_third_name_part_is_read_from_the_args(tmp_path):
     _touch(tmp_path, "mp_rank_00_001_001")
     with pytest.raises(CheckpointError, match="mp_rank_00_001_001"):
         expert_shard_files(tmp_path, False, True)
+
+
+# The torch format's files on the expert grid, against the two grids' rank orders -------------
+_GRIDS = [(tp, etp, ep, cp, dp_cp, pp)
+          for tp, etp, ep in [(1, 1, 2), (2, 2, 2), (2, 1, 2), (4, 2, 2), (4, 1, 4), (2, 1, 3),
+                              (4, 2, 3), (3, 2, 2), (1, 2, 2), (2, 1, 1), (2, 4, 1)]
+          for cp, dp_cp in [(1, 1), (1, 2), (2, 2)] for pp in (1, 2)]
+
+
+def _world(tp, etp, ep, cp, dp_cp, pp) -> int:
+    """A world both grids tile, ``dp_cp`` times the smallest."""
+    import math
+    return math.lcm(tp * cp * pp, etp * ep * pp) * dp_cp
+
+
+@pytest.mark.parametrize("tp,etp,ep,cp,dp_cp,pp", _GRIDS)
+def test_writer_files_follow_the_dense_and_expert_grids(tp, etp, ep, cp, dp_cp, pp):
+    """The writers (expert-data-parallel rank 0) of in-stage rank r name their files by the
+    dense grid's TP rank r % TP and the expert grid's EP rank r // ETP and hold its ETP slice
+    r % ETP; where the torch format holds the layout, each rank finds its experts' slice in
+    the file :func:`expert_file_ranks` names, and every TP rank's dense slice in the file of its
+    data-parallel rank 0 (:func:`dense_expert_rank`), and the names are unique."""
+    from megatron.checkpointing.experts import (dense_expert_rank, expert_file_ranks,
+                                                torch_format_layout_error)
+    from megatron.core.expert_layout import expert_rank_layout
+    from megatron.core.parallel_state import rank_layout
+
+    world = _world(tp, etp, ep, cp, dp_cp, pp)
+    dense = rank_layout(world, tp, pp, context_parallel_size=cp)
+    expert = expert_rank_layout(world, etp, ep, pp)
+
+    def index(groups, rank):
+        return next(g.index(rank) for g in groups if rank in g)
+
+    stage = world // pp
+    files = {}  # (pp rank, TP rank in the name, EP rank) -> (dense TP slice, ETP slice, EP)
+    for rank in range(world):
+        if index(expert.expert_data, rank) != 0:
+            continue
+        r = rank % stage
+        t, e, et = (index(dense.tensor, rank), index(expert.expert_model, rank),
+                    index(expert.expert_tensor, rank))
+        assert r < etp * ep and (t, e, et) == (r % tp, r // etp, r % etp)
+        files.setdefault((rank // stage, t, e), []).append((t, et, e))
+    why = torch_format_layout_error(tp, etp, ep)
+    unique = all(len(v) == 1 for v in files.values())
+    every_tp = {t for _, t, _ in files} == set(range(tp))
+    assert (why is None) == (unique and every_tp), (why, files)
+    if why is not None:
+        return
+    for rank in range(world):
+        p = rank // stage
+        t, e, et = (index(dense.tensor, rank), index(expert.expert_model, rank),
+                    index(expert.expert_tensor, rank))
+        name_tp, name_ep = expert_file_ranks(tp, et, etp, e)
+        assert files[(p, name_tp, name_ep)] == [(name_tp, et, e)]
+        if index(dense.data, rank) == 0 and (cp == 1 or index(dense.context, rank) == 0):
+            assert (p, t, dense_expert_rank(t, tp, etp)) in files
+        assert files[(p, t, dense_expert_rank(t, tp, etp))][0][0] == t

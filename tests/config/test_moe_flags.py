@@ -99,10 +99,18 @@ def test_num_experts_zero_is_dense():
     ("--expert-model-parallel-size 3", 3, ["--num-experts (4)", "--expert-model-parallel-size"]),
     ("--expert-model-parallel-size 2", 3, ["world size (3)", "--expert-model-parallel-size"]),
     ("--tensor-model-parallel-size 2", 2, ["--sequence-parallel"]),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
-     ["--expert-tensor-parallel-size (1)", "not implement"]),
-    ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
-     "--expert-tensor-parallel-size 2", 8, ["--expert-tensor-parallel-size (2)", "1 or"]),
+    ("--expert-tensor-parallel-size 3", 2,
+     ["world size (2)", "--expert-tensor-parallel-size (3)"]),
+    ("--expert-tensor-parallel-size 2 --DDP-impl torch", 2,
+     ["--expert-tensor-parallel-size 2", "--DDP-impl local"]),
+    # The torch format's files: names repeat at ETP > TP; dense slices are missing at
+    # ETP x EP < TP (also at EP 1: the folded grid's own ETP).
+    ("--expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --save ckpt", 4,
+     ["--expert-tensor-parallel-size 2", "--ckpt-format torch", "same mp_rank file",
+      "--ckpt-format torch_dist"]),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+     "--load ckpt", 2, ["--expert-tensor-parallel-size 1", "--expert-model-parallel-size 1",
+                        "every TP slice", "--ckpt-format torch_dist"]),
     ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2", 4,
      ["--sequence-parallel"]),
     ("--moe-ffn-hidden-size 33 --tensor-model-parallel-size 2 --sequence-parallel", 2,
@@ -110,7 +118,8 @@ def test_num_experts_zero_is_dense():
     ("--moe-token-dispatcher-type flex", 1, ["--moe-token-dispatcher-type flex"]),
     ("--expert-model-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
      "--expert-tensor-parallel-size 1 --save ckpt", 4,
-     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save"]),
+     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--save",
+      "every TP slice"]),
     ("--moe-shared-expert-overlap", 1, ["--moe-shared-expert-overlap", "does not implement"]),
     ("--moe-router-fusion", 1, ["--moe-router-fusion"]),
     ("--moe-layer-recompute", 1, ["--moe-layer-recompute"]),
@@ -152,6 +161,27 @@ def test_legacy_distributed_optimizer_checkpoints_validate_at_expert_and_tensor_
                 "--use-distributed-optimizer --save ckpt --save-interval 5", world_size=4)
     assert cfg.parallel.expert_tensor_parallel_size == int(etp)
     assert cfg.checkpoint.ckpt_format == "torch"
+
+
+@pytest.mark.parametrize("layout,world", [
+    ("--tensor-model-parallel-size 4 --expert-tensor-parallel-size 2 "
+     "--expert-model-parallel-size 2", 4),
+    ("--expert-tensor-parallel-size 2 --expert-model-parallel-size 2", 4),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", 2),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 4", 8),
+    ("--expert-tensor-parallel-size 2 --pipeline-model-parallel-size 2", 4),
+])
+def test_any_expert_tensor_parallel_size_validates(layout, world):
+    """ETP x EP x PP dividing the world, at any EP (EP 1 with ETP != TP folds a grid too); in
+    the torch format with --save where its files hold the layout, else in torch_dist."""
+    sp = "--sequence-parallel" if "--tensor-model-parallel-size" in layout else ""
+    cfg = parse(f"{layout} {sp} --ckpt-format torch_dist --save ckpt --save-interval 5",
+                world_size=world)
+    assert cfg.parallel.expert_tensor_parallel_size == int(
+        layout.split("--expert-tensor-parallel-size ")[1].split()[0])
+    if "--tensor-model-parallel-size 4 --expert-tensor-parallel-size 2" in layout:
+        assert parse(f"{layout} {sp} --save ckpt --save-interval 5",
+                     world_size=world).checkpoint.ckpt_format == "torch"
 
 
 def test_fewer_expert_than_tensor_parallel_ranks_save_in_torch_dist():

@@ -310,3 +310,30 @@ def test_harness_reports_hung_rank_and_replaces_world():
     assert not old.alive(), "the hung world must be killed"
     assert run_distributed(2, _sum_world) == [3, 3]
     assert multiprocess._WORLDS[2] is not old
+
+
+def _expert_grids(rank, world_size):
+    """(grid built, ETP group, EP size, expert-DP group) for three folded layouts."""
+    out = []
+    for tp, etp, ep in ((2, 2, 1), (2, 1, 1), (1, 2, 2), (4, 2, 2)):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)
+        out.append((ps.has_expert_grid(),
+                    comm.world_size(ps.get_expert_tensor_parallel_group()),
+                    ps.get_expert_tensor_parallel_rank(),
+                    ps.get_expert_model_parallel_world_size(),
+                    comm.world_size(ps.get_expert_data_parallel_group())))
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_the_expert_grid_is_built_whenever_ep_or_etp_differ_from_the_dense_grid():
+    """EP = 1 with ETP != TP folds a grid too (Megatron-Core's parallel folding); at EP = 1
+    and ETP = TP the experts use the dense groups."""
+    results = run_distributed(4, _expert_grids)
+    for rank, got in enumerate(results):
+        assert got == [(False, 2, rank % 2, 1, 2),  # TP=2: the dense TP and DP groups
+                       (True, 1, 0, 1, 4),  # ETP=1 at EP=1: the experts' DP over all ranks
+                       (True, 2, rank % 2, 2, 1),  # ETP=2 > TP=1
+                       (True, 2, rank % 2, 2, 1)], (rank, got)  # ETP=2 < TP=4

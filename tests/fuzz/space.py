@@ -302,11 +302,11 @@ EXPECTED_REFUSALS: tuple[tuple[str, str], ...] = (
      "each EP rank holds whole experts"),
     (r"--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel",
      "each TP rank routes its own sequence-parallel rows"),
-    (r"--expert-model-parallel-size \d+ needs --DDP-impl local",
-     "the expert gradients have their own local-DDP buffers"),
-    (r"--expert-model-parallel-size \d+ below --tensor-model-parallel-size \d+ with "
-     r"--expert-tensor-parallel-size 1", "the torch format's mp_rank_TT_EEE files would not "
-     "hold every TP slice of the dense layers"),
+    (r"--expert-tensor-parallel-size \d+ with --expert-model-parallel-size \d+ needs "
+     r"--DDP-impl local", "the expert gradients have their own local-DDP buffers"),
+    (r"--expert-tensor-parallel-size \d+ with --expert-model-parallel-size \d+ and --save / "
+     r"--load in --ckpt-format torch", "Megatron-LM's mp_rank_TT_PPP_EEE names hold the "
+     "expert grid's files only when ETP <= TP <= ETP x EP"),
     (r"--ckpt-format torch_dist with BERT and --num-experts",
      "not built: BERT's MoE layers in the torch_dist key table"),
 )

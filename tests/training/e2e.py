@@ -173,13 +173,13 @@ def _gather_full_params(modules: torch.nn.Module | Sequence[torch.nn.Module]
         modules = [modules]
     tp_group = parallel_state.get_tensor_model_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    expert_grid = parallel_state.has_expert_grid()
     expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
     out = {}
     for module in modules:
         for name, param in module.named_parameters():
             value = param.detach().float().clone()
-            expert = ep_size > 1 and not getattr(param, "allreduce", True)
+            expert = expert_grid and not getattr(param, "allreduce", True)
             group = expert_tp_group if expert else tp_group  # the experts' split: ETP
             if comm.world_size(group) > 1 and getattr(param, "tensor_model_parallel", False):
                 value = torch.cat(comm.all_gather_list(value.contiguous(), group),
@@ -208,8 +208,8 @@ def _copy_single_process_init(module: torch.nn.Module, cfg) -> None:
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     reference = built(tp_group)
-    experts = reference  # the experts split over the expert TP group (ETP; TP at EP 1)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    experts = reference  # the experts split over the expert TP group (ETP; TP off the grid)
+    if parallel_state.has_expert_grid():
         expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
         if comm.world_size(expert_tp_group) != comm.world_size(tp_group):
             experts = built(expert_tp_group if comm.world_size(expert_tp_group) > 1 else None)

@@ -9,8 +9,9 @@ Megatron-LM's ``tools/checkpoint/convert.py`` interface::
 
 A mixture-of-experts checkpoint's experts are re-split with ``--target-expert-parallel-size``
 (Megatron-LM's flag; default 1: every expert in each ``mp_rank_TT[_PPP]`` file) and
-``--target-expert-tensor-parallel-size`` (each expert split over the target TP, the default, or
-whole: 1, as ``--expert-tensor-parallel-size 1``); the source's sizes are read from its args.
+``--target-expert-tensor-parallel-size`` (each expert split over this many ranks, default the
+target TP; any ETP with ETP <= TP <= ETP x EP, the layouts the torch format's files hold); the
+source's sizes are read from its args.
 
 A loader plug-in (``loader_megatron``, ``loader_hf``) describes the model
 (:class:`~tools.checkpoint.model_description.ModelDescription`); a saver plug-in
@@ -61,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE: split the routed experts over this many expert-parallel "
                              "ranks (mp_rank_TT[_PPP]_EEE directories); default 1")
     parser.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
-                        help="MoE: split each routed expert over this many TP ranks: the "
-                             "target TP size (the default) or 1 (each expert whole on its EP "
-                             "rank, as Megatron's --expert-tensor-parallel-size 1)")
+                        help="MoE: split each routed expert over this many ranks "
+                             "(Megatron's --expert-tensor-parallel-size; default the target "
+                             "TP size); the torch format holds ETP <= TP <= ETP x EP")
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         help="virtual pipeline stages of the target (interleaved schedule)")
     parser.add_argument("--target-vocab-size-divisible-by", type=int, default=None,
@@ -138,6 +139,7 @@ def _validate(opts: argparse.Namespace) -> None:
         raise ValueError(f"{dist_sides[0]} torch_dist needs --loader megatron --saver megatron")
     if opts.target_ckpt_format == "torch_dist" and (
             opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1
+            or opts.target_expert_tensor_parallel_size not in (None, 1)
             or opts.target_num_layers_per_virtual_pipeline_stage is not None):
         raise ValueError("--target-ckpt-format torch_dist has no layout (it loads at any TP/PP): "
                          "leave the --target-*-parallel-size flags at 1")

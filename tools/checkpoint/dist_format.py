@@ -164,6 +164,8 @@ def torch_dist_to_legacy(source: Path, target_root: Path, keep_optimizer: bool =
     args = copy.copy(args)
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.expert_model_parallel_size = 1  # the global expert tensors: every expert whole
+    if getattr(args, "expert_tensor_parallel_size", None) is not None:
+        args.expert_tensor_parallel_size = 1  # ... and unsplit, as the TP 1 dense layers
     args.num_layers_per_virtual_pipeline_stage = None
     args.virtual_pipeline_model_parallel_size = None
     if not keep_optimizer:

@@ -24,8 +24,8 @@ from megatron.checkpointing import (DISTRIB_OPTIM_FILENAME, LAYOUTS, CheckpointE
                                     fix_query_key_value_ordering, flatten_model_state,
                                     load_checkpoint_file, model_keys, parse_tracker,
                                     shard_dir_name, shard_files, tracker_path, verify_checksum)
-from megatron.checkpointing.experts import (dense_expert_rank, expert_of,
-                                           merge_expert_parallel)
+from megatron.checkpointing.experts import (dense_expert_rank, expert_file_ranks, expert_of,
+                                            merge_expert_parallel, torch_format_layout_error)
 from megatron.checkpointing.names import ITERATION_DIR, checkpoint_dir
 from megatron.core.checkpoint_keys import (current_key, layer_of, norm_key,
                                            with_layer, without_empty_extra_states)
@@ -138,20 +138,21 @@ class MegatronCheckpoint(ModelDescription):
         return expert_shard_files(self.iteration_dir, pp > 1, True)
 
     def _written_ranks(self) -> list[tuple[int, int]]:
-        """The (TP rank, EP rank) pairs of a stage's files: every pair when the experts are
-        split over TP; with ``--expert-tensor-parallel-size 1`` at TP > 1 the pairs of the
-        ranks of expert-data-parallel rank 0 (rank r: TP rank r % TP, EP rank r), each file
-        holding its TP slice of the dense layers and its EP rank's experts whole."""
-        if self.etp == self.tp:
-            return [(t, e) for t in range(self.tp) for e in range(self.ep)]
-        return [(e % self.tp, e) for e in range(self.ep)]
+        """The (TP rank, EP rank) pairs of a stage's files: those of the ranks of
+        expert-data-parallel rank 0, in-stage ranks r < ETP x EP (TP rank r % TP, EP rank
+        r // ETP), each file holding its TP slice of the dense layers and its EP rank's
+        experts' ETP slice r % ETP (every pair when ETP = TP)."""
+        return sorted({(r % self.tp, r // self.etp) for r in range(self.etp * self.ep)})
 
     def _check_grid(self) -> None:
-        if self.etp != self.tp and self.ep < self.tp:
-            raise CheckpointError(
-                f"{self.iteration_dir}: --expert-tensor-parallel-size 1 with "
-                f"--expert-model-parallel-size {self.ep} below --tensor-model-parallel-size "
-                f"{self.tp} leaves TP slices of the dense layers unwritten: not converted")
+        if self.ep > 1 or self.etp != self.tp:
+            why = torch_format_layout_error(self.tp, self.etp, self.ep)
+            if why is not None:
+                raise CheckpointError(
+                    f"{self.iteration_dir} was saved with --expert-tensor-parallel-size "
+                    f"{self.etp}, --tensor-model-parallel-size {self.tp} and "
+                    f"--expert-model-parallel-size {self.ep}: {why}, a layout the torch "
+                    "format's files do not hold (a mixed-up directory?): not converted")
         missing = [shard_dir_name(t, p, self.pp > 1, e, self.ep > 1)
                    for t, e in self._written_ranks() for p in range(self.pp)
                    if (t, p, e) not in self.expert_files]
@@ -240,10 +241,14 @@ class MegatronCheckpoint(ModelDescription):
         self._open_stage = pipeline_rank
 
     def _files_of(self, t: int, e: int, files: dict) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(the file key of TP rank t's dense slice, that of EP rank e's experts)."""
-        if self.etp == self.tp:
-            return (t, e), (t, e)
-        return next(k for k in files if k[0] == t), next(k for k in files if k[1] == e)
+        """(the file key of TP rank t's dense slice, that of EP rank e's experts' ETP slice
+        t % ETP): one file when that one holds TP rank t's dense slice too."""
+        experts = expert_file_ranks(self.tp, t % self.etp, self.etp, e)
+        if experts[0] == t:
+            return experts, experts
+        dense = (t, dense_expert_rank(t, self.tp, self.etp))
+        assert dense in files and experts in files, (dense, experts)
+        return dense, experts
 
     def _merge_experts(self, per_ep: list[dict], where) -> dict:
         """The EP ranks' dicts of one TP/PP position -> one, experts numbered globally."""
@@ -304,18 +309,29 @@ class MegatronCheckpoint(ModelDescription):
     def _merged(self, per_tp: list[dict], keep) -> dict[str, torch.Tensor]:
         subset = [{k: v for k, v in flat.items() if keep(k)} for flat in per_tp]
         whole_experts = {}
-        if self.etp != self.tp:  # every TP rank's experts are whole: TP rank 0's
-            whole_experts = {k: v for k, v in subset[0].items() if expert_of(k) is not None}
+        if self.etp != self.tp:
+            # TP rank t's dict holds the experts' ETP slice t % ETP: TP ranks 0..ETP-1 hold
+            # each slice once.
+            whole_experts = self._merged_over(
+                [{k: v for k, v in flat.items() if expert_of(k) is not None}
+                 for flat in subset[:self.etp]])
             subset = [{k: v for k, v in flat.items() if expert_of(k) is None}
                       for flat in subset]
-        merged = self.layout.merge_tensor_parallel(subset)
-        if getattr(self.args, "swiglu", False):
-            merged = swiglu_from_shards(merged, self.tp)  # [gate_r; up_r] per rank -> whole
+        merged = self._merged_over(subset)
         if not whole_experts:
             return merged
         position = {k: i for i, k in enumerate(per_tp[0])}
         merged.update(whole_experts)
         return {k: merged[k] for k in sorted(merged, key=position.__getitem__)}
+
+    def _merged_over(self, shards: list[dict]) -> dict[str, torch.Tensor]:
+        """The whole tensors of one split's shards (TP's, or the experts' ETP)."""
+        if len(shards) == 1:
+            return shards[0]
+        merged = self.layout.merge_tensor_parallel(shards)
+        if getattr(self.args, "swiglu", False):
+            merged = swiglu_from_shards(merged, len(shards))  # [gate_r; up_r] -> whole
+        return merged
 
     def _piece_source(self, piece: str, layer: int | None):
         """(chunk index, which of its keys, how to rename them) of a piece."""
@@ -381,22 +397,18 @@ def _grid_size(args: argparse.Namespace, files: dict[tuple[int, int], Path]) -> 
 
 
 def _expert_tensor_split(args, tp: int, where: Path) -> int:
-    """The checkpoint's expert tensor-parallel size: TP (the experts split as the dense MLP)
-    or 1 (each expert whole on one rank); any other is refused.
+    """The checkpoint's expert tensor-parallel size (TP where its args record none).
 
     Raises:
-        CheckpointError: naming both sizes.
+        CheckpointError: a size that is not a positive integer.
     """
     etp = getattr(args, "expert_tensor_parallel_size", None)
-    if not getattr(args, "num_experts", None) or etp is None or int(etp) == tp:
+    if not getattr(args, "num_experts", None) or etp is None:
         return tp
-    if int(etp) == 1:
-        return 1
-    raise CheckpointError(
-        f"{where} was saved with --expert-tensor-parallel-size {etp} and "
-        f"--tensor-model-parallel-size {tp}: this converter re-splits experts split over TP "
-        "(--expert-tensor-parallel-size equal to --tensor-model-parallel-size) or whole "
-        "(--expert-tensor-parallel-size 1)")
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+        raise CheckpointError(f"{where}: its args record --expert-tensor-parallel-size "
+                              f"{etp!r}, not a positive integer")
+    return etp
 
 
 def _combined(dense: dict, experts: dict) -> dict:

@@ -25,7 +25,8 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILENAME, 
                                     CheckpointError, PipelineStages, checkpoint_name,
                                     manifest_entry, nest_model_state, publish_tracker, save_file,
                                     tracker_path, write_manifest)
-from megatron.checkpointing.experts import dense_expert_rank, expert_of, split_expert_parallel
+from megatron.checkpointing.experts import (dense_expert_rank, expert_of, split_expert_parallel,
+                                            torch_format_layout_error)
 from megatron.checkpointing.names import checkpoint_dir
 from megatron.core.checkpoint_keys import HEAD_COPY_WEIGHT, layer_of, with_layer
 from megatron.core.log import get_logger
@@ -49,8 +50,9 @@ class TargetLayout:
     expert_parallel_size: int = 1
     """``--target-expert-parallel-size``: the routed experts split over this many ranks."""
     expert_tensor_parallel_size: int | None = None
-    """``--target-expert-tensor-parallel-size``: each routed expert split over this many TP
-    ranks, the target TP size or 1 (whole); None: the target TP size."""
+    """``--target-expert-tensor-parallel-size``: each routed expert split over this many
+    ranks (at most the target TP size, and with the target EP at least it: the torch format's
+    files); None: the target TP size."""
 
     @property
     def etp(self) -> int:
@@ -58,15 +60,18 @@ class TargetLayout:
         etp = self.expert_tensor_parallel_size
         return self.tensor_parallel_size if etp is None else etp
 
+    def writers(self) -> list[tuple[int, int, int]]:
+        """(TP rank, EP rank, expert TP rank) of each file of a stage, as training writes
+        them: its ranks of expert-data-parallel rank 0, in-stage ranks r < ETP x EP, each
+        file named by TP rank r % TP and EP rank r // ETP, holding that TP slice of the dense
+        layers and its EP rank's experts' ETP slice r % ETP (every (TP, EP) pair at ETP =
+        TP)."""
+        tp, etp = self.tensor_parallel_size, self.etp
+        return [(r % tp, r // etp, r % etp) for r in range(etp * self.expert_parallel_size)]
+
     def written_ranks(self) -> list[tuple[int, int]]:
-        """The (TP rank, EP rank) of each file of a stage: every pair when the experts are
-        split over TP; with ETP 1 at TP > 1 those training writes, its ranks of
-        expert-data-parallel rank 0 (rank r: TP rank r % TP, EP rank r), each file with its
-        TP slice of the dense layers and its EP rank's experts whole."""
-        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
-        if self.etp == tp:
-            return [(t, e) for t in range(tp) for e in range(ep)]
-        return [(e % tp, e) for e in range(ep)]
+        """The (TP rank, EP rank) of each file of a stage (see :meth:`writers`)."""
+        return [(t, e) for t, e, _ in self.writers()]
 
 
 def target_vocab_size(md: ModelDescription, target: TargetLayout) -> int:
@@ -180,38 +185,52 @@ def _each(state, fn, arg):
     return None if state is None else {name: fn(tensors, arg) for name, tensors in state.items()}
 
 
-def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int,
-                  etp: int | None = None):
-    """The chunk's flat weights per target TP rank, and its optimizer state per TP rank
-    (``{state key: flat}``; empty when not carried), split piece by piece: besides the output
-    being built, only one piece is held whole. With ``etp`` 1 at ``tp`` > 1 the routed
-    experts stay whole on every TP rank (the file of each EP rank keeps its own)."""
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
-    swiglu = getattr(md.args, "swiglu", False)
-    whole_experts = etp is not None and etp != tp
+@dataclass
+class _Shards:
+    """One chunk's flat tensors split for the target: ``dense`` per TP rank (with the experts
+    where they are split as the dense layers), else ``experts`` per expert TP rank; each with
+    its optimizer state (``{state key: flat}``, empty when not carried); ``order``: every key's
+    position in the model."""
 
-    def split(tensors: dict) -> list[dict]:
-        position = {k: i for i, k in enumerate(tensors)}
-        experts = {k: v for k, v in tensors.items() if whole_experts and expert_of(k) is not None}
-        dense = {k: v for k, v in tensors.items() if k not in experts}
+    dense: list[dict[str, torch.Tensor]]
+    dense_states: list[dict[str, dict[str, torch.Tensor]]]
+    experts: list[dict[str, torch.Tensor]]
+    expert_states: list[dict[str, dict[str, torch.Tensor]]]
+    order: dict[str, int]
+
+
+def _chunk_shards(md: ModelDescription, chunk, vocab: int, layout, tp: int,
+                  etp: int | None = None) -> _Shards:
+    """The chunk's flat weights and optimizer state split piece by piece (besides the output
+    being built, only one piece is held whole): the dense layers over ``tp`` ranks, the routed
+    experts over ``etp`` (default ``tp``: with the dense layers)."""
+    apart = etp is not None and etp != tp
+    out = _Shards([{} for _ in range(tp)], [{} for _ in range(tp)],
+                  [{} for _ in range(etp)] if apart else [],
+                  [{} for _ in range(etp)] if apart else [], {})
+    swiglu = getattr(md.args, "swiglu", False)
+
+    def split(tensors: dict, ranks: int) -> list[dict]:
         if swiglu:  # the whole [gate; up] -> each rank's [gate_r; up_r] after the split
-            dense = swiglu_for_shards(dense, tp)
-        parts = layout.split_tensor_parallel(dense, tp)
-        if not experts:
-            return parts
-        return [{k: {**part, **experts}[k] for k in sorted({**part, **experts},
-                                                            key=position.__getitem__)}
-                for part in parts]
+            tensors = swiglu_for_shards(tensors, ranks)
+        return layout.split_tensor_parallel(tensors, ranks)
+
+    def place(tensors: dict, dense_out: list, expert_out: list, name: str | None) -> None:
+        experts = {k: v for k, v in tensors.items() if apart and expert_of(k) is not None}
+        dense = {k: v for k, v in tensors.items() if k not in experts}
+        for parts, target in ((split(dense, tp), dense_out),
+                              (split(experts, etp) if experts else [], expert_out)):
+            for shard, part in zip(target, parts):
+                (shard if name is None else shard.setdefault(name, {})).update(part)
 
     for piece, state in _chunk_pieces(md, chunk, vocab):
-        for shard, part in zip(out, split(piece)):
-            shard.update(part)
+        for key in piece:
+            out.order.setdefault(key, len(out.order))
+        place(piece, out.dense, out.experts, None)
         for name, tensors in (state or {}).items():
-            for rank_state, part in zip(states, split(tensors)):
-                rank_state.setdefault(name, {}).update(part)
+            place(tensors, out.dense_states, out.expert_states, name)
         del piece, state
-    return out, states
+    return out
 
 
 def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Path:
@@ -230,7 +249,9 @@ def save(md: ModelDescription, save_dir: str | Path, target: TargetLayout) -> Pa
         raise ValueError(f"--target-expert-parallel-size {target.expert_parallel_size} does not "
                          f"divide the checkpoint's {experts or 'no'} routed experts "
                          "(--num-experts)")
-    _check_expert_tensor_split(target, experts)
+    expert_ffn = getattr(md.args, "moe_ffn_hidden_size", None) or \
+        getattr(md.args, "ffn_hidden_size", None)
+    _check_expert_tensor_split(target, experts, int(expert_ffn) if expert_ffn else None)
     if heads % target.tensor_parallel_size:
         raise ValueError(f"--target-tensor-parallel-size {target.tensor_parallel_size} does not "
                          f"divide the {heads} attention heads")
@@ -271,9 +292,11 @@ def _say_how_to_load(save_dir: Path, args, vocab: int) -> None:
         "to another size", save_dir, vocab, divisor, tp, divisor, MEGATRON_DEFAULT_DIVISOR)
 
 
-def _check_expert_tensor_split(target: TargetLayout, experts: int) -> None:
-    """A target expert tensor-parallel size training can load and write: TP, or 1 with expert
-    parallelism at least TP (every dense TP slice in some EP rank's file).
+def _check_expert_tensor_split(target: TargetLayout, experts: int,
+                               expert_ffn: int | None = None) -> None:
+    """A target expert tensor-parallel size the torch format holds (see
+    :func:`megatron.checkpointing.experts.torch_format_layout_error`) and the experts split
+    over.
 
     Raises:
         ValueError: naming the flags.
@@ -284,54 +307,74 @@ def _check_expert_tensor_split(target: TargetLayout, experts: int) -> None:
     flag = f"--target-expert-tensor-parallel-size {etp}"
     if not experts:
         raise ValueError(f"{flag}: the checkpoint has no routed experts (--num-experts)")
-    if etp != 1:
-        raise ValueError(f"{flag}: the experts are written split over the target TP "
-                         f"({tp}) or whole (1)")
-    if ep < tp:
-        raise ValueError(f"{flag} needs --target-expert-parallel-size ({ep}) at least "
-                         f"--target-tensor-parallel-size ({tp}): at ETP 1 each dense TP slice "
-                         "is written in the file of an EP rank")
+    if etp < 1:
+        raise ValueError(f"{flag}: must be positive")
+    why = torch_format_layout_error(tp, etp, ep)
+    if why is not None:
+        raise ValueError(f"{flag} with --target-tensor-parallel-size {tp} and "
+                         f"--target-expert-parallel-size {ep}: {why} (this saver writes the "
+                         "torch format: ETP <= TP <= ETP x EP)")
+    if expert_ffn is not None and expert_ffn % etp:
+        raise ValueError(f"{flag} does not divide the experts' --moe-ffn-hidden-size "
+                         f"({expert_ffn})")
 
 
 def _save_stage(md: ModelDescription, save_dir: Path, target: TargetLayout, layout, args,
                 vocab: int, chunks) -> dict[str, str]:
-    """Build and write every TP rank's file of one target pipeline stage; returns their
-    sha256s by manifest entry."""
+    """Build and write every file of one target pipeline stage; returns their sha256s by
+    manifest entry."""
     digests: dict[str, str] = {}
-    tp = target.tensor_parallel_size
+    tp, etp = target.tensor_parallel_size, target.etp
     weights: list[list[dict]] = [[] for _ in range(tp)]  # [tp][chunk] -> flat
     states: list[list[dict]] = [[] for _ in range(tp)]
+    # Where the experts are split otherwise than the dense layers: [etp][chunk] -> flat.
+    expert_weights: list[list[dict]] = [[] for _ in range(etp)]
+    expert_states: list[list[dict]] = [[] for _ in range(etp)]
+    orders: list[dict[str, int]] = []
     for chunk in chunks:
-        per_tp, state_per_tp = _chunk_shards(md, chunk, vocab, layout, tp, target.etp)
-        for tp_rank in range(tp):
-            weights[tp_rank].append(per_tp[tp_rank])
-            states[tp_rank].append(state_per_tp[tp_rank])
-        del per_tp, state_per_tp
+        shards = _chunk_shards(md, chunk, vocab, layout, tp, etp)
+        for rank in range(tp):
+            weights[rank].append(shards.dense[rank])
+            states[rank].append(shards.dense_states[rank])
+        for rank in range(etp if shards.experts else 0):
+            expert_weights[rank].append(shards.experts[rank])
+            expert_states[rank].append(shards.expert_states[rank])
+        orders.append(shards.order)
+        del shards
     ep = target.expert_parallel_size
     experts = int(getattr(md.args, "num_experts", None) or 0)
-    written = target.written_ranks()
-    for tp_rank in range(tp):
-        for ep_rank in (e for t, e in written if t == tp_rank):
-            # EP rank ep_rank's experts (local indices) beside the dense tensors.
-            own = [split_expert_parallel(flat, ep, ep_rank, experts) for flat in weights[tp_rank]]
-            own_states = [{name: split_expert_parallel(tensors, ep, ep_rank, experts)
-                           for name, tensors in state.items()} for state in states[tp_rank]]
-            shard = _top_level(md, args)
-            for chunk, flat in zip(chunks, own):
-                shard[chunk.model_key] = nest_model_state(flat, layout.nested_sections)
-            name = checkpoint_name(save_dir, md.iteration, md.release, tensor_rank=tp_rank,
-                                   pipeline_rank=chunks[0].pipeline_rank,
-                                   pipeline_parallel=target.pipeline_parallel_size > 1,
-                                   expert_rank=ep_rank, expert_parallel=ep > 1)
-            if md.optimizer is not None:
-                with_dense = ep_rank == dense_expert_rank(tp_rank, target.tensor_parallel_size,
-                                                          target.etp)
-                digests.update(_add_optimizer(shard, md, args, target, own, own_states, name,
-                                              with_dense))
-            digests[manifest_entry(name)] = save_file(shard, name, flag="--save-dir")
-            del shard, own, own_states
-        weights[tp_rank] = states[tp_rank] = None  # written: let it go
+    for tp_rank, ep_rank, etp_rank in target.writers():
+        flats, chunk_states = weights[tp_rank], states[tp_rank]
+        if expert_weights[0]:  # TP rank tp_rank's dense slice, the experts' ETP slice
+            flats = [_joined(d, x, order) for d, x, order in
+                     zip(flats, expert_weights[etp_rank], orders)]
+            chunk_states = [{name: _joined(d[name], x.get(name, {}), order) for name in d}
+                            for d, x, order in zip(chunk_states, expert_states[etp_rank],
+                                                   orders)]
+        # EP rank ep_rank's experts (local indices) beside the dense tensors.
+        own = [split_expert_parallel(flat, ep, ep_rank, experts) for flat in flats]
+        own_states = [{name: split_expert_parallel(tensors, ep, ep_rank, experts)
+                       for name, tensors in state.items()} for state in chunk_states]
+        shard = _top_level(md, args)
+        for chunk, flat in zip(chunks, own):
+            shard[chunk.model_key] = nest_model_state(flat, layout.nested_sections)
+        name = checkpoint_name(save_dir, md.iteration, md.release, tensor_rank=tp_rank,
+                               pipeline_rank=chunks[0].pipeline_rank,
+                               pipeline_parallel=target.pipeline_parallel_size > 1,
+                               expert_rank=ep_rank, expert_parallel=ep > 1)
+        if md.optimizer is not None:
+            with_dense = ep_rank == dense_expert_rank(tp_rank, tp, etp)
+            digests.update(_add_optimizer(shard, md, args, target, own, own_states, name,
+                                          with_dense))
+        digests[manifest_entry(name)] = save_file(shard, name, flag="--save-dir")
+        del shard, own, own_states
     return digests
+
+
+def _joined(dense: dict, experts: dict, order: dict[str, int]) -> dict:
+    """One file's flat dict: the dense tensors and the experts' slice, in model order."""
+    both = {**dense, **experts}
+    return {k: both[k] for k in sorted(both, key=order.__getitem__)}
 
 
 def _add_optimizer(shard: dict, md: ModelDescription, args, target: TargetLayout,

@@ -41,7 +41,7 @@ class Layout:
     of the global ``[layers, experts, ...]`` tensors."""
     etp_rank: int | None = None
     etp_size: int | None = None
-    """The expert tensor-parallel split of each expert's weights (parallel folding: 1 or TP);
+    """The expert tensor-parallel split of each expert's weights (parallel folding: any ETP);
     None: the dense TP split."""
 
     @classmethod

@@ -102,9 +102,10 @@ def _dp_group():
 
 
 def _expert_dp_group():
-    """The group the experts' distributed-optimizer state is sharded over (EP > 1), else None."""
+    """The group the experts' distributed-optimizer state is sharded over (on the expert grid:
+    EP > 1 or ETP != TP), else None."""
     from megatron.core import parallel_state
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
+    if not parallel_state.has_expert_grid():
         return None
     return parallel_state.get_expert_data_parallel_group()
 

@@ -96,7 +96,7 @@ def _expert_groups(tp_group) -> ExpertGroups | None:
     if not parallel_state.model_parallel_is_initialized():
         return None
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if parallel_state.has_expert_grid():
         return ExpertGroups(ep=parallel_state.get_expert_model_parallel_group(),
                             etp=parallel_state.get_expert_tensor_parallel_group(),
                             tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),

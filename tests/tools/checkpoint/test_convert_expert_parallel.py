@@ -143,8 +143,9 @@ def _leaves(tree, prefix=""):
 
 
 def test_another_expert_tensor_split_and_unsplittable_targets_are_refused(tmp_path, capsys):
-    """Experts split over another number of ranks than TP, and a target EP that does not
-    divide the experts, are refused by flag before anything is written."""
+    """Experts split over more ranks than TP in the torch format (two writers would share a
+    file name: a directory no run writes), and a target EP that does not divide the experts,
+    are refused by flag before anything is written."""
     from tests.tools.checkpoint import helpers
     from tests.tools.checkpoint.test_convert_moe import MOE
 
@@ -243,8 +244,9 @@ def test_unwritable_expert_tensor_splits_are_refused(etp_runs, tmp_path, capsys)
     source = etp_runs["root"] / "etp1_to_tp1"
     argv = ["--model-type", "GPT", "--load-dir", str(source), "--save-dir", str(tmp_path / "o"),
             "--target-tensor-parallel-size", "2", "--target-expert-tensor-parallel-size", "1"]
-    assert convert.main(argv) == 2  # EP 1 < TP 2: a dense slice would go unwritten
-    assert "--target-expert-parallel-size (1)" in capsys.readouterr().err
+    assert convert.main(argv) == 2  # ETP x EP 1 < TP 2: a dense slice would go unwritten
+    err = capsys.readouterr().err
+    assert "--target-expert-parallel-size 1" in err and "every TP slice" in err
     assert convert.main([*argv[:-1], "3"]) == 2
     assert "--target-expert-tensor-parallel-size 3" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
