@@ -2,7 +2,8 @@
 DeepSeek-V3's router, capacity dropping by gate and by position with padding, the allgather
 dispatcher with a gated shared expert) loaded into ours under Megatron-LM's legacy names give
 its logits, per-token loss, per-layer balancing and z losses, router probabilities and routing
-maps; and its expert-parallel runs (EP=2 with each dispatcher on 2 ranks, EP=2 x TP=2 with
+maps, and the gradients of its training loss with the aux and z losses; and its
+expert-parallel runs (EP=2 with each dispatcher on 2 ranks, EP=2 x TP=2 with
 ETP 1 and 2 on 4 ranks, which equal its one-rank run) are what ours gives at those layouts
 from its ``torch_dist`` checkpoint."""
 
@@ -16,6 +17,7 @@ import torch
 
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.moe import metrics
+from megatron.core.transformer.moe import moe_utils as mu
 from tests.core.transformer.test_moe_mcore import mcore_to_legacy
 from tests.multiprocess import run_distributed
 
@@ -103,6 +105,33 @@ def test_train_mode_routing_and_aux_losses(name):
     assert set(per_layer) == set(expected)
     for k, v in expected.items():
         torch.testing.assert_close(per_layer[k], v, atol=TOL, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradients_with_aux_and_z_losses(name):
+    """The gradients of the train-mode mean token loss, the balancing and z losses joining
+    the backward at Megatron's default scale (1): the routers' (and shared-expert gates') in
+    full, every other parameter's norm and sum."""
+    ref = torch.load(FIXTURES / name / "outputs.pt", weights_only=True)
+    model = _model(name).train()
+    mu.set_aux_loss_scale(1.0)
+    metrics.clear()
+    logits = model(ref["input_ids"], ref["position_ids"], ref["attention_mask"])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             ref["labels"].reshape(-1))
+    loss.backward()
+    metrics.clear()
+    torch.testing.assert_close(loss.detach(), ref["train_loss_mean"], atol=TOL, rtol=TOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    norms, sums = mcore_to_legacy(ref["grad_norm"]), mcore_to_legacy(ref["grad_sum"])
+    assert set(grads) == set(norms)
+    for n, g in grads.items():
+        torch.testing.assert_close(g.norm(), norms[n], atol=1e-8, rtol=1e-5, msg=n)
+        torch.testing.assert_close(g.sum(), sums[n], atol=1e-6, rtol=1e-4, msg=n)
+    full = mcore_to_legacy(ref["grads_full"])
+    assert full and all(".router." in n or "gate_weight" in n for n in full)
+    for n, g in full.items():
+        torch.testing.assert_close(grads[n], g, atol=1e-8, rtol=1e-5, msg=n)
 
 
 LAYOUTS = {"ep2_alltoall": (2, 1, 1, "alltoall"), "ep2_allgather": (2, 1, 1, "allgather"),
