@@ -23,6 +23,7 @@ from tests.multiprocess import run_distributed
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "mcore_moe"
 MODELS = ["olmoe", "dsv3_router", "capacity_probs", "capacity_position_pad",
+          "sqrtsoftplus_global_aux", "sinkhorn",
           "allgather_shared_gate", "ep_base"]
 TOL = 1e-5
 
@@ -111,7 +112,7 @@ def test_train_mode_routing_and_aux_losses(name):
 def test_gradients_with_aux_and_z_losses(name):
     """The gradients of the train-mode mean token loss, the balancing and z losses joining
     the backward at Megatron's default scale (1): the routers' (and shared-expert gates') in
-    full, every other parameter's norm and sum."""
+    full, every other parameter's norm and sum; then the expert-bias update."""
     ref = torch.load(FIXTURES / name / "outputs.pt", weights_only=True)
     model = _model(name).train()
     mu.set_aux_loss_scale(1.0)
@@ -132,6 +133,15 @@ def test_gradients_with_aux_and_z_losses(name):
     assert full and all(".router." in n or "gate_weight" in n for n in full)
     for n, g in full.items():
         torch.testing.assert_close(grads[n], g, atol=1e-8, rtol=1e-5, msg=n)
+    # Aux-loss-free balancing: the step's token counts and the bias step Megatron's
+    # finalize_model_grads takes from them.
+    assert bool(ref["expert_bias_update"]) == (name == "dsv3_router")
+    routers = _routers(model)
+    for n, want in ref["expert_bias_update"].items():
+        router = routers[n]
+        assert torch.equal(router.local_tokens_per_expert, want["tokens_per_expert"]), n
+        router.update_expert_bias(router.local_tokens_per_expert.clone())
+        torch.testing.assert_close(router.expert_bias, want["updated"], atol=1e-7, rtol=0)
 
 
 LAYOUTS = {"ep2_alltoall": (2, 1, 1, "alltoall"), "ep2_allgather": (2, 1, 1, "allgather"),
