@@ -5,7 +5,7 @@ its logits, per-token loss, per-layer balancing and z losses, router probabiliti
 maps, and the gradients of its training loss with the aux and z losses; and its
 expert-parallel runs (EP=2 with each dispatcher on 2 ranks, EP=2 x TP=2 with
 ETP 1 and 2 on 4 ranks, which equal its one-rank run) are what ours gives at those layouts
-from its ``torch_dist`` checkpoint."""
+from its ``torch_dist`` checkpoint, each rank's gradients included."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ LAYOUTS = {"ep2_alltoall": (2, 1, 1, "alltoall"), "ep2_allgather": (2, 1, 1, "al
 def _expert_parallel_run(rank, world, tp, etp, dispatcher, checkpoint=None):
     """``ep_base`` at EP=2 x TP=``tp`` from a ``torch_dist`` checkpoint (Megatron-Core's of the
     fixture by default): gathered eval logits, per-token loss, train-mode logits, per-layer
-    aux losses."""
+    aux losses, the train-mode mean loss and this rank's gradients of it (norm, sum)."""
     from megatron.checkpointing.dist.model import Layout, load_weights
     from megatron.core import parallel_state as ps
     from megatron.core.models.builder import build_model_stage
@@ -175,13 +175,21 @@ def _expert_parallel_run(rank, world, tp, etp, dispatcher, checkpoint=None):
         loss = model(*args, labels=ref["labels"])
     metrics.clear()
     model.train()
-    train_logits = model(*args).detach()
+    mu.set_aux_loss_scale(1.0)
+    train_logits = model(*args)
+    loss_mean = torch.nn.functional.cross_entropy(
+        train_logits.float().reshape(-1, train_logits.shape[-1]), ref["labels"].reshape(-1))
+    loss_mean.backward()
+    train_logits = train_logits.detach()
+    # This rank's shards' gradients, unreduced (Megatron-Core's record them so).
+    grads = {n: (p.grad.norm(), p.grad.sum()) for n, p in model.named_parameters()
+             if p.grad is not None}
     names = sorted(k.removesuffix("_per_layer_unscaled") for k in ref["moe_aux"])
     per_layer = metrics.reduce_per_layer(
         1, names, config.num_layers, tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group())
     metrics.clear()
-    return logits, loss, train_logits, per_layer
+    return logits, loss, train_logits, per_layer, loss_mean.detach(), grads
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -191,8 +199,8 @@ def test_expert_parallel_equals_megatron_core(layout):
     # Megatron-Core's own layout equals its one-rank run (recorded by the generator) ...
     assert max(theirs["max_abs_diff_vs_ep1"].values()) < TOL
     # ... and ours at that layout equals it.
-    for logits, loss, train_logits, per_layer in run_distributed(
-            world, _expert_parallel_run, tp, etp, dispatcher):
+    results = run_distributed(world, _expert_parallel_run, tp, etp, dispatcher)
+    for rank, (logits, loss, train_logits, per_layer, loss_mean, grads) in enumerate(results):
         torch.testing.assert_close(logits, theirs["logits"], atol=TOL, rtol=TOL)
         torch.testing.assert_close(loss, theirs["loss_per_token"], atol=TOL, rtol=TOL)
         torch.testing.assert_close(
@@ -200,3 +208,12 @@ def test_expert_parallel_equals_megatron_core(layout):
         for k, v in theirs["moe_aux"].items():
             torch.testing.assert_close(per_layer[k.removesuffix("_per_layer_unscaled")], v,
                                        atol=TOL, rtol=0, msg=k)
+        # The backward of the train loss with the aux and z losses, rank by rank (the same
+        # rank grid: each rank holds the same shards as Megatron-Core's rank).
+        torch.testing.assert_close(loss_mean, theirs["train_loss_mean"], atol=TOL, rtol=TOL)
+        norms = mcore_to_legacy(theirs["grad_norm_by_rank"][rank])
+        sums = mcore_to_legacy(theirs["grad_sum_by_rank"][rank])
+        assert set(grads) == set(norms), set(grads) ^ set(norms)
+        for n, (norm, total) in grads.items():
+            torch.testing.assert_close(norm, norms[n], atol=1e-8, rtol=1e-5, msg=n)
+            torch.testing.assert_close(total, sums[n], atol=1e-6, rtol=1e-4, msg=n)
