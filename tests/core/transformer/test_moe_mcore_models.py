@@ -128,8 +128,9 @@ def test_gradients_with_aux_and_z_losses(name):
     norms, sums = mcore_to_legacy(ref["grad_norm"]), mcore_to_legacy(ref["grad_sum"])
     assert set(grads) == set(norms)
     for n, g in grads.items():
-        torch.testing.assert_close(g.norm(), norms[n], atol=1e-8, rtol=1e-5, msg=n)
-        torch.testing.assert_close(g.sum(), sums[n], atol=1e-6, rtol=1e-4, msg=n)
+        torch.testing.assert_close(g.norm(), torch.tensor(norms[n]), atol=1e-8, rtol=1e-5,
+                                   msg=n)
+        torch.testing.assert_close(g.sum(), torch.tensor(sums[n]), atol=1e-6, rtol=1e-4, msg=n)
     full = mcore_to_legacy(ref["grads_full"])
     assert full and all(".router." in n or "gate_weight" in n for n in full)
     for n, g in full.items():
@@ -215,5 +216,7 @@ def test_expert_parallel_equals_megatron_core(layout):
         sums = mcore_to_legacy(theirs["grad_sum_by_rank"][rank])
         assert set(grads) == set(norms), set(grads) ^ set(norms)
         for n, (norm, total) in grads.items():
-            torch.testing.assert_close(norm, norms[n], atol=1e-8, rtol=1e-5, msg=n)
-            torch.testing.assert_close(total, sums[n], atol=1e-6, rtol=1e-4, msg=n)
+            torch.testing.assert_close(norm, torch.tensor(norms[n]), atol=1e-8, rtol=1e-5,
+                                       msg=n)
+            torch.testing.assert_close(total, torch.tensor(sums[n]), atol=1e-6, rtol=1e-4,
+                                       msg=n)
