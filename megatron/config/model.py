@@ -130,8 +130,8 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """Pad every expert's input to its capacity (needs --moe-expert-capacity-factor)."""
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
-    """Over capacity, keep the tokens with the highest gates (probs) or the earliest
-    (position)."""
+    """Over capacity, keep the tokens with the highest gates (probs) or routed tokens first
+    (position; ties broken as Megatron-Core's top-k over the routing map breaks them)."""
     moe_layer_recompute: bool = False
     """Checkpoint the MoE layer's activations (not built: refused)."""
     moe_use_upcycling: bool = False

@@ -80,8 +80,16 @@ def test_capacity_dropping_and_padding():
     assert kmap[:, 0].tolist() == [False, False, True, False]  # the highest gate, 0.9
     assert kmap.sum(0).tolist() == [1, 1, 1, 1]
     _, pmap = mu.drop_over_capacity(probs, rmap, 2, 0.5, "position")
-    assert pmap[:, 0].tolist() == [True, False, False, False]  # the earliest
-    assert pmap[:, 1].tolist() == [True, False, False, False]
+    assert pmap.sum(0).tolist() == [1, 1, 1, 1]
+    assert not (pmap & ~rmap).any()  # routed tokens only (every expert has one)
+    # Among routed tokens, those Megatron's top-k over the 0/1 map keeps (not always the
+    # earliest: torch.topk's choice among ties).
+    chosen = torch.topk(rmap.int(), k=1, dim=0, sorted=False)[1]
+    assert torch.equal(pmap, torch.zeros_like(rmap).scatter(0, chosen, True))
+    _, pos_padded = mu.drop_over_capacity(probs, rmap, 2, 1.0, "position",
+                                          pad_to_capacity=True)
+    assert pos_padded.sum(0).tolist() == [2, 2, 2, 2]
+    assert (pos_padded | ~rmap)[:, 1:].all()  # an expert with <= 2 routed tokens keeps all
     padded_probs, padded = mu.drop_over_capacity(probs, rmap, 2, 1.0, "probs",
                                                  pad_to_capacity=True)
     assert padded.sum(0).tolist() == [2, 2, 2, 2]  # every expert exactly its capacity

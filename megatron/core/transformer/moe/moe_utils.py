@@ -151,7 +151,8 @@ def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, topk: int
                        capacity_factor: float, drop_policy: str = "probs",
                        pad_to_capacity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's ``apply_router_token_dropping``: each expert keeps its ``capacity`` tokens
-    with the highest gate (``probs``) or the earliest (``position``); with ``pad_to_capacity``
+    with the highest gate (``probs``) or its routed tokens first (``position``: ties broken
+    as ``torch.topk`` breaks them, as in Megatron); with ``pad_to_capacity``
     every expert takes exactly ``capacity`` tokens (the kept ones plus zero-gate fillers).
 
     Returns:
@@ -165,13 +166,11 @@ def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, topk: int
         idx = torch.topk(probs, k=capacity, dim=0, sorted=False)[1]  # [C, E]
         keep = torch.zeros_like(routing_map).scatter(0, idx, True)
     elif drop_policy == "position":
-        # The first `capacity` routed tokens of each expert; without routed tokens to fill it,
-        # the earliest unrouted ones (Megatron's top-k over the 0/1 map, with ties taken in
-        # order).
-        rank = torch.cumsum(routing_map.int(), dim=0)
-        unrouted_rank = torch.cumsum((~routing_map).int(), dim=0) + routing_map.sum(0)
-        order = torch.where(routing_map, rank, unrouted_rank)
-        keep = order <= capacity
+        # Megatron's top-k over the 0/1 map: routed tokens first, and among the tied ones
+        # those torch.topk returns, which are not always the earliest (on a CPU it often keeps
+        # later ones). The same call keeps the same tokens as Megatron-Core on every device.
+        idx = torch.topk(routing_map.int(), k=capacity, dim=0, sorted=False)[1]  # [C, E]
+        keep = torch.zeros_like(routing_map).scatter(0, idx, True)
     else:
         raise ValueError(f"unknown token drop policy {drop_policy!r}")
     final_map = keep if pad_to_capacity else routing_map & keep
