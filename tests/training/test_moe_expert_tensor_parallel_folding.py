@@ -7,7 +7,7 @@ allgather dispatchers and the distributed optimizer: the loss every iteration to
 gradient norm and every final parameter. The torch format resumes exactly where its
 ``mp_rank_TT_EEE`` files hold the layout (TP=4, ETP=2: ranks of expert-DP rank 0 write), also
 after convert.py re-splits it to ETP=1 at other TP / EP sizes with the optimizer state;
-``torch_dist`` resumes at the same and at other TP / ETP / EP sizes."""
+``torch_dist`` resumes at other TP / ETP / EP sizes."""
 
 from __future__ import annotations
 
@@ -43,39 +43,29 @@ def _resume(name: str, dispatcher: str, load, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    save = {key: tmp_path_factory.mktemp(key) for key in
-            ("torch", "torch_distopt", "dist_tp1", "dist_tp2")}
+    save = {key: tmp_path_factory.mktemp(key) for key in ("torch_distopt", "dist_tp1")}
     saving = ("--save-interval", "2", "--save")
     single, = (r[0] for r in e2e.pooled(1, [{"argv": BIASED, "params": True}]))
+    # Each dispatcher and each optimizer at least once; the resumes that other files cover at
+    # ETP 1 or TP (the same layout in torch_dist, the plain optimizer's torch files) left out.
     plan = {
-        "tp4_etp2_ep2/alltoall": _layout("tp4_etp2_ep2", "alltoall", *saving,
-                                         str(save["torch"])),
-        "tp4_etp2_ep2/allgather+distopt": _layout("tp4_etp2_ep2", "allgather", *DISTOPT,
-                                                  *saving, str(save["torch_distopt"])),
-        "tp4/resumed": _resume("tp4_etp2_ep2", "alltoall", save["torch"]),
+        "tp4_etp2_ep2/alltoall+distopt": _layout("tp4_etp2_ep2", "alltoall", *DISTOPT,
+                                                 *saving, str(save["torch_distopt"])),
         "tp4/distopt_resumed": _resume("tp4_etp2_ep2", "allgather", save["torch_distopt"],
                                        *DISTOPT),
-        "tp1_etp2_ep2/alltoall+distopt": _layout("tp1_etp2_ep2", "alltoall", *DISTOPT,
-                                                 *TORCH_DIST, *saving, str(save["dist_tp1"])),
-        "tp1_etp2_ep2/allgather": _layout("tp1_etp2_ep2", "allgather"),
-        "tp1/resumed": _resume("tp1_etp2_ep2", "alltoall", save["dist_tp1"], *DISTOPT,
-                               *TORCH_DIST),
-        "tp2_etp1_ep1/allgather": _layout("tp2_etp1_ep1", "allgather", *TORCH_DIST, *saving,
-                                          str(save["dist_tp2"])),
+        "tp1_etp2_ep2/allgather": _layout("tp1_etp2_ep2", "allgather", *TORCH_DIST, *saving,
+                                          str(save["dist_tp1"])),
         "tp2_etp1_ep1/alltoall+distopt": _layout("tp2_etp1_ep1", "alltoall", *DISTOPT),
-        # torch_dist at other sizes: TP=1 ETP=2 EP=2's at TP=2 ETP=1 EP=1, and back.
+        # torch_dist at other sizes: TP=1 ETP=2 EP=2's at TP=2 ETP=1 EP=1.
         "tp1_saved/tp2_resumed": _resume("tp2_etp1_ep1", "alltoall", save["dist_tp1"],
                                          *DISTOPT, *TORCH_DIST),
-        "tp2_saved/tp1_resumed": _resume("tp1_etp2_ep2", "alltoall", save["dist_tp2"],
-                                         *TORCH_DIST),
     }
     results = dict(zip(plan, e2e.pooled(4, list(plan.values()))))
     return {"single": single, "save": save, **results}
 
 
-STRAIGHT = ["tp4_etp2_ep2/alltoall", "tp4_etp2_ep2/allgather+distopt",
-            "tp1_etp2_ep2/alltoall+distopt", "tp1_etp2_ep2/allgather",
-            "tp2_etp1_ep1/allgather", "tp2_etp1_ep1/alltoall+distopt"]
+STRAIGHT = ["tp4_etp2_ep2/alltoall+distopt", "tp1_etp2_ep2/allgather",
+            "tp2_etp1_ep1/alltoall+distopt"]
 
 
 def _rank_major(params: dict, tp: int, etp: int) -> dict:
@@ -116,15 +106,13 @@ def test_layout_equals_one_process(runs, name):
 
 def test_torch_format_writers_are_the_expert_data_parallel_rank_0_ranks(runs):
     # TP=4 ETP=2 EP=2: in-stage rank r writes mp_rank_{r % TP}_{r // ETP}.
-    got = sorted(p.name for p in (runs["save"]["torch"] / "iter_0000002").iterdir()
+    got = sorted(p.name for p in (runs["save"]["torch_distopt"] / "iter_0000002").iterdir()
                  if p.is_dir())
     assert got == ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
 
 
 @pytest.mark.parametrize("straight,resumed", [
-    ("tp4_etp2_ep2/alltoall", "tp4/resumed"),
-    ("tp4_etp2_ep2/allgather+distopt", "tp4/distopt_resumed"),
-    ("tp1_etp2_ep2/alltoall+distopt", "tp1/resumed")])
+    ("tp4_etp2_ep2/alltoall+distopt", "tp4/distopt_resumed")])
 def test_resumes_exactly(runs, straight, resumed):
     for first, second in zip(runs[straight], runs[resumed]):
         assert second["error"] is None, second["error"]
@@ -134,8 +122,7 @@ def test_resumes_exactly(runs, straight, resumed):
 
 
 @pytest.mark.parametrize("straight,resumed", [
-    ("tp1_etp2_ep2/alltoall+distopt", "tp1_saved/tp2_resumed"),
-    ("tp2_etp1_ep1/allgather", "tp2_saved/tp1_resumed")])
+    ("tp1_etp2_ep2/allgather", "tp1_saved/tp2_resumed")])
 def test_torch_dist_resumes_at_another_expert_layout(runs, straight, resumed):
     for rank in runs[resumed]:
         assert rank["error"] is None, rank["error"]
@@ -146,14 +133,14 @@ def test_torch_dist_resumes_at_another_expert_layout(runs, straight, resumed):
 
 def test_torch_format_converts_to_other_expert_tensor_parallel_sizes(runs, tmp_path):
     """convert.py reads TP=4 ETP=2 EP=2 (each expert's two ETP slices from files of two TP
-    ranks) and writes ETP=1 at TP=2 EP=2 (plain optimizer; files mp_rank_00_000 and
-    mp_rank_01_001) and at TP=1 EP=4 (the distributed optimizer's [dense, expert] lists): both
-    resume with the uninterrupted runs' losses."""
+    ranks, the distributed optimizer's [dense, expert] lists) and writes ETP=1 at TP=2 EP=2
+    with the plain optimizer (files mp_rank_00_000 and mp_rank_01_001) and at TP=1 EP=4 with
+    the distributed optimizer: both resume with the uninterrupted run's losses."""
     from tools.checkpoint import convert
 
     targets = {"tp2_etp1_ep2": tmp_path / "tp2_etp1_ep2", "tp1_etp1_ep4": tmp_path / "ep4"}
     for (source, distributed), (name, target) in zip(
-            (("torch", False), ("torch_distopt", True)), targets.items()):
+            (("torch_distopt", False), ("torch_distopt", True)), targets.items()):
         tp, etp, ep = LAYOUTS[name]
         assert convert.main([
             "--model-type", "GPT", "--load-dir", str(runs["save"][source] / "iter_0000002"),
@@ -168,9 +155,8 @@ def test_torch_format_converts_to_other_expert_tensor_parallel_sizes(runs, tmp_p
         _layout("tp2_etp1_ep2", "alltoall", "--load", str(targets["tp2_etp1_ep2"]), init=False),
         _layout("tp1_etp1_ep4", "allgather", "--load", str(targets["tp1_etp1_ep4"]), *DISTOPT,
                 init=False)])
-    for straight, per_rank in zip(("tp4_etp2_ep2/alltoall", "tp4_etp2_ep2/allgather+distopt"),
-                                  resumed):
-        want = e2e.losses(runs[straight][0])[2:]
+    for per_rank in resumed:
+        want = e2e.losses(runs["tp4_etp2_ep2/alltoall+distopt"][0])[2:]
         for rank in per_rank:
             assert rank["error"] is None, rank["error"]
             assert e2e.max_abs_diff(want, e2e.losses(rank)) <= LOSS_TOL, \
@@ -184,7 +170,7 @@ def test_both_formats_convert_to_one_rank_with_the_same_weights(runs, tmp_path):
     from tools.checkpoint import convert
 
     flat = {}
-    for source, fmt in (("dist_tp1", "torch_dist"), ("torch", "torch")):
+    for source, fmt in (("dist_tp1", "torch_dist"), ("torch_distopt", "torch")):
         assert convert.main(["--model-type", "GPT", "--source-ckpt-format", fmt,
                              "--load-dir", str(runs["save"][source] / "iter_0000002"),
                              "--save-dir", str(tmp_path / source)]) == 0
@@ -193,9 +179,9 @@ def test_both_formats_convert_to_one_rank_with_the_same_weights(runs, tmp_path):
         assert sd["iteration"] == 2
         assert sd["args"].expert_tensor_parallel_size == 1
         flat[source] = dict(_leaves(sd["model"]))
-    assert set(flat["dist_tp1"]) == set(flat["torch"])
-    assert any(".local_experts.3." in key for key in flat["torch"])
-    assert e2e.max_param_diff(flat["dist_tp1"], flat["torch"]) <= 1e-5
+    assert set(flat["dist_tp1"]) == set(flat["torch_distopt"])
+    assert any(".local_experts.3." in key for key in flat["torch_distopt"])
+    assert e2e.max_param_diff(flat["dist_tp1"], flat["torch_distopt"]) <= 1e-5
 
 
 def _leaves(tree, prefix=""):
