@@ -3,6 +3,7 @@
     python -m tests.fuzz --draws 20 --seed 7            # 20 random valid configurations
     python -m tests.fuzz --draws 200 --seed 7 --first-draw 120   # the same draws, from 120 on
     python -m tests.fuzz --config '{"family": ...}'     # replay one (as a failure prints it)
+    python -m tests.fuzz --draws 20 --seed 7 --fix '{"num_experts": 4}'   # MoE models only
 
 Exits 1 when a configuration fails (after printing its reproducer and minimized form), 0 when
 every one equals one process.
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="largest world (gloo ranks on this machine) a draw may need")
     parser.add_argument("--config", default=None,
                         help="run this one configuration (JSON, as a failure prints it)")
+    parser.add_argument("--fix", default=None, metavar="JSON",
+                        help="dimensions every draw keeps, e.g. '{\"num_experts\": 4}' for "
+                             "mixture-of-experts models only")
     parser.add_argument("--no-minimize", action="store_true",
                         help="report failures without minimizing them")
     parser.add_argument("--list", action="store_true",
@@ -82,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"validation refuses this configuration: {error}")
             return 2
     else:
+        fixed = json.loads(opts.fix) if opts.fix else None
+        unknown = sorted(set(fixed or {}) - set(space.BY_NAME))
+        if unknown:
+            print(f"--fix: no such dimension {unknown} (the dimensions: "
+                  f"{', '.join(space.BY_NAME)})")
+            return 2
         configs = space.draw(opts.seed, opts.draws, data, str(workdir / "validation"),
-                             opts.max_world, log)
+                             opts.max_world, log, fixed)
     print(f"{len(configs)} configurations ({len(log.refusals)} refused by validation, "
           f"{log.over_budget} over {opts.max_world} ranks, redrawn)")
     if opts.list:

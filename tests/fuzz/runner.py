@@ -140,14 +140,17 @@ def _loss_ranks(ranks: list[dict]) -> list[dict]:
 def _canonical(params: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
     """The TP-gathered parameters in the one-process layout: SwiGLU's fc1 gathers as
     [gate_0; up_0; gate_1; up_1] (Megatron's per-rank [gate_r; up_r]), one process holds
-    [gate; up]; the same for every expert's and the shared expert's fc1."""
-    if cfg["family"] != "llama" or cfg["tp"] == 1:
+    [gate; up]; the same for the shared expert's fc1 (split over TP) and every routed
+    expert's (split over the expert tensor-parallel size)."""
+    if cfg["family"] != "llama":
         return params
+    expert_tp = cfg.get("etp") or cfg["tp"]
     out = dict(params)
     for name, value in params.items():
-        if ".mlp." in name and (name.endswith("dense_h_to_4h.weight")
-                                or name.endswith("dense_h_to_4h.bias")):
-            halves = [chunk.chunk(2) for chunk in value.chunk(cfg["tp"])]
+        parts = expert_tp if ".local_experts." in name else cfg["tp"]
+        if parts > 1 and ".mlp." in name and (name.endswith("dense_h_to_4h.weight")
+                                              or name.endswith("dense_h_to_4h.bias")):
+            halves = [chunk.chunk(2) for chunk in value.chunk(parts)]
             out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return out
 
@@ -245,6 +248,7 @@ def describe(cfg: Config) -> str:
                      f"tp{layout['tp']}pp{layout['pp']}dp{layout['dp']}"
                      + (f"cp{layout['cp']}" if layout.get("cp", 1) > 1 else "")
                      + (f"ep{layout['ep']}" if layout.get("ep", 1) > 1 else "")
+                     + (f"etp{layout['etp']}" if layout.get("etp") is not None else "")
                      + (f"v{layout['layers_per_virtual_stage']}"
                         if layout["layers_per_virtual_stage"] else "")
                      + ("+distopt" if layout["distributed_optimizer"] else ""))
@@ -378,8 +382,11 @@ class Fuzzer:
                 "--save-dir", str(target), "--keep-optimizer-state",
                 "--target-tensor-parallel-size", str(layout["tp"]),
                 "--target-pipeline-parallel-size", str(layout["pp"]),
+                "--target-expert-parallel-size", str(layout.get("ep", 1)),
                 "--target-use-distributed-optimizer" if layout["distributed_optimizer"]
                 else "--no-target-use-distributed-optimizer"]
+        if layout.get("etp") is not None:
+            argv += ["--target-expert-tensor-parallel-size", str(layout["etp"])]
         if layout["layers_per_virtual_stage"] is not None:
             argv += ["--target-num-layers-per-virtual-pipeline-stage",
                      str(layout["layers_per_virtual_stage"])]

@@ -130,6 +130,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
               lambda v, c: ["--cp-comm-type", v] if c["cp"] > 1 else []),
     # Expert parallelism splits the experts over DP (x CP) ranks: not in world_size.
     Dimension("ep", (1, 2, 4), _sized_moe("--expert-model-parallel-size"), weights=(3, 2, 1)),
+    # The experts' own tensor-parallel split (parallel folding); None: TP's.
+    Dimension("etp", (None, 1, 2), _sized("--expert-tensor-parallel-size"), weights=(4, 1, 1)),
     Dimension("moe_dispatcher", ("allgather", "alltoall"),
               lambda v, c: ["--moe-token-dispatcher-type", v] if c["num_experts"] else []),
     Dimension("layers_per_virtual_stage", (None, 1, 2),
@@ -326,7 +328,7 @@ def classify_refusal(message: str) -> str | None:
 
 # A dimension whose value has no effect unless another is off its baseline: (it, the other).
 _IDLE_UNLESS = (("cp_comm_type", "cp"), ("moe_topk", "num_experts"),
-                ("moe_dispatcher", "num_experts"))
+                ("moe_dispatcher", "num_experts"), ("etp", "num_experts"))
 
 
 def without_idle_choices(cfg: Config) -> Config:
@@ -337,17 +339,16 @@ def without_idle_choices(cfg: Config) -> Config:
     for name, parent in _IDLE_UNLESS:
         if out.get(parent) == BY_NAME[parent].values[0]:
             out[name] = BY_NAME[name].values[0]
+    if out.get("etp") == out.get("tp"):
+        out["etp"] = None  # the default expert split is TP's
     return out
 
 
 def converter_limit(cfg: Config, layout: Config) -> str | None:
-    """Why the resume cannot go through tools/checkpoint/convert.py (None: it can): the tool
-    converts the torch format over TP / PP / virtual stages / the distributed optimizer and
-    refuses an expert-parallel checkpoint by name (torch_dist needs no conversion)."""
-    if cfg["ckpt_format"] != "torch":
-        return None
-    if cfg["num_experts"] and (cfg["ep"] > 1 or layout["ep"] > 1):
-        return "the legacy converter does not convert expert-parallel checkpoints"
+    """Why the resume cannot go through tools/checkpoint/convert.py (None: it can). The tool
+    converts the torch format over TP / PP / virtual stages / EP / ETP / the distributed
+    optimizer (torch_dist needs no conversion); the layouts the torch format cannot name are
+    refused by validation, at the save and at the resume."""
     return None
 
 
@@ -396,7 +397,7 @@ def draw_resume_layout(rng: random.Random, cfg: Config, data: dict[str, str], sa
         layout = {name: candidate[name] for name in LAYOUT}
         if world_size(candidate) != world_size(cfg):
             continue
-        if all(layout[n] == cfg[n] for n in ("tp", "pp", "dp", "cp", "ep",
+        if all(layout[n] == cfg[n] for n in ("tp", "pp", "dp", "cp", "ep", "etp",
                                              "layers_per_virtual_stage")):
             continue  # the same split: not "another layout"
         if converter_limit(cfg, layout) is not None:

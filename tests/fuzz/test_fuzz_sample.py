@@ -14,11 +14,11 @@ import pytest
 
 from tests.fuzz import runner, space
 
-# Seed 20's three draws: CP=2; a Llama-style MoE model at TP=2 x PP=2 with virtual stages;
-# a TP=4 run converted by tools/checkpoint/convert.py and resumed at TP=2 x CP=2. (Seeds whose
-# sample puts experts under context parallelism fail until MoE x CP equals one process:
-# docs/benchmarks.md, layout fuzzer.)
-SEED, SAMPLE_DRAWS, MAX_WORLD = 20, 3, 4
+# Seed 61's three draws, each resumed at another layout: a Llama-style model at TP=2 converted
+# by tools/checkpoint/convert.py to PP=2 with the distributed optimizer; an MoE model at DP=4
+# converted to DP=2 x CP=2 x EP=2 (the experts re-split); TP=2 x CP=2 in torch_dist resumed at
+# PP=2 x DP=2.
+SEED, SAMPLE_DRAWS, MAX_WORLD = 61, 3, 4
 # Compiled layers cost a minute of inductor compilation per world on two cores: the CI sample
 # leaves them to tests/training/test_compile_layers.py and the longer runs by hand.
 FIXED = {"compile_layers": False}
