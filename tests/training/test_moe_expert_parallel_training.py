@@ -142,8 +142,6 @@ def _validate(extra: list[str], world: int):
 
 
 @pytest.mark.parametrize("extra,world,named", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--context-parallel-size", "2"], 8, "--context-parallel-size"),
     (["--DDP-impl", "torch"], 2, "--DDP-impl local"),
     (["--num-experts", "3", "--moe-router-topk", "2"], 2, "--num-experts (3)"),
 ])
