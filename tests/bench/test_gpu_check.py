@@ -43,17 +43,22 @@ def test_a_cpu_smoke_run_generates_its_data_and_skips_gpu_only_stages(tmp_path):
     assert "| data | 0 |" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_the_llama_speed_sides_train_the_same_model(tmp_path):
-    """speed-llama's sides at the smoke shape: ours and transformers' LlamaForCausalLM have the
-    same parameter count (the same shape), and a GPT side is refused for a Llama shape."""
-    pytest.importorskip("transformers")
-    result = tmp_path / "llama.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
+def _hf_and_ours(shape: str, tmp_path: Path) -> dict:
+    """gpu_speed.py's hf and ours sides at ``shape``, one step each: their results."""
+    result = tmp_path / f"{shape}.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", shape,
                            "--sides", "hf,ours", "--steps", "1", "--warmup", "1", "--json",
                            str(result)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    sides = json.loads(result.read_text())["results"]
+    return json.loads(result.read_text())["results"]
+
+
+def test_the_llama_speed_sides_train_the_same_model(tmp_path):
+    """speed-llama's sides at the smoke shape: ours and transformers' LlamaForCausalLM have the
+    same parameter count (the same shape), and a GPT side is refused for a Llama shape."""
+    pytest.importorskip("transformers")
+    sides = _hf_and_ours("llama-small", tmp_path)
     assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 13_247_104
     assert all(side["ms"] > 0 for side in sides.values())
     refused = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "llama-small",
@@ -65,13 +70,7 @@ def test_the_mixtral_speed_sides_train_the_same_moe_model(tmp_path):
     """speed-moe's sides at the smoke shape: ours and transformers' MixtralForCausalLM have the
     same parameter count, and the MFU counts a token's two experts on both."""
     pytest.importorskip("transformers")
-    result = tmp_path / "mixtral.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_speed.py", "--shape", "mixtral-tiny",
-                           "--sides", "hf,ours", "--steps", "1", "--warmup", "1", "--json",
-                           str(result)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sides = json.loads(result.read_text())["results"]
+    sides = _hf_and_ours("mixtral-tiny", tmp_path)
     assert sides["ours"]["n_params"] == sides["hf"]["n_params"] == 6_660_928
     # 2 of 4 experts: each layer drops 2 x 3 x 64 x 128 expert weights.
     assert sides["ours"]["active_params"] == sides["hf"]["active_params"] == \
