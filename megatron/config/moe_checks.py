@@ -4,20 +4,30 @@
 
 from __future__ import annotations
 
+import warnings
+
 _AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
 def derive_moe(cfg) -> None:
     """Megatron-LM's defaults: --num-experts 0 means none; --moe-ffn-hidden-size defaults to
-    --ffn-hidden-size; --expert-tensor-parallel-size to the TP size; a negative capacity
-    factor means dropless."""
+    --ffn-hidden-size; --expert-tensor-parallel-size to the TP size (and is the TP size in a
+    dense model, with a warning when given otherwise); a negative capacity factor means
+    dropless."""
     m, par = cfg.model, cfg.parallel
     if m.num_experts == 0:
         m.num_experts = None
     if m.num_experts is not None and m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
-    if par.expert_tensor_parallel_size is None:
-        par.expert_tensor_parallel_size = par.tensor_model_parallel_size
+    tp, etp = par.tensor_model_parallel_size, par.expert_tensor_parallel_size
+    if m.num_experts is None and etp is not None and etp != tp:
+        # The expert grid would be built for no expert, and its writers would then decide
+        # which ranks save a dense model's files.
+        warnings.warn(f"--expert-tensor-parallel-size {etp} is ignored without --num-experts "
+                      "(a dense model has no experts)", stacklevel=3)
+        etp = None
+    if etp is None:
+        par.expert_tensor_parallel_size = tp
     if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor < 0:
         m.moe_expert_capacity_factor = None
 

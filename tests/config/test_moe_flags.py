@@ -197,6 +197,14 @@ def test_expert_parallel_without_experts(capsys):
     assert "--num-experts" in capsys.readouterr().err
 
 
+def test_expert_tensor_parallel_size_of_a_dense_model_is_ignored():
+    """A dense model builds no expert grid (its writers would decide which ranks save)."""
+    with pytest.warns(UserWarning, match="--expert-tensor-parallel-size 1 is ignored"):
+        cfg = parse_args(BASE + ["--tensor-model-parallel-size", "2",
+                                 "--expert-tensor-parallel-size", "1"], world_size=2)
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+
+
 @pytest.mark.parametrize("extra,world", [
     ("--context-parallel-size 2 --attention-dropout 0", 2),
     ("--context-parallel-size 2 --attention-dropout 0", 4),
