@@ -674,7 +674,8 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
         if ours:
             # Every rank reads the gathered state and keeps its own shard (re-sharding when the
             # data-parallel size differs from the one that saved it).
-            optimizer.load_parameter_state(_distrib_state(distrib_file, name, cfg, unverified))
+            optimizer.load_parameter_state(_distrib_state(
+                distrib_file, name, cfg, unverified, optimizer.has_expert_buffers))
     except (KeyError, ValueError, RuntimeError, TypeError) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -687,13 +688,14 @@ def _load_optimizer(optimizer, scheduler, sd: dict, cfg, name: Path,
             scheduler.load_state_dict(sd[key])
 
 
-def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path]):
+def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path],
+                   has_experts: bool):
     """This rank's ``distrib_optim.pt`` (beside its experts' file ``name``); on the expert grid
     the ``[dense, expert]`` parts the optimizer loads: the dense one from the file of this TP
-    rank's data-parallel rank 0 (only that one holds it: EP rank TP rank // ETP's)."""
-    own = _read_verified(distrib_file, cfg, unverified)
-    if not parallel_state.has_expert_grid() or not isinstance(own, list):
-        return own
+    rank's data-parallel rank 0 (only that one holds it: EP rank TP rank // ETP's), and on a
+    pipeline stage without MoE layers (``has_experts`` False) that file's dense dict alone."""
+    if not parallel_state.has_expert_grid():
+        return _read_verified(distrib_file, cfg, unverified)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dense_ep = dense_expert_rank(tp_rank, parallel_state.get_tensor_model_parallel_world_size(),
                                  cfg.parallel.expert_tensor_parallel_size)
@@ -701,8 +703,12 @@ def _distrib_state(distrib_file: Path, name: Path, cfg, unverified: list[Path]):
         tp_rank, parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size() > 1, dense_ep, True) \
         / DISTRIB_OPTIM_FILENAME
-    dense = own if first == distrib_file else _read_verified(first, cfg, unverified)
-    if not isinstance(dense, list) or len(dense) != 2 or len(own) != 2:
+    dense = _read_verified(first, cfg, unverified)
+    if not has_experts:
+        return dense
+    own = dense if first == distrib_file else _read_verified(distrib_file, cfg, unverified)
+    if not isinstance(dense, list) or not isinstance(own, list) or len(dense) != 2 or \
+            len(own) != 2:
         raise CheckpointError(f"{first} / {distrib_file}: not the [dense, expert] lists of an "
                               "expert-parallel distributed optimizer checkpoint")
     return [dense[0], own[1]]

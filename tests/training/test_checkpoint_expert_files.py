@@ -97,3 +97,34 @@ def test_tp2_etp1_ep3_resumes_exactly(six_ranks, kind):
         assert len(second["history"]) == 1 and second["iteration"] == 3
         assert e2e.max_abs_diff(e2e.losses(first)[2:], e2e.losses(second)) <= 1e-6
         assert e2e.max_param_diff(first["params"], second["params"]) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def dense_stage(tmp_path_factory):
+    """PP=2 x EP=2 with the distributed optimizer, MoE layers on the first stage only
+    (``--moe-layer-freq [1,1,0,0]``): the second stage's ranks have no expert state."""
+    from tests.training import e2e
+    from tests.training.test_moe_expert_tensor_parallel_folding import BIASED
+
+    flags = list(BIASED)
+    flags[flags.index("--num-layers") + 1] = "4"
+    flags += ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+              "--moe-layer-freq", "[1,1,0,0]", "--use-distributed-optimizer"]
+    save = tmp_path_factory.mktemp("dense_stage")
+    return e2e.pooled(4, [
+        {"argv": [*flags, "--save", str(save), "--save-interval", "2"], "params": True},
+        {"argv": [*flags, "--load", str(save), "--ckpt-step", "2"], "params": True}])
+
+
+def test_a_stage_without_moe_layers_resumes_its_dense_optimizer_state(dense_stage):
+    """The second stage's EP rank 1 reads the dense distrib_optim.pt of its TP rank's
+    data-parallel rank 0 (EP rank 0's directory), not its own directory's (none there)."""
+    from tests.training import e2e
+
+    straight, resumed = dense_stage
+    for first, second in zip(straight, resumed):
+        assert second["error"] is None, second["error"]
+        assert second["iteration"] == first["iteration"]
+        if "lm loss" in first["history"][0]:  # the last stage's ranks
+            assert e2e.max_abs_diff(e2e.losses(first)[2:], e2e.losses(second)) <= 1e-6
+        assert e2e.max_param_diff(first["params"], second["params"]) <= 1e-6

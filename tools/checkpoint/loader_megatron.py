@@ -280,13 +280,14 @@ class MegatronCheckpoint(ModelDescription):
         0, the expert state from its own)."""
         pipeline_rank = self._open_pipeline_rank
         path = self.expert_files[(tp_rank, pipeline_rank, ep_rank)]
-        own = self._read(path.with_name(DISTRIB_OPTIM_FILENAME))
         if self.ep == 1:
-            return own
+            return self._read(path.with_name(DISTRIB_OPTIM_FILENAME))
         dense_ep = dense_expert_rank(tp_rank, self.tp, self.etp)
-        dense = own if ep_rank == dense_ep else self._read(
-            self.expert_files[(tp_rank, pipeline_rank, dense_ep)].with_name(
-                DISTRIB_OPTIM_FILENAME))
+        dense = self._read(self.expert_files[(tp_rank, pipeline_rank, dense_ep)].with_name(
+            DISTRIB_OPTIM_FILENAME))
+        if not isinstance(dense, list):
+            return dense  # a pipeline stage without MoE layers: its dense state alone
+        own = dense if ep_rank == dense_ep else self._read(path.with_name(DISTRIB_OPTIM_FILENAME))
         return optimizer_state.expert_parallel_distrib(dense, own, path)
 
     def _known(self, flat: dict, chunk, path: Path) -> dict[str, torch.Tensor]:
