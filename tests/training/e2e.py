@@ -325,6 +325,10 @@ def _forget_compiled_code() -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+    # The MoE loss tracker is per process too: an earlier run's [num_layers] entries would
+    # meet this run's other sizes in the pipeline all-reduce of a stage without MoE layers.
+    from megatron.core.transformer.moe import metrics
+    metrics.clear()
 
 
 def _one_run(run: dict, expect_error: tuple[type, ...]) -> dict[str, Any]:
